@@ -1,0 +1,194 @@
+"""The aiohttp applications and the process around them.
+
+Owns: `create_app(config)` (the proxy) and `create_admin_app()` (/metrics, /healthz, /readyz),
+one cleanup context per resource (upstream session, ledger, tracer, NVML poller, audit writer),
+signal handling (SIGTERM drains in-flight requests within a grace period, SIGHUP re-reads prices).
+Never: pairs on_startup with on_cleanup; every resource is created before `yield`, closed after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import exposition
+from prometheus_client.openmetrics import exposition as om_exposition
+
+from .config import Config, parse_hostport
+from .meter import Meter
+from .metrics import LabelCap, Metrics
+from .pricing import PriceBook, load_pricing_file
+from .proxy import Proxy, ProxySettings, TgiModelName
+
+log = logging.getLogger("tollbooth")
+
+Ctx = Callable[[web.Application], AsyncIterator[None]]
+
+
+@dataclass
+class Sidecar:
+    """The process's shared state, reachable from both applications."""
+
+    config: Config
+    metrics: Metrics = field(default_factory=Metrics)
+    pricing_path: str | None = None
+    draining: bool = False
+    proxy: Proxy | None = None
+    extra_contexts: list[Ctx] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        pricing = self.config.pricing
+        if self.pricing_path:
+            pricing = load_pricing_file(self.pricing_path)
+        self.prices = PriceBook(pricing)
+        self.meter = Meter(self.metrics, self.prices)
+        self.users = LabelCap(self.config.metering.max_tracked_users)
+        self.models = LabelCap(self.config.metering.max_tracked_models, max_len=128)
+        _init_label_sets(self)
+
+    def reload_prices(self) -> None:
+        if not self.pricing_path:
+            log.info("SIGHUP: no --pricing file given; prices unchanged")
+            return
+        try:
+            self.prices.replace(load_pricing_file(self.pricing_path))
+            _init_label_sets(self)
+            log.info("SIGHUP: prices re-read from %s", self.pricing_path)
+        except Exception as exc:  # keep the old prices rather than lose accounting
+            log.error("SIGHUP: prices not changed: %s", exc)
+
+
+def _init_label_sets(sc: Sidecar) -> None:
+    """Known models get their series at 0 now, so the first request is not lost to increase()."""
+    from .usage import Endpoint
+
+    for model in sc.prices.config.models:
+        label = sc.models(model)
+        for ep in Endpoint:
+            sc.metrics.request_cost.labels(label, ep.value)
+        for kind in ("input", "output"):
+            sc.metrics.cost.labels(label, kind, "/v1/chat/completions", "anonymous")
+
+
+SIDECAR = web.AppKey("sidecar", Sidecar)
+
+
+def create_app(sidecar: Sidecar | Config) -> web.Application:
+    sc = sidecar if isinstance(sidecar, Sidecar) else Sidecar(sidecar)
+    app = web.Application(client_max_size=sc.config.server.max_request_body_bytes)
+    app[SIDECAR] = sc
+    app.cleanup_ctx.append(_proxy_ctx)
+    for ctx in sc.extra_contexts:
+        app.cleanup_ctx.append(ctx)
+    app.router.add_route("*", "/{tail:.*}", _handle)
+    return app
+
+
+async def _handle(request: web.Request) -> web.StreamResponse:
+    proxy = request.app[SIDECAR].proxy
+    assert proxy is not None
+    return await proxy.handle(request)
+
+
+async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
+    sc = app[SIDECAR]
+    up = sc.config.upstream
+    connector = aiohttp.TCPConnector(limit=up.max_connections, ttl_dns_cache=300)
+    # auto_decompress off: the client gets the upstream's bytes, compressed or not.
+    session = aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+    )
+    base = up.url.rstrip("/")
+    settings = ProxySettings(
+        upstream=base,
+        user_header=sc.config.metering.user_header,
+        inject_usage=sc.config.metering.inject_stream_usage,
+        max_body=sc.config.server.max_request_body_bytes,
+        connect_timeout=up.connect_timeout_s,
+        read_timeout=up.read_timeout_s,
+    )
+    tgi = TgiModelName(session, base, up.model_name)
+    sc.proxy = Proxy(settings, session, sc.metrics, sc.meter, sc.users, sc.models, tgi)
+    yield
+    await session.close()
+
+
+# --- admin ----------------------------------------------------------------------------------------
+
+
+def create_admin_app(sc: Sidecar) -> web.Application:
+    app = web.Application()
+    app[SIDECAR] = sc
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[SIDECAR].metrics.registry
+    accept = request.headers.get("Accept", "")
+    if "application/openmetrics-text" in accept:
+        # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).
+        body = om_exposition.generate_latest(registry)
+        ctype = om_exposition.CONTENT_TYPE_LATEST
+    else:
+        body = exposition.generate_latest(registry)
+        ctype = exposition.CONTENT_TYPE_LATEST
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = ctype
+    return resp
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    sc = request.app[SIDECAR]
+    if sc.draining or sc.proxy is None:
+        return web.json_response({"status": "draining" if sc.draining else "starting"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+# --- the process ----------------------------------------------------------------------------------
+
+
+async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None:
+    """Run the proxy and admin listeners until SIGTERM/SIGINT; drain, then close resources."""
+    cfg = sc.config.server
+    grace = cfg.shutdown_grace_s
+    proxy_runner = web.AppRunner(
+        create_app(sc), handler_cancellation=True, shutdown_timeout=grace, access_log=None
+    )
+    admin_runner = web.AppRunner(create_admin_app(sc), access_log=None)
+    await proxy_runner.setup()
+    await admin_runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        loop.add_signal_handler(signal.SIGHUP, sc.reload_prices)
+    try:
+        host, port = parse_hostport("server.listen", cfg.listen)
+        await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()
+        ahost, aport = parse_hostport("server.admin_listen", cfg.admin_listen)
+        await web.TCPSite(admin_runner, ahost, aport, reuse_address=True).start()
+        log.info("tollbooth listening on %s, admin on %s, upstream %s",
+                 cfg.listen, cfg.admin_listen, sc.config.upstream.url)
+        if ready:
+            ready()
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests (grace %.0fs)", grace)
+        sc.draining = True
+    finally:
+        await proxy_runner.cleanup()  # stops accepting, waits for handlers up to the grace period
+        await admin_runner.cleanup()
+        log.info("stopped")

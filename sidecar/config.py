@@ -1,0 +1,329 @@
+"""Typed, immutable configuration, read once at start.
+
+Owns: the schema (frozen, keyword-only dataclasses), loading YAML, applying command-line overrides,
+and turning every mistake into one line that names the key, the value and what was expected.
+Never: reads the environment at request time or mutates a config after it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import yaml
+
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line naming the key."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpstreamConfig:
+    url: str = "http://127.0.0.1:8000"
+    # "vllm" or "tgi": the provider name on spans; metering recognises both wire formats anyway.
+    api: Literal["vllm", "tgi"] = "vllm"
+    # Name for TGI's native routes when /info cannot be read.
+    model_name: str | None = None
+    connect_timeout_s: float = 5.0
+    # Longest silence between two reads of the upstream response (a slow prefill counts here).
+    read_timeout_s: float = 600.0
+    max_connections: int = 1000
+    # Ask the upstream's own /tokenize (off the hot path) when a stream reports no prompt size.
+    tokenize_fallback: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:8080"
+    admin_listen: str = "127.0.0.1:9464"
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    shutdown_grace_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeteringConfig:
+    user_header: str = "X-Tollbooth-User"
+    max_tracked_users: int = 500
+    # Model names come from clients too (a typo is a new name): bound them like users.
+    max_tracked_models: int = 100
+    # Ask streaming chat/completions for usage and strip the extra chunk before the client sees it.
+    inject_stream_usage: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelPrice:
+    input_per_1m: float
+    output_per_1m: float
+    cached_input_per_1m: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PricingConfig:
+    models: dict[str, ModelPrice] = dataclasses.field(default_factory=dict)
+    default: ModelPrice | None = None
+    gpu_hour_usd: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LedgerConfig:
+    path: str | None = None
+    flush_interval_s: float = 0.25
+    retention_days: int = 90
+    max_pending_rows: int = 100_000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetConfig:
+    global_daily_usd: float | None = None
+    user_daily_usd: float | None = None
+    users: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    strategy: Literal["none", "serial", "fixed-batch", "token-budget"] = "none"
+    token_budget: int = 32768
+    max_batch: int = 8
+    batch_window_s: float = 0.05
+    max_queue_length: int = 1024
+    max_queue_wait_s: float = 60.0
+    chars_per_token: float = 4.0
+    default_max_tokens: int = 256
+    # Let a small request pass a large one waiting at the head. Off: strict FIFO, no starvation.
+    allow_overtake: bool = False
+    # Use the upstream's /tokenize for the prompt size instead of the bytes estimate.
+    tokenize: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuConfig:
+    enabled: bool = True
+    poll_interval_s: float = 1.0
+    # Indices ("0") or UUIDs ("GPU-..."); empty: every visible GPU.
+    devices: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TracingConfig:
+    # Export only when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set, or when this is true.
+    enabled: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    level: str = "INFO"
+    format: Literal["json", "text"] = "json"
+    # "stdout", "stderr", a file path, or "off".
+    access_log: str = "stdout"
+    # Fraction of successful requests logged; errors and audited requests are always logged.
+    sample_success: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    enabled: bool = True
+    # Defaults come from sidecar.thresholds (the same numbers the alerts use) when left null.
+    input_cost_usd: float | None = None
+    total_cost_usd: float | None = None
+    capture_text: bool = False
+    max_text_chars: int = 4096
+    sink: Literal["jsonl", "ledger"] = "jsonl"
+    path: str = "tollbooth-audit.jsonl"
+    max_bytes: int = 50 * 1024 * 1024
+    backups: int = 5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    upstream: UpstreamConfig = dataclasses.field(default_factory=UpstreamConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    metering: MeteringConfig = dataclasses.field(default_factory=MeteringConfig)
+    pricing: PricingConfig = dataclasses.field(default_factory=PricingConfig)
+    ledger: LedgerConfig = dataclasses.field(default_factory=LedgerConfig)
+    budgets: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
+    gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
+    tracing: TracingConfig = dataclasses.field(default_factory=TracingConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    audit: AuditConfig = dataclasses.field(default_factory=AuditConfig)
+
+
+# --- building dataclasses from plain data, with errors that name the key -------------------------
+
+
+def _fail(key: str, value: object, expected: str) -> typing.NoReturn:
+    shown = repr(value) if not isinstance(value, str) else f"'{value}'"
+    raise ConfigError(f"config '{key}' has value {shown}: {expected}")
+
+
+def _convert(key: str, value: object, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _convert(key, value, inner)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            _fail(key, value, "expected one of " + ", ".join(map(str, allowed)))
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            _fail(key, value, "expected a list")
+        (inner, _) = typing.get_args(hint)
+        return tuple(_convert(f"{key}[{i}]", v, inner) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            _fail(key, value, "expected a mapping")
+        _, inner = typing.get_args(hint)
+        return {str(k): _convert(f"{key}.{k}", v, inner) for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, prefix=key)
+    return _scalar(key, value, hint)
+
+
+def _scalar(key: str, value: object, hint: Any) -> Any:
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "not a boolean (true or false)")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "not an integer")
+        if value < 0:
+            _fail(key, value, "must not be negative")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            _fail(key, value, "not a number")
+        if value < 0:
+            _fail(key, value, "must not be negative")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(key, value, "not a string")
+        return value
+    raise TypeError(f"unsupported config type {hint!r} at {key}")
+
+
+def build(cls: type[T], data: object, *, prefix: str = "") -> T:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    where = prefix or "<root>"
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        _fail(where, data, "expected a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for k in data:
+        if k not in names:
+            raise ConfigError(
+                f"config '{_join(prefix, str(k))}' is not a known key "
+                f"(known: {', '.join(sorted(names))})"
+            )
+    kwargs = {k: _convert(_join(prefix, k), v, hints[k]) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ConfigError(f"config '{_join(prefix, missing[0])}' is required") from exc
+        raise
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+# --- semantic checks ------------------------------------------------------------------------------
+
+
+def parse_hostport(key: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        _fail(key, value, "expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _check_url(key: str, value: str) -> None:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        _fail(key, value, "expected an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        _fail(key, value, "the port is not a number in 0-65535")
+    if parts.query or parts.fragment:
+        _fail(key, value, "the upstream URL must not carry a query or fragment")
+
+
+def validate(config: Config) -> Config:
+    _check_url("upstream.url", config.upstream.url)
+    parse_hostport("server.listen", config.server.listen)
+    parse_hostport("server.admin_listen", config.server.admin_listen)
+    if config.admission.chars_per_token <= 0:
+        _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
+    if config.admission.max_batch < 1:
+        _fail("admission.max_batch", config.admission.max_batch, "must be >= 1")
+    if not 0.0 <= config.logging.sample_success <= 1.0:
+        _fail("logging.sample_success", config.logging.sample_success, "must be in [0, 1]")
+    if config.metering.max_tracked_users < 1:
+        _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
+    if not config.metering.user_header.strip():
+        _fail("metering.user_header", config.metering.user_header, "must not be empty")
+    return config
+
+
+# --- entry points ---------------------------------------------------------------------------------
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    return data
+
+
+def set_path(data: dict[str, Any], dotted: str, value: object) -> None:
+    """Set `a.b.c` in nested dicts, creating levels as needed (for command-line overrides)."""
+    *parents, last = dotted.split(".")
+    node = data
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+
+
+def load(
+    path: str | Path | None = None, overrides: Mapping[str, object] | None = None
+) -> Config:
+    """Read the YAML file (if any), apply dotted-key overrides, validate, freeze."""
+    data = load_yaml(path) if path else {}
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            set_path(data, dotted, value)
+    return validate(build(Config, data))

@@ -1,0 +1,71 @@
+"""Logging, configured in one place: JSON lines (or text), trace-correlated.
+
+Owns: the formatter, the per-request context (request, trace and span ids) that every log line
+made inside a request carries, and `setup()`. Never: prints, or logs a prompt, completion or key.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+# Set by the proxy for the duration of a request; read by the formatter.
+REQUEST_CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "tollbooth_request_context", default=None
+)
+
+_STD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": _iso(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        ctx = REQUEST_CONTEXT.get()
+        if ctx:
+            out.update(ctx)
+        for key, value in record.__dict__.items():
+            if key not in _STD_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{_iso(record.created)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        extras = {k: v for k, v in record.__dict__.items() if k not in _STD_ATTRS}
+        ctx = REQUEST_CONTEXT.get() or {}
+        pairs = " ".join(f"{k}={v}" for k, v in {**ctx, **extras}.items() if v is not None)
+        if pairs:
+            line += " " + pairs
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def formatter(fmt: str) -> logging.Formatter:
+    return JsonFormatter() if fmt == "json" else TextFormatter()
+
+
+def setup(level: str = "INFO", fmt: str = "json") -> None:
+    """Root logging to stderr in the chosen format. Called once by the CLI."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,165 @@
+"""The record of one proxied request, and what happens to it once it is finished.
+
+Owns: the `Exchange` (everything measured about a request), and `Meter.record()`, which turns it
+into metrics, cost, spend and sinks (ledger, access log, audit, GPU attribution).
+Never: raises into the proxy. Any failure here is logged and counted in
+`tollbooth_metering_errors_total{stage}`; the client's response is already decided.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .metrics import Metrics
+from .pricing import Cost, PriceBook
+from .usage import Endpoint, RequestInfo, Usage
+
+log = logging.getLogger("tollbooth.meter")
+
+STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Mutable while the request runs; read-only once handed to `Meter.record`."""
+
+    request_id: str
+    endpoint: Endpoint
+    info: RequestInfo
+    user: str  # label value (sanitised, capped)
+    model: str  # label value chosen at start; replaced by the response's model when known
+    started_at: float = field(default_factory=time.time)  # wall clock, for the ledger
+    t0: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    queue_s: float | None = None
+    upstream_start: float | None = None
+    first_token_at: float | None = None
+    duration_s: float | None = None
+    usage: Usage = field(default_factory=Usage)
+    cost: Cost | None = None
+    cost_unknown_reason: str | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    error: str | None = None  # why the request failed, when it did
+    trace_id: str | None = None
+    span_id: str | None = None
+    upstream: str = ""
+    device_seconds: float | None = None
+    energy_j: float | None = None
+    audited: bool = False
+    request_headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_at is None or self.upstream_start is None:
+            return None
+        return self.first_token_at - self.upstream_start
+
+    @property
+    def status_label(self) -> str:
+        """The HTTP status, or `stream_error` when a 2xx response failed inside its body."""
+        if 200 <= self.status < 300 and self.error is not None:
+            return "stream_error"
+        return str(self.status)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.status >= 400 or self.status == 0
+
+    def finish(self) -> None:
+        self.duration_s = time.perf_counter() - self.t0
+
+
+Sink = Callable[[Exchange], None]
+
+
+class Meter:
+    def __init__(self, metrics: Metrics, prices: PriceBook) -> None:
+        self.metrics = metrics
+        self.prices = prices
+        self._sinks: list[tuple[str, Sink]] = []
+
+    def add_sink(self, stage: str, sink: Sink) -> None:
+        """Sinks run in order after metrics and cost; each is isolated from the others' failures."""
+        self._sinks.append((stage, sink))
+
+    def record(self, ex: Exchange) -> None:
+        self._guard("metrics", self._count, ex)
+        self._guard("cost", self._price, ex)
+        for stage, sink in self._sinks:
+            self._guard(stage, sink, ex)
+
+    def _guard(self, stage: str, fn: Sink, ex: Exchange) -> None:
+        try:
+            fn(ex)
+        except Exception:
+            log.exception("metering stage %s failed for request %s", stage, ex.request_id)
+            try:
+                self.metrics.metering_errors.labels(stage).inc()
+            except Exception:  # pragma: no cover - the registry itself is broken
+                pass
+
+    def _count(self, ex: Exchange) -> None:
+        m, ep, u = self.metrics, ex.endpoint.value, ex.usage
+        m.requests.labels(ex.model, ep, ex.status_label).inc()
+        if ex.duration_s is not None:
+            m.duration.labels(ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
+        if (ttft := ex.ttft_s) is not None:
+            m.ttft.labels(ex.model, ep).observe(ttft)
+            out = u.output_tokens
+            if out and out > 1 and ex.duration_s is not None:
+                decode = ex.t0 + ex.duration_s - ex.first_token_at  # type: ignore[operator]
+                m.tpot.labels(ex.model, ep).observe(max(decode, 0.0) / (out - 1))
+        if not self._has_usage(ex):
+            return
+        if u.input_tokens is not None:
+            m.tokens.labels(ex.model, "input", ep, ex.user).inc(u.input_tokens)
+        if u.output_tokens is not None:
+            m.tokens.labels(ex.model, "output", ep, ex.user).inc(u.output_tokens)
+        if u.cached_input_tokens is not None:
+            m.cached_tokens.labels(ex.model, ep, ex.user).inc(u.cached_input_tokens)
+        if u.input_tokens is None or u.output_tokens is None:
+            reason = u.unknown_reason or "unknown"
+            m.usage_unknown.labels(ex.model, ep, reason).inc()
+
+    @staticmethod
+    def _has_usage(ex: Exchange) -> bool:
+        """Is there usage to meter? A refused request (4xx/5xx with no usage) consumed nothing."""
+        u = ex.usage
+        if u.input_tokens is not None or u.output_tokens is not None:
+            return True
+        return 200 <= ex.status < 300 or ex.status == STATUS_CLIENT_CLOSED
+
+    def _price(self, ex: Exchange) -> None:
+        if not self._has_usage(ex):
+            return
+        m, ep, u = self.metrics, ex.endpoint.value, ex.usage
+        cost, reason = self.prices.cost(ex.usage.model or ex.info.model or ex.model, u)
+        price = self.prices.price(ex.usage.model or ex.info.model or ex.model)
+        # Each measured direction is spent even if the other is unknown.
+        if price is not None and cost is None:
+            partial = _partial_cost(self.prices, ex)
+            if partial is not None:
+                m.cost.labels(ex.model, "input", ep, ex.user).inc(partial)
+        if cost is None:
+            ex.cost_unknown_reason = reason
+            m.cost_unknown.labels(ex.model, reason or "unknown").inc()
+            return
+        ex.cost = cost
+        m.cost.labels(ex.model, "input", ep, ex.user).inc(cost.input_usd)
+        m.cost.labels(ex.model, "output", ep, ex.user).inc(cost.output_usd)
+        m.request_cost.labels(ex.model, ep).observe(cost.total_usd, self._exemplar(ex))
+
+    @staticmethod
+    def _exemplar(ex: Exchange) -> dict[str, str] | None:
+        return {"trace_id": ex.trace_id} if ex.trace_id else None
+
+
+def _partial_cost(prices: PriceBook, ex: Exchange) -> float | None:
+    """Input spend when only the input was measured (output unknown)."""
+    if ex.usage.output_tokens is not None:
+        return None
+    return prices.input_cost(ex.usage.model or ex.info.model or ex.model, ex.usage)

@@ -1,0 +1,446 @@
+"""The reverse proxy: every method and path to the one configured upstream, metered on the way.
+
+Owns: forwarding (headers minus hop-by-hop, X-Forwarded-*, bodies streamed), the upstream's
+failures as OpenAI-shaped 502/504 errors, client disconnects, and handing each finished request to
+the meter. The client gets the upstream's bytes; the only changes are listed in docs/traffic.md.
+Never: buffers a stream, blocks the event loop, or lets an accounting failure fail a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter
+from .metrics import LabelCap, Metrics
+from .usage import (
+    Endpoint,
+    RequestInfo,
+    StreamMeter,
+    Usage,
+    classify,
+    inspect_request,
+    usage_from_body,
+)
+
+log = logging.getLogger("tollbooth.proxy")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Trailers", "Transfer-Encoding", "Upgrade", "Proxy-Connection",
+    )
+)
+COST_HEADER = "x-tollbooth-cost-usd"
+# A non-streaming body larger than this is forwarded as a stream and its usage marked unknown.
+MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+class Refusal(Exception):
+    """The sidecar answers the request itself (budget spent, queue full, never fits)."""
+
+    def __init__(self, status: int, err_type: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.err_type, self.retry_after = status, err_type, retry_after
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+
+
+def request_headers(src: Mapping[str, str], *, peer: str | None, scheme: str) -> CIMultiDict[str]:
+    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length."""
+    drop = _connection_listed(src) | HOP_BY_HOP | {"host", "content-length"}
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in src.items():
+        if k.lower() not in drop:
+            out.add(k, v)
+    if peer:
+        prior = src.get("X-Forwarded-For")
+        out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    out["X-Forwarded-Proto"] = src.get("X-Forwarded-Proto", scheme)
+    return out
+
+
+def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
+    drop = _connection_listed(src) | HOP_BY_HOP
+    if drop_length:
+        drop = drop | {"content-length"}
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in src.items():
+        if k.lower() not in drop:
+            out.add(k, v)
+    return out
+
+
+def _connection_listed(headers: Mapping[str, str]) -> set[str]:
+    value = headers.get("Connection", "")
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def error_body(status: int, err_type: str, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": err_type, "code": status}}).encode()
+
+
+def error_response(
+    status: int, err_type: str, message: str, retry_after: float | None = None
+) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return web.Response(
+        status=status, body=error_body(status, err_type, message),
+        content_type="application/json", headers=headers,
+    )
+
+
+def api_key_id(authorization: str | None) -> str | None:
+    """A stable id for an API key: sha256, first 12 hex chars. The key itself never leaves here."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else authorization.strip()
+    if not token:
+        return None
+    return "key-" + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+def resolve_user(headers: Mapping[str, str], info: RequestInfo, user_header: str) -> str:
+    """First that applies: the configured header, the body's `user`, the API key's hash."""
+    return (
+        (headers.get(user_header) or "").strip()
+        or (info.user or "").strip()
+        or api_key_id(headers.get("Authorization"))
+        or "anonymous"
+    )
+
+
+def decoded(body: bytes, encoding: str | None) -> bytes:
+    """A decompressed copy for metering; the client still gets the original bytes."""
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+    if encoding == "deflate":
+        return zlib.decompress(body)
+    return body
+
+
+# --- the upstream's model name for TGI's native routes ---------------------------------------------
+
+
+class TgiModelName:
+    """`model_id` from the upstream's /info, fetched once and again after a failure."""
+
+    RETRY_S = 5.0
+
+    def __init__(self, session: aiohttp.ClientSession, base: str, configured: str | None):
+        self._session, self._base = session, base
+        self._name = configured
+        self._lock = asyncio.Lock()
+        self._failed_at = -1e9
+
+    async def get(self) -> str | None:
+        if self._name or time.monotonic() - self._failed_at < self.RETRY_S:
+            return self._name
+        async with self._lock:
+            if not self._name:
+                await self._fetch()
+        return self._name
+
+    async def _fetch(self) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=2)
+            async with self._session.get(self._base + "/info", timeout=timeout) as r:
+                data = await r.json(content_type=None)
+            name = data.get("model_id") if isinstance(data, dict) else None
+            if isinstance(name, str) and name:
+                self._name = name
+                return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("upstream /info unavailable (%s); TGI model name unknown for now", exc)
+        self._failed_at = time.monotonic()
+
+
+# --- the handler ----------------------------------------------------------------------------------
+
+# Hooks that later stages plug in (budgets, admission, tracing); each may raise Refusal.
+Gate = Callable[[Exchange], Awaitable[Callable[[], None] | None]]
+
+
+@dataclass
+class ProxySettings:
+    upstream: str  # base URL without trailing slash
+    user_header: str
+    inject_usage: bool
+    max_body: int
+    connect_timeout: float
+    read_timeout: float
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        meter: Meter,
+        users: LabelCap,
+        models: LabelCap,
+        tgi_name: TgiModelName,
+    ) -> None:
+        self.s = settings
+        self.session = session
+        self.metrics = metrics
+        self.meter = meter
+        self.users = users
+        self.models = models
+        self.tgi_name = tgi_name
+        self.gates: list[Gate] = []
+        self.on_start: list[Callable[[Exchange], None]] = []  # e.g. open a span, inject traceparent
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
+        )
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        endpoint = classify(request.method, request.path)
+        if endpoint is None:
+            return await self._passthrough(request)
+        if request.content_length is not None and request.content_length > self.s.max_body:
+            return self._too_large()
+        try:
+            body = await _read_limited(request, self.s.max_body)
+        except _TooLarge:
+            return self._too_large()
+        info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
+        user = self.users(resolve_user(request.headers, info, self.s.user_header))
+        model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
+        ex = Exchange(
+            request_id=uuid.uuid4().hex, endpoint=endpoint, info=info, user=user,
+            model=self.models(model or "unknown"), bytes_in=len(body),
+            upstream=self.s.upstream, request_headers=dict(request.headers),
+        )
+        return await self._metered(request, ex)
+
+    async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        in_flight = self.metrics.in_flight.labels(ex.model)
+        in_flight.inc()
+        releases: list[Callable[[], None]] = []
+        try:
+            for gate in self.gates:
+                release = await gate(ex)
+                if release is not None:
+                    releases.append(release)
+            for hook in self.on_start:
+                hook(ex)
+            return await self._exchange(request, ex)
+        except Refusal as r:
+            ex.status, ex.error = r.status, r.err_type
+            return error_response(r.status, r.err_type, str(r), r.retry_after)
+        except asyncio.CancelledError:
+            ex.status = ex.status if ex.status >= 400 else STATUS_CLIENT_CLOSED
+            ex.error = ex.error or "client_disconnected"
+            raise
+        finally:
+            for release in reversed(releases):
+                release()
+            in_flight.dec()
+            ex.finish()
+            self.meter.record(ex)
+
+    async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
+        headers.update(_trace_headers(ex))
+        ex.upstream_start = time.perf_counter()
+        try:
+            async with self.session.request(
+                request.method, self._url(request), headers=headers, data=ex.info.body,
+                allow_redirects=False, timeout=self.timeout,
+            ) as up:
+                ex.status = up.status
+                if up.content_type == "text/event-stream":
+                    return await self._stream(request, ex, up)
+                return await self._buffered(request, ex, up)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return self._upstream_failed(ex, 504, "upstream_timeout", exc)
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(ex, 502, "upstream_unreachable", exc)
+
+    async def _buffered(
+        self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        if up.content_length is not None and up.content_length > MAX_METERED_RESPONSE_BYTES:
+            ex.usage = Usage(unknown_reason="response_too_large")
+            return await self._relay(request, up, ex)
+        body = await up.read()
+        ex.bytes_out = len(body)
+        try:
+            plain = decoded(body, up.headers.get("Content-Encoding"))
+            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers))
+        except Exception:
+            log.exception("could not read usage of request %s", ex.request_id)
+            self.metrics.metering_errors.labels("parse").inc()
+            ex.usage = Usage(unknown_reason="parse_error")
+        headers = response_headers(up.headers, drop_length=True)
+        cost = self._cost_now(ex)
+        if cost is not None:
+            headers[COST_HEADER] = f"{cost:.8f}"
+        return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
+
+    async def _stream(
+        self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        meter = StreamMeter(ex.endpoint, strip_usage=ex.info.injected_usage)
+        resp = web.StreamResponse(
+            status=up.status, reason=up.reason, headers=response_headers(up.headers, drop_length=True)
+        )
+        await resp.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                out = self._feed(meter, chunk, ex)
+                if out:
+                    await resp.write(out)
+                    ex.bytes_out += len(out)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            if isinstance(exc, ConnectionResetError) and not request.transport:
+                raise  # the client went away, not the upstream
+            ex.error = "upstream_reset"
+            self.metrics.upstream_errors.labels("stream_interrupted").inc()
+            log.warning("upstream stream of request %s broke: %r", ex.request_id, exc)
+            self._end_stream(ex, meter)
+            _abort(request)  # the client must see a broken stream, not a clean end
+            return resp
+        except ConnectionResetError:
+            ex.status, ex.error = STATUS_CLIENT_CLOSED, "client_disconnected"
+            self._end_stream(ex, meter)
+            raise
+        except asyncio.CancelledError:
+            self._end_stream(ex, meter)
+            raise
+        tail = self._end_stream(ex, meter)
+        if tail:
+            await resp.write(tail)
+            ex.bytes_out += len(tail)
+        await resp.write_eof()
+        return resp
+
+    def _feed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
+        try:
+            out = meter.feed(chunk)
+        except Exception:
+            # Accounting broke: stop metering this stream, keep forwarding the bytes unchanged.
+            log.exception("stream metering failed for request %s", ex.request_id)
+            self.metrics.metering_errors.labels("stream").inc()
+            meter.feed = lambda c: c  # type: ignore[method-assign]
+            return chunk
+        if ex.first_token_at is None and meter.token_events:
+            ex.first_token_at = time.perf_counter()
+        return out
+
+    def _end_stream(self, ex: Exchange, meter: StreamMeter) -> bytes:
+        try:
+            tail, usage = meter.finish()
+        except Exception:
+            log.exception("stream finish failed for request %s", ex.request_id)
+            self.metrics.metering_errors.labels("stream").inc()
+            return b""
+        if not meter.done and ex.error is None and usage.unknown_reason:
+            usage = replace(usage, unknown_reason="stream_truncated")
+        if ex.error is None and usage.error is not None:
+            ex.error = usage.error  # an error event inside a 200 stream
+        self._set_usage(ex, usage)
+        return tail
+
+    def _set_usage(self, ex: Exchange, usage: Usage) -> None:
+        ex.usage = usage
+        if usage.model:
+            ex.model = self.models(usage.model)
+        if usage.error and ex.error is None:
+            ex.error = usage.error
+
+    def _cost_now(self, ex: Exchange) -> float | None:
+        try:
+            cost, _ = self.meter.prices.cost(ex.usage.model or ex.info.model, ex.usage)
+        except Exception:
+            return None
+        return cost.total_usd if cost is not None else None
+
+    async def _relay(
+        self, request: web.Request, up: aiohttp.ClientResponse, ex: Exchange | None = None
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=up.status, reason=up.reason, headers=response_headers(up.headers, drop_length=False)
+        )
+        await resp.prepare(request)
+        async for chunk in up.content.iter_any():
+            await resp.write(chunk)
+            if ex is not None:
+                ex.bytes_out += len(chunk)
+        await resp.write_eof()
+        return resp
+
+    async def _passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Unmetered routes: both bodies streamed, nothing recorded but failures."""
+        headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
+        data = request.content if request.body_exists else None
+        try:
+            async with self.session.request(
+                request.method, self._url(request), headers=headers, data=data,
+                allow_redirects=False, timeout=self.timeout,
+            ) as up:
+                return await self._relay(request, up)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return self._upstream_failed(None, 504, "upstream_timeout", exc)
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(None, 502, "upstream_unreachable", exc)
+
+    def _upstream_failed(
+        self, ex: Exchange | None, status: int, kind: str, exc: BaseException
+    ) -> web.Response:
+        log.warning("upstream %s: %s %r", self.s.upstream, kind, exc)
+        self.metrics.upstream_errors.labels(kind).inc()
+        if ex is not None:
+            ex.status, ex.error = status, kind
+        what = "did not answer in time" if status == 504 else "could not be reached"
+        return error_response(status, kind, f"the inference server {what}")
+
+    def _too_large(self) -> web.Response:
+        return error_response(
+            413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+        )
+
+    def _url(self, request: web.Request) -> str:
+        return self.s.upstream + request.rel_url.raw_path_qs
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_limited(request: web.Request, limit: int) -> bytes:
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise _TooLarge
+    return bytes(buf)
+
+
+def _trace_headers(ex: Exchange) -> dict[str, str]:
+    if ex.trace_id and ex.span_id:
+        return {"traceparent": f"00-{ex.trace_id}-{ex.span_id}-01"}
+    return {}
+
+
+def _abort(request: web.Request) -> None:
+    with contextlib.suppress(Exception):
+        if request.transport is not None:
+            request.transport.abort()

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from sidecar.app import Sidecar, create_admin_app, create_app
+from sidecar.config import Config, build, validate
+from sidecar.wiring import wire
+from tests.fakes import FakeUpstream
+
+
+@dataclass
+class Running:
+    url: str  # the sidecar's base URL
+    admin_url: str
+    sc: Sidecar
+    upstream: FakeUpstream | None
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.sc.metrics.registry.get_sample_value(name, labels)
+
+
+@pytest.fixture
+async def upstream(aiohttp_server: Any) -> tuple[FakeUpstream, TestServer]:
+    fake = FakeUpstream()
+    server = await aiohttp_server(fake.app)
+    return fake, server
+
+
+StartSidecar = Callable[..., Awaitable[Running]]
+
+
+@pytest.fixture
+async def start_sidecar(aiohttp_server: Any, upstream: tuple[FakeUpstream, TestServer]) -> StartSidecar:
+    fake, up_server = upstream
+
+    async def start(config: dict[str, Any] | None = None, *, upstream_url: str | None = None,
+                    **sidecar_kwargs: Any) -> Running:
+        data = dict(config or {})
+        data.setdefault("upstream", {})
+        data["upstream"] = {"url": upstream_url or str(up_server.make_url("")).rstrip("/"),
+                            **data["upstream"]}
+        cfg = validate(build(Config, data))
+        sc = wire(Sidecar(cfg, **sidecar_kwargs))
+        server = await aiohttp_server(create_app(sc))  # TestServer cancels handlers on disconnect, as serve() does
+        admin = await aiohttp_server(create_admin_app(sc))
+        return Running(str(server.make_url("")).rstrip("/"), str(admin.make_url("")).rstrip("/"),
+                       sc, fake)
+
+    return start
+
+
+@pytest.fixture
+async def oai() -> Any:
+    """Factory for real openai SDK clients pointed at a running sidecar; all closed at teardown."""
+    import openai
+
+    clients: list[Any] = []
+
+    def make(run: Running, api_key: str = "k", *, sync: bool = False) -> Any:
+        cls = openai.OpenAI if sync else openai.AsyncOpenAI
+        client = cls(base_url=run.url + "/v1", api_key=api_key, max_retries=0)
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        if isinstance(c, openai.AsyncOpenAI):
+            await c.close()
+        else:
+            c.close()
