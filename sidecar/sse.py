@@ -41,7 +41,7 @@ class SSEParser:
             m = _EOL.search(buf, self._pos)
             if m is None:
                 break
-            if m.end() == len(buf) and buf[m.start()] == 0x0D:
+            if m.end() == len(buf) and m.end() - m.start() == 1 and buf[m.start()] == 0x0D:
                 break  # a lone CR at the end may be the first half of CRLF: wait for more
             line = bytes(buf[self._pos : m.start()])
             self._pos = m.end()
