@@ -181,8 +181,12 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
         await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()
         ahost, aport = parse_hostport("server.admin_listen", cfg.admin_listen)
         await web.TCPSite(admin_runner, ahost, aport, reuse_address=True).start()
-        log.info("tollbooth listening on %s, admin on %s, upstream %s",
-                 cfg.listen, cfg.admin_listen, sc.config.upstream.url)
+        log.info(
+            "tollbooth listening on %s, admin on %s, upstream %s",
+            cfg.listen,
+            cfg.admin_listen,
+            sc.config.upstream.url,
+        )
         if ready:
             ready()
         await stop.wait()

@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 
 import yaml
 
-
 T = TypeVar("T")
 
 
@@ -210,6 +209,8 @@ def _scalar(key: str, value: object, hint: Any) -> Any:
             _fail(key, value, "must not be negative")
         return float(value)
     if hint is str:
+        if value is False and key.endswith("access_log"):
+            return "off"  # YAML reads a bare `off` as false
         if not isinstance(value, str):
             _fail(key, value, "not a string")
         return value
@@ -318,9 +319,7 @@ def set_path(data: dict[str, Any], dotted: str, value: object) -> None:
     node[last] = value
 
 
-def load(
-    path: str | Path | None = None, overrides: Mapping[str, object] | None = None
-) -> Config:
+def load(path: str | Path | None = None, overrides: Mapping[str, object] | None = None) -> Config:
     """Read the YAML file (if any), apply dotted-key overrides, validate, freeze."""
     data = load_yaml(path) if path else {}
     for dotted, value in (overrides or {}).items():

@@ -18,7 +18,10 @@ REQUEST_CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.Con
     "tollbooth_request_context", default=None
 )
 
-_STD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_STD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+}
 
 
 class JsonFormatter(logging.Formatter):

@@ -8,9 +8,10 @@ Never: raises into the proxy. Any failure here is logged and counted in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .metrics import Metrics
@@ -50,7 +51,7 @@ class Exchange:
     device_seconds: float | None = None
     energy_j: float | None = None
     audited: bool = False
-    request_headers: dict[str, str] = field(default_factory=dict)
+    request_headers: Mapping[str, str] = field(default_factory=dict)  # the client's, read-only
 
     @property
     def ttft_s(self) -> float | None:
@@ -97,33 +98,31 @@ class Meter:
             fn(ex)
         except Exception:
             log.exception("metering stage %s failed for request %s", stage, ex.request_id)
-            try:
+            with contextlib.suppress(Exception):  # the registry itself is broken
                 self.metrics.metering_errors.labels(stage).inc()
-            except Exception:  # pragma: no cover - the registry itself is broken
-                pass
 
     def _count(self, ex: Exchange) -> None:
-        m, ep, u = self.metrics, ex.endpoint.value, ex.usage
-        m.requests.labels(ex.model, ep, ex.status_label).inc()
+        m, ep, u, c = self.metrics, ex.endpoint.value, ex.usage, self.metrics.child
+        c(m.requests, ex.model, ep, ex.status_label).inc()
         if ex.duration_s is not None:
-            m.duration.labels(ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
+            c(m.duration, ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
         if (ttft := ex.ttft_s) is not None:
-            m.ttft.labels(ex.model, ep).observe(ttft)
+            c(m.ttft, ex.model, ep).observe(ttft)
             out = u.output_tokens
             if out and out > 1 and ex.duration_s is not None:
                 decode = ex.t0 + ex.duration_s - ex.first_token_at  # type: ignore[operator]
-                m.tpot.labels(ex.model, ep).observe(max(decode, 0.0) / (out - 1))
+                c(m.tpot, ex.model, ep).observe(max(decode, 0.0) / (out - 1))
         if not self._has_usage(ex):
             return
         if u.input_tokens is not None:
-            m.tokens.labels(ex.model, "input", ep, ex.user).inc(u.input_tokens)
+            c(m.tokens, ex.model, "input", ep, ex.user).inc(u.input_tokens)
         if u.output_tokens is not None:
-            m.tokens.labels(ex.model, "output", ep, ex.user).inc(u.output_tokens)
+            c(m.tokens, ex.model, "output", ep, ex.user).inc(u.output_tokens)
         if u.cached_input_tokens is not None:
-            m.cached_tokens.labels(ex.model, ep, ex.user).inc(u.cached_input_tokens)
+            c(m.cached_tokens, ex.model, ep, ex.user).inc(u.cached_input_tokens)
         if u.input_tokens is None or u.output_tokens is None:
             reason = u.unknown_reason or "unknown"
-            m.usage_unknown.labels(ex.model, ep, reason).inc()
+            c(m.usage_unknown, ex.model, ep, reason).inc()
 
     @staticmethod
     def _has_usage(ex: Exchange) -> bool:
@@ -136,30 +135,37 @@ class Meter:
     def _price(self, ex: Exchange) -> None:
         if not self._has_usage(ex):
             return
-        m, ep, u = self.metrics, ex.endpoint.value, ex.usage
-        cost, reason = self.prices.cost(ex.usage.model or ex.info.model or ex.model, u)
-        price = self.prices.price(ex.usage.model or ex.info.model or ex.model)
-        # Each measured direction is spent even if the other is unknown.
-        if price is not None and cost is None:
-            partial = _partial_cost(self.prices, ex)
-            if partial is not None:
-                m.cost.labels(ex.model, "input", ep, ex.user).inc(partial)
+        m, ep, c = self.metrics, ex.endpoint.value, self.metrics.child
+        cost = price_cost(self.prices, ex)
         if cost is None:
-            ex.cost_unknown_reason = reason
-            m.cost_unknown.labels(ex.model, reason or "unknown").inc()
+            # Each measured direction is spent even if the other is unknown.
+            if (partial := _partial_cost(self.prices, ex)) is not None:
+                c(m.cost, ex.model, "input", ep, ex.user).inc(partial)
+            c(m.cost_unknown, ex.model, ex.cost_unknown_reason or "unknown").inc()
             return
-        ex.cost = cost
-        m.cost.labels(ex.model, "input", ep, ex.user).inc(cost.input_usd)
-        m.cost.labels(ex.model, "output", ep, ex.user).inc(cost.output_usd)
-        m.request_cost.labels(ex.model, ep).observe(cost.total_usd, self._exemplar(ex))
+        c(m.cost, ex.model, "input", ep, ex.user).inc(cost.input_usd)
+        c(m.cost, ex.model, "output", ep, ex.user).inc(cost.output_usd)
+        c(m.request_cost, ex.model, ep).observe(cost.total_usd, self._exemplar(ex))
 
     @staticmethod
     def _exemplar(ex: Exchange) -> dict[str, str] | None:
         return {"trace_id": ex.trace_id} if ex.trace_id else None
 
 
+def priced_model(ex: Exchange) -> str | None:
+    """The name prices are looked up by: the served model, else the requested one."""
+    return ex.usage.model or ex.info.model or (ex.model if ex.model != "unknown" else None)
+
+
+def price_cost(prices: PriceBook, ex: Exchange) -> Cost | None:
+    """Set `ex.cost` (or `ex.cost_unknown_reason`) once; the proxy calls it for the cost header."""
+    if ex.cost is None and ex.cost_unknown_reason is None:
+        ex.cost, ex.cost_unknown_reason = prices.cost(priced_model(ex), ex.usage)
+    return ex.cost
+
+
 def _partial_cost(prices: PriceBook, ex: Exchange) -> float | None:
     """Input spend when only the input was measured (output unknown)."""
     if ex.usage.output_tokens is not None:
         return None
-    return prices.input_cost(ex.usage.model or ex.info.model or ex.model, ex.usage)
+    return prices.input_cost(priced_model(ex), ex.usage)

@@ -9,20 +9,66 @@ from __future__ import annotations
 
 import re
 import threading
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Bucket boundaries, in one place.
 # Latency: the OpenTelemetry GenAI semantic-convention advice for the same quantities, so our
 # histograms line up with spans and with vLLM/TGI's own exports.
-DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                    40.96, 81.92)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0)
+DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 # Queue wait spans from "admitted at once" to "waited the full max_queue_wait".
-QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                 60.0, 120.0)
+QUEUE_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 # Per-request cost in USD. 0.1 must be a boundary: the LLMRequestCostHigh alert reads the
 # 0.1 and +Inf buckets to count requests over ten cents.
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -44,18 +90,21 @@ class LabelCap:
         self._limit = limit
         self._max_len = max_len
         self._seen: set[str] = set()
+        self._known: dict[str, str] = {}  # raw value -> label, for values already tracked
         self._lock = threading.Lock()
 
     def __call__(self, value: str) -> str:
+        known = self._known.get(value)
+        if known is not None:
+            return known
         v = sanitize(value, self._max_len)
-        if v in self._seen:
-            return v
         with self._lock:
-            if v in self._seen:
-                return v
-            if len(self._seen) >= self._limit:
-                return OTHER
-            self._seen.add(v)
+            if v not in self._seen:
+                if len(self._seen) >= self._limit:
+                    return OTHER
+                self._seen.add(v)
+            if len(self._known) < 4 * self._limit:  # raw spellings are bounded too
+                self._known[value] = v
             return v
 
     def __len__(self) -> int:
@@ -65,95 +114,187 @@ class LabelCap:
 class Metrics:
     """All metrics, registered on one registry (a fresh one per test)."""
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached: the hot path looks up each series with one dict get.
+
+        The cache holds exactly the children the registry already holds, so it is bounded by the
+        same label caps.
+        """
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = registry or CollectorRegistry()
         ep = ("model", "api_endpoint")
         # --- requests and tokens (sidecar core)
-        self.requests = Counter("llm_requests", "Proxied LLM requests by response status.",
-                                [*ep, "status_code"], registry=r)
-        self.tokens = Counter("llm_tokens", "Tokens reported by the server, by direction.",
-                              ["model", "token_type", "api_endpoint", "user_id"], registry=r)
-        self.cached_tokens = Counter("llm_cached_input_tokens",
-                                     "Input tokens served from the prefix cache (subset of input).",
-                                     ["model", "api_endpoint", "user_id"], registry=r)
-        self.usage_unknown = Counter("llm_usage_unknown",
-                                     "Requests whose token usage could not be measured.",
-                                     [*ep, "reason"], registry=r)
-        self.duration = Histogram("llm_request_duration_seconds",
-                                  "Time from request received to response complete.", ep,
-                                  buckets=DURATION_BUCKETS, registry=r)
-        self.ttft = Histogram("llm_time_to_first_token_seconds",
-                              "Upstream send to first token event (streams only).", ep,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("llm_time_per_output_token_seconds",
-                              "Decode time per output token after the first (streams only).", ep,
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.in_flight = Gauge("llm_in_flight_requests", "Requests being proxied now.",
-                               ["model"], registry=r)
-        self.metering_errors = Counter("tollbooth_metering_errors",
-                                       "Bugs or surprises in accounting; traffic was unaffected.",
-                                       ["stage"], registry=r)
-        self.upstream_errors = Counter("tollbooth_upstream_errors",
-                                       "Upstream failures answered by the sidecar.",
-                                       ["reason"], registry=r)
+        self.requests = Counter(
+            "llm_requests",
+            "Proxied LLM requests by response status.",
+            [*ep, "status_code"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "llm_tokens",
+            "Tokens reported by the server, by direction.",
+            ["model", "token_type", "api_endpoint", "user_id"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "llm_cached_input_tokens",
+            "Input tokens served from the prefix cache (subset of input).",
+            ["model", "api_endpoint", "user_id"],
+            registry=r,
+        )
+        self.usage_unknown = Counter(
+            "llm_usage_unknown",
+            "Requests whose token usage could not be measured.",
+            [*ep, "reason"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "llm_request_duration_seconds",
+            "Time from request received to response complete.",
+            ep,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llm_time_to_first_token_seconds",
+            "Upstream send to first token event (streams only).",
+            ep,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "llm_time_per_output_token_seconds",
+            "Decode time per output token after the first (streams only).",
+            ep,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "llm_in_flight_requests", "Requests being proxied now.", ["model"], registry=r
+        )
+        self.metering_errors = Counter(
+            "tollbooth_metering_errors",
+            "Bugs or surprises in accounting; traffic was unaffected.",
+            ["stage"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "tollbooth_upstream_errors",
+            "Upstream failures answered by the sidecar.",
+            ["reason"],
+            registry=r,
+        )
         # --- cost
-        self.cost = Counter("llm_cost_usd", "Spend in USD from per-token prices.",
-                            ["model", "token_type", "api_endpoint", "user_id"], registry=r)
-        self.request_cost = Histogram("llm_request_cost_usd", "Each request's total cost in USD.",
-                                      ep, buckets=COST_BUCKETS, registry=r)
-        self.cost_unknown = Counter("llm_cost_unknown", "Requests whose cost is unknown.",
-                                    ["model", "reason"], registry=r)
-        self.spend_today = Gauge("llm_spend_today_usd", "Spend since the start of the budget day.",
-                                 ["user_id"], registry=r)
-        self.ledger_errors = Counter("llm_ledger_errors", "Usage-ledger write failures.",
-                                     registry=r)
-        self.ledger_dropped = Counter("llm_ledger_dropped_rows",
-                                      "Ledger rows dropped because the pending queue was full.",
-                                      registry=r)
-        self.budget_rejections = Counter("llm_budget_rejections",
-                                         "Requests refused because a daily budget was spent.",
-                                         ["scope"], registry=r)
+        self.cost = Counter(
+            "llm_cost_usd",
+            "Spend in USD from per-token prices.",
+            ["model", "token_type", "api_endpoint", "user_id"],
+            registry=r,
+        )
+        self.request_cost = Histogram(
+            "llm_request_cost_usd",
+            "Each request's total cost in USD.",
+            ep,
+            buckets=COST_BUCKETS,
+            registry=r,
+        )
+        self.cost_unknown = Counter(
+            "llm_cost_unknown", "Requests whose cost is unknown.", ["model", "reason"], registry=r
+        )
+        self.spend_today = Gauge(
+            "llm_spend_today_usd",
+            "Spend since the start of the budget day.",
+            ["user_id"],
+            registry=r,
+        )
+        self.ledger_errors = Counter(
+            "llm_ledger_errors", "Usage-ledger write failures.", registry=r
+        )
+        self.ledger_dropped = Counter(
+            "llm_ledger_dropped_rows",
+            "Ledger rows dropped because the pending queue was full.",
+            registry=r,
+        )
+        self.budget_rejections = Counter(
+            "llm_budget_rejections",
+            "Requests refused because a daily budget was spent.",
+            ["scope"],
+            registry=r,
+        )
         # --- admission
-        self.queue_wait = Histogram("llm_queue_wait_seconds", "Time spent in the admission queue.",
-                                    ["model"], buckets=QUEUE_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "llm_queue_wait_seconds",
+            "Time spent in the admission queue.",
+            ["model"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("llm_queue_depth", "Requests waiting for admission.", registry=r)
-        self.queue_waiting_tokens = Gauge("llm_queue_waiting_tokens",
-                                          "Estimated tokens of the requests waiting (an estimate).",
-                                          registry=r)
-        self.budget_in_use = Gauge("llm_budget_tokens_in_use",
-                                   "Estimated tokens of admitted requests (an estimate).", registry=r)
-        self.budget_limit = Gauge("llm_budget_tokens_limit", "The admission token budget.",
-                                  registry=r)
-        self.admission_rejections = Counter("llm_admission_rejections",
-                                            "Requests refused by the admission queue.",
-                                            ["reason"], registry=r)
+        self.queue_waiting_tokens = Gauge(
+            "llm_queue_waiting_tokens",
+            "Estimated tokens of the requests waiting (an estimate).",
+            registry=r,
+        )
+        self.budget_in_use = Gauge(
+            "llm_budget_tokens_in_use",
+            "Estimated tokens of admitted requests (an estimate).",
+            registry=r,
+        )
+        self.budget_limit = Gauge(
+            "llm_budget_tokens_limit", "The admission token budget.", registry=r
+        )
+        self.admission_rejections = Counter(
+            "llm_admission_rejections",
+            "Requests refused by the admission queue.",
+            ["reason"],
+            registry=r,
+        )
         # --- GPU telemetry and attribution
         gpu = ("gpu", "uuid", "name")
-        self.gpu_up = Gauge("llm_gpu_telemetry_up", "1 when NVML telemetry is running.",
-                            registry=r)
-        self.gpu_util = Gauge("llm_gpu_utilization_ratio", "GPU busy ratio (0-1).", gpu,
-                              registry=r)
-        self.gpu_mem_used = Gauge("llm_gpu_memory_used_bytes", "GPU memory in use.", gpu,
-                                  registry=r)
-        self.gpu_mem_total = Gauge("llm_gpu_memory_total_bytes", "GPU memory in total.", gpu,
-                                   registry=r)
+        self.gpu_up = Gauge("llm_gpu_telemetry_up", "1 when NVML telemetry is running.", registry=r)
+        self.gpu_util = Gauge("llm_gpu_utilization_ratio", "GPU busy ratio (0-1).", gpu, registry=r)
+        self.gpu_mem_used = Gauge(
+            "llm_gpu_memory_used_bytes", "GPU memory in use.", gpu, registry=r
+        )
+        self.gpu_mem_total = Gauge(
+            "llm_gpu_memory_total_bytes", "GPU memory in total.", gpu, registry=r
+        )
         self.gpu_power = Gauge("llm_gpu_power_watts", "GPU power draw.", gpu, registry=r)
-        self.gpu_energy = Counter("llm_gpu_energy_joules", "GPU energy since the sidecar started.",
-                                  gpu, registry=r)
+        self.gpu_energy = Counter(
+            "llm_gpu_energy_joules", "GPU energy since the sidecar started.", gpu, registry=r
+        )
         self.gpu_temp = Gauge("llm_gpu_temperature_celsius", "GPU temperature.", gpu, registry=r)
-        self.device_seconds = Counter("llm_device_seconds",
-                                      "GPU-seconds attributed to requests.",
-                                      ["model", "user_id"], registry=r)
-        self.device_cost = Counter("llm_device_cost_usd",
-                                   "GPU-time cost attributed to requests (gpu_hour_usd).",
-                                   ["model", "user_id"], registry=r)
-        self.energy = Counter("llm_energy_joules", "GPU energy attributed to requests.",
-                              ["model"], registry=r)
-        self.spans_dropped = Counter("tollbooth_spans_dropped",
-                                     "Spans dropped because the export queue was full.",
-                                     registry=r)
+        self.device_seconds = Counter(
+            "llm_device_seconds",
+            "GPU-seconds attributed to requests.",
+            ["model", "user_id"],
+            registry=r,
+        )
+        self.device_cost = Counter(
+            "llm_device_cost_usd",
+            "GPU-time cost attributed to requests (gpu_hour_usd).",
+            ["model", "user_id"],
+            registry=r,
+        )
+        self.energy = Counter(
+            "llm_energy_joules", "GPU energy attributed to requests.", ["model"], registry=r
+        )
+        self.spans_dropped = Counter(
+            "tollbooth_spans_dropped",
+            "Spans dropped because the export queue was full.",
+            registry=r,
+        )
         # --- audit
-        self.audit_captures = Counter("llm_audit_captures", "Audit records written.",
-                                      ["model", "reason"], registry=r)
-        self.audit_errors = Counter("tollbooth_audit_errors", "Audit records that failed to write.",
-                                    registry=r)
+        self.audit_captures = Counter(
+            "llm_audit_captures", "Audit records written.", ["model", "reason"], registry=r
+        )
+        self.audit_errors = Counter(
+            "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
+        )

@@ -50,7 +50,9 @@ class PriceBook:
             return None, "no_price"
         if usage.input_tokens is None or usage.output_tokens is None:
             return None, "usage_unknown"
-        return compute(price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens), None
+        return compute(
+            price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens
+        ), None
 
     def input_cost(self, model: str | None, usage: Usage) -> float | None:
         """Cost of the input alone (audit threshold), when measured and priced."""

@@ -23,10 +23,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter
+from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
 from .metrics import LabelCap, Metrics
 from .usage import (
-    Endpoint,
     RequestInfo,
     StreamMeter,
     Usage,
@@ -40,8 +39,16 @@ log = logging.getLogger("tollbooth.proxy")
 HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
-        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
-        "Trailer", "Trailers", "Transfer-Encoding", "Upgrade", "Proxy-Connection",
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Trailers",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Connection",
     )
 )
 COST_HEADER = "x-tollbooth-cost-usd"
@@ -99,8 +106,10 @@ def error_response(
 ) -> web.Response:
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
     return web.Response(
-        status=status, body=error_body(status, err_type, message),
-        content_type="application/json", headers=headers,
+        status=status,
+        body=error_body(status, err_type, message),
+        content_type="application/json",
+        headers=headers,
     )
 
 
@@ -134,7 +143,7 @@ def decoded(body: bytes, encoding: str | None) -> bytes:
     return body
 
 
-# --- the upstream's model name for TGI's native routes ---------------------------------------------
+# --- the upstream's model name for TGI's native routes -----------------------------------------
 
 
 class TgiModelName:
@@ -214,24 +223,27 @@ class Proxy:
         endpoint = classify(request.method, request.path)
         if endpoint is None:
             return await self._passthrough(request)
-        if request.content_length is not None and request.content_length > self.s.max_body:
-            return self._too_large()
         try:
-            body = await _read_limited(request, self.s.max_body)
-        except _TooLarge:
+            body = await request.read()  # bounded by the app's client_max_size
+        except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
         user = self.users(resolve_user(request.headers, info, self.s.user_header))
         model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
         ex = Exchange(
-            request_id=uuid.uuid4().hex, endpoint=endpoint, info=info, user=user,
-            model=self.models(model or "unknown"), bytes_in=len(body),
-            upstream=self.s.upstream, request_headers=dict(request.headers),
+            request_id=uuid.uuid4().hex,
+            endpoint=endpoint,
+            info=info,
+            user=user,
+            model=self.models(model or "unknown"),
+            bytes_in=len(body),
+            upstream=self.s.upstream,
+            request_headers=request.headers,
         )
         return await self._metered(request, ex)
 
     async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
-        in_flight = self.metrics.in_flight.labels(ex.model)
+        in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
         in_flight.inc()
         releases: list[Callable[[], None]] = []
         try:
@@ -262,8 +274,12 @@ class Proxy:
         ex.upstream_start = time.perf_counter()
         try:
             async with self.session.request(
-                request.method, self._url(request), headers=headers, data=ex.info.body,
-                allow_redirects=False, timeout=self.timeout,
+                request.method,
+                self._url(request),
+                headers=headers,
+                data=ex.info.body,
+                allow_redirects=False,
+                timeout=self.timeout,
             ) as up:
                 ex.status = up.status
                 if up.content_type == "text/event-stream":
@@ -300,7 +316,9 @@ class Proxy:
     ) -> web.StreamResponse:
         meter = StreamMeter(ex.endpoint, strip_usage=ex.info.injected_usage)
         resp = web.StreamResponse(
-            status=up.status, reason=up.reason, headers=response_headers(up.headers, drop_length=True)
+            status=up.status,
+            reason=up.reason,
+            headers=response_headers(up.headers, drop_length=True),
         )
         await resp.prepare(request)
         try:
@@ -368,8 +386,9 @@ class Proxy:
 
     def _cost_now(self, ex: Exchange) -> float | None:
         try:
-            cost, _ = self.meter.prices.cost(ex.usage.model or ex.info.model, ex.usage)
+            cost = price_cost(self.meter.prices, ex)
         except Exception:
+            log.exception("pricing failed for request %s", ex.request_id)
             return None
         return cost.total_usd if cost is not None else None
 
@@ -377,7 +396,9 @@ class Proxy:
         self, request: web.Request, up: aiohttp.ClientResponse, ex: Exchange | None = None
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
-            status=up.status, reason=up.reason, headers=response_headers(up.headers, drop_length=False)
+            status=up.status,
+            reason=up.reason,
+            headers=response_headers(up.headers, drop_length=False),
         )
         await resp.prepare(request)
         async for chunk in up.content.iter_any():
@@ -393,8 +414,12 @@ class Proxy:
         data = request.content if request.body_exists else None
         try:
             async with self.session.request(
-                request.method, self._url(request), headers=headers, data=data,
-                allow_redirects=False, timeout=self.timeout,
+                request.method,
+                self._url(request),
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=self.timeout,
             ) as up:
                 return await self._relay(request, up)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -419,19 +444,6 @@ class Proxy:
 
     def _url(self, request: web.Request) -> str:
         return self.s.upstream + request.rel_url.raw_path_qs
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _read_limited(request: web.Request, limit: int) -> bytes:
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise _TooLarge
-    return bytes(buf)
 
 
 def _trace_headers(ex: Exchange) -> dict[str, str]:

@@ -87,7 +87,7 @@ class RequestInfo:
 
 
 def inspect_request(endpoint: Endpoint, body: bytes, *, inject_usage: bool) -> RequestInfo:
-    """Read what the request asks for. Malformed JSON is forwarded untouched, never rejected here."""
+    """Read what the request asks for. Malformed JSON is forwarded untouched, not rejected."""
     try:
         obj = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
@@ -123,7 +123,9 @@ def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
     return obj.get("stream") is True
 
 
-def _max_tokens(endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any]) -> int | None:
+def _max_tokens(
+    endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any]
+) -> int | None:
     if endpoint.is_tgi_native:
         return _int(params.get("max_new_tokens"))
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
@@ -196,8 +198,12 @@ def usage_from_body(endpoint: Endpoint, body: bytes, headers: Mapping[str, str])
     if endpoint is Endpoint.RESPONSES:
         reasons = (s,) if (s := _str(obj.get("status"))) else ()
     if not isinstance(usage, dict):
-        return Usage(model=model, response_id=rid, finish_reasons=reasons, unknown_reason="no_usage")
-    return replace(read_usage(usage, endpoint), model=model, response_id=rid, finish_reasons=reasons)
+        return Usage(
+            model=model, response_id=rid, finish_reasons=reasons, unknown_reason="no_usage"
+        )
+    return replace(
+        read_usage(usage, endpoint), model=model, response_id=rid, finish_reasons=reasons
+    )
 
 
 def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
@@ -250,7 +256,7 @@ def _finish_reasons(obj: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def error_type(obj: Mapping[str, Any]) -> str:
-    """The error type in a vLLM (`{"error": {...}}`) or TGI (`{"error": "...", "error_type"}`) body."""
+    """The error type of a vLLM (`{"error": {...}}`) or TGI (`{"error", "error_type"}`) body."""
     err = obj.get("error")
     if isinstance(err, dict):
         return str(err.get("type") or err.get("code") or "error")[:64]

@@ -35,21 +35,32 @@ StartSidecar = Callable[..., Awaitable[Running]]
 
 
 @pytest.fixture
-async def start_sidecar(aiohttp_server: Any, upstream: tuple[FakeUpstream, TestServer]) -> StartSidecar:
+async def start_sidecar(
+    aiohttp_server: Any, upstream: tuple[FakeUpstream, TestServer]
+) -> StartSidecar:
     fake, up_server = upstream
 
-    async def start(config: dict[str, Any] | None = None, *, upstream_url: str | None = None,
-                    **sidecar_kwargs: Any) -> Running:
+    async def start(
+        config: dict[str, Any] | None = None,
+        *,
+        upstream_url: str | None = None,
+        **sidecar_kwargs: Any,
+    ) -> Running:
         data = dict(config or {})
         data.setdefault("upstream", {})
-        data["upstream"] = {"url": upstream_url or str(up_server.make_url("")).rstrip("/"),
-                            **data["upstream"]}
+        data["upstream"] = {
+            "url": upstream_url or str(up_server.make_url("")).rstrip("/"),
+            **data["upstream"],
+        }
         cfg = validate(build(Config, data))
         sc = wire(Sidecar(cfg, **sidecar_kwargs))
-        server = await aiohttp_server(create_app(sc))  # TestServer cancels handlers on disconnect, as serve() does
+        server = await aiohttp_server(
+            create_app(sc)
+        )  # TestServer cancels handlers on disconnect, as serve() does
         admin = await aiohttp_server(create_admin_app(sc))
-        return Running(str(server.make_url("")).rstrip("/"), str(admin.make_url("")).rstrip("/"),
-                       sc, fake)
+        return Running(
+            str(server.make_url("")).rstrip("/"), str(admin.make_url("")).rstrip("/"), sc, fake
+        )
 
     return start
 

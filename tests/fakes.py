@@ -15,7 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-FIXTURES = Path(os.environ.get("TOLLBOOTH_FIXTURES", Path(__file__).parents[2] / "shared" / "fixtures"))
+FIXTURES = Path(
+    os.environ.get("TOLLBOOTH_FIXTURES", Path(__file__).parents[2] / "shared" / "fixtures")
+)
 TGI_FIXTURES = FIXTURES / "tgi"
 MODEL = "fake/llama-3-8b"
 TOKENS_PER_CHUNK = 2  # like vLLM's --stream-interval: a chunk is not a token
@@ -60,8 +62,16 @@ class FakeUpstream:
             body = json.loads(raw)
         except ValueError:
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": "bad json", "type": "BadRequestError",
-                                           "param": None, "code": 400}}),
+                text=json.dumps(
+                    {
+                        "error": {
+                            "message": "bad json",
+                            "type": "BadRequestError",
+                            "param": None,
+                            "code": 400,
+                        }
+                    }
+                ),
                 content_type="application/json",
             ) from None
         return body, mode
@@ -74,31 +84,56 @@ class FakeUpstream:
             return await self._replay(request, fixture)
         chat = request.path.endswith("chat/completions")
         n_out = int(body.get("max_tokens") or 6)
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens(body), "completion_tokens": n_out,
-                                 "total_tokens": prompt_tokens(body) + n_out}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens(body),
+            "completion_tokens": n_out,
+            "total_tokens": prompt_tokens(body) + n_out,
+        }
         if mode == "cached":
             usage["prompt_tokens_details"] = {"cached_tokens": 2}
         model = body.get("model") or MODEL
         if mode == "status-400":
-            return web.json_response({"error": {"message": "nope", "type": "BadRequestError",
-                                                "param": None, "code": 400}}, status=400)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "nope",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                },
+                status=400,
+            )
         if not body.get("stream"):
             text = " ".join(["tok"] * n_out)
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return web.json_response({
-                "id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
-                "created": 1, "model": model, "choices": [choice],
-                "usage": None if mode == "nousage" else usage,
-            })
+            choice.update(
+                {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            )
+            return web.json_response(
+                {
+                    "id": "cmpl-fake",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": 1,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": None if mode == "nousage" else usage,
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         include = (body.get("stream_options") or {}).get("include_usage") is True
         chunks = max(1, n_out // TOKENS_PER_CHUNK)
         for i in range(chunks):
             if mode == "error-midstream" and i == 1:
-                err = {"error": {"message": "engine dead", "type": "InternalServerError",
-                                 "param": None, "code": 500}}
+                err = {
+                    "error": {
+                        "message": "engine dead",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
                 await resp.write(f"data: {json.dumps(err)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 return resp
@@ -110,16 +145,27 @@ class FakeUpstream:
             delta = {"content": "tok " * TOKENS_PER_CHUNK}
             c: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
             c.update({"delta": delta} if chat else {"text": delta["content"]})
-            chunk = {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": 1, "model": model, "choices": [c]}
+            chunk = {
+                "id": "cmpl-fake",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1,
+                "model": model,
+                "choices": [c],
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if mode == "slow-stream":
                 await asyncio.sleep(0.05)
         if mode == "truncate":
             return resp  # ends without [DONE] and without usage
         if include and mode != "nousage":
-            final = {"id": "cmpl-fake", "object": "chat.completion.chunk", "created": 1,
-                     "model": model, "choices": [], "usage": usage}
+            final = {
+                "id": "cmpl-fake",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -138,26 +184,47 @@ class FakeUpstream:
     async def embeddings(self, request: web.Request) -> web.Response:
         body, _ = await self._record(request)
         n = prompt_tokens(body)
-        return web.json_response({
-            "object": "list", "model": body.get("model") or MODEL,
-            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
-            "usage": {"prompt_tokens": n, "total_tokens": n},
-        })
+        return web.json_response(
+            {
+                "object": "list",
+                "model": body.get("model") or MODEL,
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            }
+        )
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         body, _ = await self._record(request)
-        usage = {"input_tokens": prompt_tokens(body), "output_tokens": 4, "total_tokens": 0,
-                 "input_tokens_details": {"cached_tokens": 1}}
-        final = {"id": "resp_fake", "object": "response", "model": body.get("model") or MODEL,
-                 "status": "completed", "output": [], "usage": usage}
+        usage = {
+            "input_tokens": prompt_tokens(body),
+            "output_tokens": 4,
+            "total_tokens": 0,
+            "input_tokens_details": {"cached_tokens": 1},
+        }
+        final = {
+            "id": "resp_fake",
+            "object": "response",
+            "model": body.get("model") or MODEL,
+            "status": "completed",
+            "output": [],
+            "usage": usage,
+        }
         if not body.get("stream"):
             return web.json_response(final)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        events = [("response.created", {"type": "response.created",
-                                        "response": {**final, "status": "in_progress", "usage": None}})]
-        events += [("response.output_text.delta", {"type": "response.output_text.delta",
-                                                   "delta": "hi"})] * 2
+        events = [
+            (
+                "response.created",
+                {
+                    "type": "response.created",
+                    "response": {**final, "status": "in_progress", "usage": None},
+                },
+            )
+        ]
+        events += [
+            ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "hi"})
+        ] * 2
         events += [("response.completed", {"type": "response.completed", "response": final})]
         for name, obj in events:
             await resp.write(f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode())
@@ -179,11 +246,14 @@ class FakeUpstream:
     async def tgi_generate(self, request: web.Request) -> web.Response:
         body, mode = await self._record(request)
         data = load_fixture("test_flash_llama_test_flash_llama_simple.json")
-        headers = {"x-prompt-tokens": str(prompt_tokens(body)),
-                   "x-generated-tokens": str(data["details"]["generated_tokens"])}
+        headers = {
+            "x-prompt-tokens": str(prompt_tokens(body)),
+            "x-generated-tokens": str(data["details"]["generated_tokens"]),
+        }
         if mode == "tgi-error":
-            return web.json_response({"error": "Input validation error", "error_type": "validation"},
-                                     status=422)
+            return web.json_response(
+                {"error": "Input validation error", "error_type": "validation"}, status=422
+            )
         payload: Any = [data] if request.path == "/" else data
         return web.json_response(payload, headers=headers)
 
@@ -199,12 +269,19 @@ class FakeUpstream:
                 await resp.write(f"data:{json.dumps(err)}\n\n".encode())
                 return resp
             last = i == n - 1
-            ev: dict[str, Any] = {"index": i + 1,
-                                  "token": {"id": i, "text": " x", "logprob": -0.1, "special": False},
-                                  "generated_text": " x" * n if last else None, "details": None}
+            ev: dict[str, Any] = {
+                "index": i + 1,
+                "token": {"id": i, "text": " x", "logprob": -0.1, "special": False},
+                "generated_text": " x" * n if last else None,
+                "details": None,
+            }
             if last and details:
-                ev["details"] = {"finish_reason": "length", "generated_tokens": n, "seed": None,
-                                 "input_length": prompt_tokens(body)}
+                ev["details"] = {
+                    "finish_reason": "length",
+                    "generated_tokens": n,
+                    "seed": None,
+                    "input_length": prompt_tokens(body),
+                }
             await resp.write(f"data:{json.dumps(ev)}\n\n".encode())
         return resp
 

@@ -32,20 +32,40 @@ def test_defaults_without_a_file() -> None:
     assert load() == Config()
 
 
-@pytest.mark.parametrize("text,message", [
-    ("upstream:\n  urll: http://x\n", "config 'upstream.urll' is not a known key"),
-    ("admission:\n  token_budget: abc\n", "config 'admission.token_budget' has value 'abc': not an integer"),
-    ("pricing:\n  models:\n    llama: {input_per_1m: abc, output_per_1m: 1}\n",
-     "config 'pricing.models.llama.input_per_1m' has value 'abc': not a number"),
-    ("pricing:\n  models:\n    llama: {output_per_1m: 1}\n", "config 'pricing.models.llama.input_per_1m' is required"),
-    ("upstream:\n  url: ftp://host\n", "config 'upstream.url' has value 'ftp://host'"),
-    ("upstream:\n  url: http://host:99999\n", "config 'upstream.url' has value 'http://host:99999'"),
-    ("server:\n  listen: nowhere\n", "config 'server.listen' has value 'nowhere': expected HOST:PORT"),
-    ("admission:\n  strategy: fastest\n", "expected one of none, serial, fixed-batch, token-budget"),
-    ("gpu:\n  enabled: 'yes'\n", "config 'gpu.enabled' has value 'yes': not a boolean"),
-    ("- a list\n", "must hold a mapping"),
-    ("upstream: [\n", "is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("upstream:\n  urll: http://x\n", "config 'upstream.urll' is not a known key"),
+        (
+            "admission:\n  token_budget: abc\n",
+            "config 'admission.token_budget' has value 'abc': not an integer",
+        ),
+        (
+            "pricing:\n  models:\n    llama: {input_per_1m: abc, output_per_1m: 1}\n",
+            "config 'pricing.models.llama.input_per_1m' has value 'abc': not a number",
+        ),
+        (
+            "pricing:\n  models:\n    llama: {output_per_1m: 1}\n",
+            "config 'pricing.models.llama.input_per_1m' is required",
+        ),
+        ("upstream:\n  url: ftp://host\n", "config 'upstream.url' has value 'ftp://host'"),
+        (
+            "upstream:\n  url: http://host:99999\n",
+            "config 'upstream.url' has value 'http://host:99999'",
+        ),
+        (
+            "server:\n  listen: nowhere\n",
+            "config 'server.listen' has value 'nowhere': expected HOST:PORT",
+        ),
+        (
+            "admission:\n  strategy: fastest\n",
+            "expected one of none, serial, fixed-batch, token-budget",
+        ),
+        ("gpu:\n  enabled: 'yes'\n", "config 'gpu.enabled' has value 'yes': not a boolean"),
+        ("- a list\n", "must hold a mapping"),
+        ("upstream: [\n", "is not valid YAML"),
+    ],
+)
 def test_bad_lines_name_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load(write(tmp_path, text))
@@ -61,8 +81,13 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 
 def test_cli_stops_with_one_clear_line(tmp_path: Path) -> None:
     path = write(tmp_path, "metering:\n  max_tracked_users: lots\n")
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "serve", "--config", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("tollbooth: config 'metering.max_tracked_users' has value "
-                                   "'lots': not an integer")
+    assert proc.stderr.strip() == (
+        "tollbooth: config 'metering.max_tracked_users' has value 'lots': not an integer"
+    )

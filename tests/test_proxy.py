@@ -18,34 +18,61 @@ PRICING = {"models": {MODEL: {"input_per_1m": 1.0, "output_per_1m": 2.0}}}
 MSGS = [{"role": "user", "content": "one two three four five"}]  # 5 prompt tokens at the fake
 
 
-def tokens(run: Running, direction: str, endpoint: str = "/v1/chat/completions",
-           user: str = "anonymous", model: str = MODEL) -> float | None:
-    return run.value("llm_tokens_total", model=model, token_type=direction,
-                     api_endpoint=endpoint, user_id=user)
+def tokens(
+    run: Running,
+    direction: str,
+    endpoint: str = "/v1/chat/completions",
+    user: str = "anonymous",
+    model: str = MODEL,
+) -> float | None:
+    return run.value(
+        "llm_tokens_total", model=model, token_type=direction, api_endpoint=endpoint, user_id=user
+    )
 
 
-async def test_sync_client_non_streaming_counts_exact_usage(start_sidecar: StartSidecar, oai: Any) -> None:
+async def test_sync_client_non_streaming_counts_exact_usage(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
     run = await start_sidecar()
     client = oai(run, "sk-test", sync=True)
     resp = await asyncio.to_thread(
-        client.chat.completions.create, model=MODEL, messages=MSGS, max_tokens=7,
+        client.chat.completions.create,
+        model=MODEL,
+        messages=MSGS,
+        max_tokens=7,
         extra_headers={"X-Tollbooth-User": "alice"},
     )
     assert resp.usage is not None and resp.usage.completion_tokens == 7
     assert tokens(run, "input", user="alice") == 5
     assert tokens(run, "output", user="alice") == 7
-    assert run.value("llm_requests_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     status_code="200") == 1
+    assert (
+        run.value(
+            "llm_requests_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            status_code="200",
+        )
+        == 1
+    )
     # non-streaming: no TTFT is claimed
-    assert run.value("llm_time_to_first_token_seconds_count", model=MODEL,
-                     api_endpoint="/v1/chat/completions") is None
+    assert (
+        run.value(
+            "llm_time_to_first_token_seconds_count",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+        )
+        is None
+    )
 
 
-async def test_async_streaming_injects_usage_and_strips_its_chunk(start_sidecar: StartSidecar, oai: Any) -> None:
+async def test_async_streaming_injects_usage_and_strips_its_chunk(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
     run = await start_sidecar()
     client = oai(run, "sk-test")
-    stream = await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8,
-                                                  stream=True)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=8, stream=True
+    )
     chunks = [c async for c in stream]
     # The client did not ask for usage and sees none: 4 content chunks, no usage-only chunk.
     assert len(chunks) == 4
@@ -56,18 +83,36 @@ async def test_async_streaming_injects_usage_and_strips_its_chunk(start_sidecar:
     user = "key-" + __import__("hashlib").sha256(b"sk-test").hexdigest()[:12]
     assert tokens(run, "output", user=user) == 8
     assert tokens(run, "input", user=user) == 5
-    assert run.value("llm_time_to_first_token_seconds_count", model=MODEL,
-                     api_endpoint="/v1/chat/completions") == 1
-    assert run.value("llm_time_per_output_token_seconds_count", model=MODEL,
-                     api_endpoint="/v1/chat/completions") == 1
+    assert (
+        run.value(
+            "llm_time_to_first_token_seconds_count",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+        )
+        == 1
+    )
+    assert (
+        run.value(
+            "llm_time_per_output_token_seconds_count",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+        )
+        == 1
+    )
 
 
-async def test_client_that_asked_for_usage_keeps_its_usage_chunk(start_sidecar: StartSidecar, oai: Any) -> None:
+async def test_client_that_asked_for_usage_keeps_its_usage_chunk(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
     run = await start_sidecar()
     client = oai(run)
     stream = await client.chat.completions.create(
-        model=MODEL, messages=MSGS, max_tokens=4, stream=True,
-        stream_options={"include_usage": True}, user="bob",
+        model=MODEL,
+        messages=MSGS,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        user="bob",
     )
     chunks = [c async for c in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
@@ -87,22 +132,35 @@ async def test_non_streaming_request_never_gets_stream_options(start_sidecar: St
 async def test_injection_keeps_every_other_byte_of_the_body(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar()
     raw = b'{  "model": "m", "stream": true,\n "prompt": "x y"}'
-    async with aiohttp.ClientSession() as s, s.post(run.url + "/v1/completions", data=raw,
-                                                    headers={"Content-Type": "application/json"}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}
+        ) as r,
+    ):
         await r.read()
     sent = run.upstream.seen[-1]["body"]
-    assert sent == b'{"stream_options":{"include_usage":true},  "model": "m", "stream": true,\n "prompt": "x y"}'
+    spliced = b'{"stream_options":{"include_usage":true},'
+    assert sent == spliced + b'  "model": "m", "stream": true,\n "prompt": "x y"}'
 
 
 async def test_cached_tokens_are_counted_as_a_subset(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar()
     async with aiohttp.ClientSession() as s:
         body = {"model": MODEL, "messages": MSGS, "max_tokens": 2}
-        async with s.post(run.url + "/v1/chat/completions", json=body,
-                          headers={"X-Fake": "cached"}) as r:
+        async with s.post(
+            run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "cached"}
+        ) as r:
             await r.read()
-    assert run.value("llm_cached_input_tokens_total", model=MODEL,
-                     api_endpoint="/v1/chat/completions", user_id="anonymous") == 2
+    assert (
+        run.value(
+            "llm_cached_input_tokens_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            user_id="anonymous",
+        )
+        == 2
+    )
     assert tokens(run, "input") == 5
 
 
@@ -110,9 +168,10 @@ async def test_stream_chunks_are_forwarded_as_they_arrive(start_sidecar: StartSi
     run = await start_sidecar()
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 6, "stream": True}
     arrivals = []
-    async with aiohttp.ClientSession() as s, s.post(
-        run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "slow-stream"}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "slow-stream"}) as r,
+    ):
         async for _ in r.content.iter_any():
             arrivals.append(asyncio.get_running_loop().time())
     # The upstream sleeps 50 ms between chunks; a buffering proxy would deliver them at once.
@@ -126,27 +185,53 @@ async def test_midstream_error_marks_failure(start_sidecar: StartSidecar, oai: A
     seen = []
     with contextlib.suppress(openai.APIError):  # the SDK may or may not raise on an error event
         stream = await client.chat.completions.create(
-            model=MODEL, messages=MSGS, max_tokens=8, stream=True,
+            model=MODEL,
+            messages=MSGS,
+            max_tokens=8,
+            stream=True,
             extra_headers={"X-Fake": "error-midstream"},
         )
         async for chunk in stream:
             seen.append(chunk)
     assert len(seen) == 1  # the chunk before the error was delivered
-    assert run.value("llm_requests_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     status_code="stream_error") == 1
-    assert run.value("llm_usage_unknown_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     reason="stream_without_usage") == 1
+    assert (
+        run.value(
+            "llm_requests_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            status_code="stream_error",
+        )
+        == 1
+    )
+    assert (
+        run.value(
+            "llm_usage_unknown_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            reason="stream_without_usage",
+        )
+        == 1
+    )
     assert tokens(run, "output") is None
 
 
 async def test_truncated_stream_is_unknown_not_invented(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar()
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 6, "stream": True}
-    async with aiohttp.ClientSession() as s, s.post(run.url + "/v1/chat/completions", json=body,
-                                                    headers={"X-Fake": "truncate"}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "truncate"}) as r,
+    ):
         await r.read()
-    assert run.value("llm_usage_unknown_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     reason="stream_truncated") == 1
+    assert (
+        run.value(
+            "llm_usage_unknown_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            reason="stream_truncated",
+        )
+        == 1
+    )
     assert tokens(run, "input") is None and tokens(run, "output") is None
 
 
@@ -155,70 +240,117 @@ async def test_upstream_reset_midstream_breaks_client_stream(start_sidecar: Star
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 8, "stream": True}
     async with aiohttp.ClientSession() as s:
         with pytest.raises(aiohttp.ClientPayloadError):
-            async with s.post(run.url + "/v1/chat/completions", json=body,
-                              headers={"X-Fake": "reset"}) as r:
+            async with s.post(
+                run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "reset"}
+            ) as r:
                 await r.read()
     await asyncio.sleep(0.05)
     assert run.value("tollbooth_upstream_errors_total", reason="stream_interrupted") == 1
-    assert run.value("llm_requests_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     status_code="stream_error") == 1
+    assert (
+        run.value(
+            "llm_requests_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            status_code="stream_error",
+        )
+        == 1
+    )
 
 
-async def test_upstream_down_is_502_with_openai_error(start_sidecar: StartSidecar, oai: Any) -> None:
+async def test_upstream_down_is_502_with_openai_error(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
     run = await start_sidecar(upstream_url="http://127.0.0.1:9")
     client = oai(run)
     with pytest.raises(openai.APIStatusError) as err:
         await client.chat.completions.create(model=MODEL, messages=MSGS)
     assert err.value.status_code == 502
     assert err.value.body["type"] == "upstream_unreachable"
-    assert run.value("llm_requests_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     status_code="502") == 1
+    assert (
+        run.value(
+            "llm_requests_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            status_code="502",
+        )
+        == 1
+    )
 
 
 async def test_upstream_timeout_is_504(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar({"upstream": {"read_timeout_s": 0.2}})
-    async with aiohttp.ClientSession() as s, s.post(
-        run.url + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS},
-        headers={"X-Fake": "sleep:2"},
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": MSGS},
+            headers={"X-Fake": "sleep:2"},
+        ) as r,
+    ):
         assert r.status == 504
         assert (await r.json())["error"]["type"] == "upstream_timeout"
 
 
-async def test_client_disconnect_cancels_upstream_and_is_recorded(start_sidecar: StartSidecar) -> None:
+async def test_client_disconnect_cancels_upstream_and_is_recorded(
+    start_sidecar: StartSidecar,
+) -> None:
     run = await start_sidecar()
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 40, "stream": True}
     async with aiohttp.ClientSession() as s:
-        r = await s.post(run.url + "/v1/chat/completions", json=body,
-                         headers={"X-Fake": "slow-stream"})
+        r = await s.post(
+            run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "slow-stream"}
+        )
         await r.content.readany()
         r.close()  # the client goes away mid-stream
     for _ in range(50):
         await asyncio.sleep(0.02)
-        if run.value("llm_requests_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     status_code="499"):
+        if run.value(
+            "llm_requests_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            status_code="499",
+        ):
             break
-    assert run.value("llm_requests_total", model=MODEL, api_endpoint="/v1/chat/completions",
-                     status_code="499") == 1
+    assert (
+        run.value(
+            "llm_requests_total",
+            model=MODEL,
+            api_endpoint="/v1/chat/completions",
+            status_code="499",
+        )
+        == 1
+    )
     assert run.value("llm_in_flight_requests", model=MODEL) == 0
 
 
 async def test_malformed_json_is_forwarded_untouched(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar()
     raw = b'{"model": "x", "messages": [oops'
-    async with aiohttp.ClientSession() as s, s.post(run.url + "/v1/chat/completions", data=raw) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", data=raw) as r,
+    ):
         assert r.status == 400
         assert (await r.json())["error"]["message"] == "bad json"
     assert run.upstream.seen[-1]["body"] == raw
     # refused upstream, consumed nothing: not an unmeasured request
-    assert run.value("llm_usage_unknown_total", model="unknown",
-                     api_endpoint="/v1/chat/completions", reason="error_response") is None
+    assert (
+        run.value(
+            "llm_usage_unknown_total",
+            model="unknown",
+            api_endpoint="/v1/chat/completions",
+            reason="error_response",
+        )
+        is None
+    )
 
 
 async def test_oversized_body_is_413(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar({"server": {"max_request_body_bytes": 1000}})
-    async with aiohttp.ClientSession() as s, s.post(run.url + "/v1/completions",
-                                                    data=b"x" * 5000) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/completions", data=b"x" * 5000) as r,
+    ):
         assert r.status == 413
         assert (await r.json())["error"]["type"] == "request_too_large"
     assert run.upstream.seen == []
@@ -226,10 +358,16 @@ async def test_oversized_body_is_413(start_sidecar: StartSidecar) -> None:
 
 async def test_hop_by_hop_dropped_and_forwarded_for_added(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar()
-    headers = {"Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "X-Keep": "yes",
-               "X-Forwarded-For": "10.0.0.1"}
-    async with aiohttp.ClientSession() as s, s.post(run.url + "/echo", data=b"abc",
-                                                    headers=headers) as r:
+    headers = {
+        "Connection": "keep-alive, X-Secret-Hop",
+        "X-Secret-Hop": "1",
+        "X-Keep": "yes",
+        "X-Forwarded-For": "10.0.0.1",
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/echo", data=b"abc", headers=headers) as r,
+    ):
         assert await r.read() == b"abc"
     got = run.upstream.seen[-1]["headers"]
     assert got["X-Keep"] == "yes"
@@ -249,9 +387,11 @@ async def test_user_cardinality_is_capped_totals_exact(start_sidecar: StartSidec
     run = await start_sidecar({"metering": {"max_tracked_users": 2}})
     async with aiohttp.ClientSession() as s:
         for user in ["u1", "u2", "u3", "u4"]:
-            async with s.post(run.url + "/v1/chat/completions",
-                              json={"model": MODEL, "messages": MSGS, "max_tokens": 3},
-                              headers={"X-Tollbooth-User": user}) as r:
+            async with s.post(
+                run.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": MSGS, "max_tokens": 3},
+                headers={"X-Tollbooth-User": user},
+            ) as r:
                 await r.read()
     assert tokens(run, "output", user="u1") == 3
     assert tokens(run, "output", user="__other__") == 6
@@ -270,7 +410,9 @@ async def test_hostile_user_values_are_sanitised(start_sidecar: StartSidecar) ->
             await r.read()
         async with s.get(run.admin_url + "/metrics") as m:
             body = await m.text()
-    line = next(ln for ln in body.splitlines() if ln.startswith("llm_tokens_total{") and "output" in ln)
+    line = next(
+        ln for ln in body.splitlines() if ln.startswith("llm_tokens_total{") and "output" in ln
+    )
     assert 'user_id="a_b_c_d_' in line
     assert len(line) < 300
 
@@ -278,18 +420,25 @@ async def test_hostile_user_values_are_sanitised(start_sidecar: StartSidecar) ->
 async def test_embeddings_and_responses_are_metered(start_sidecar: StartSidecar, oai: Any) -> None:
     run = await start_sidecar()
     client = oai(run)
-    await client.embeddings.create(model=MODEL, input="a b c", extra_headers={"X-Tollbooth-User": "e"})
+    await client.embeddings.create(
+        model=MODEL, input="a b c", extra_headers={"X-Tollbooth-User": "e"}
+    )
     assert tokens(run, "input", "/v1/embeddings", "e") == 3
     await client.responses.create(model=MODEL, input="a b", extra_headers={"X-Tollbooth-User": "r"})
     assert tokens(run, "input", "/v1/responses", "r") == 2
     assert tokens(run, "output", "/v1/responses", "r") == 4
-    stream = await client.responses.create(model=MODEL, input="a b c", stream=True,
-                                           extra_headers={"X-Tollbooth-User": "rs"})
+    stream = await client.responses.create(
+        model=MODEL, input="a b c", stream=True, extra_headers={"X-Tollbooth-User": "rs"}
+    )
     events = [e.type async for e in stream]
     assert events[-1] == "response.completed"
     assert tokens(run, "input", "/v1/responses", "rs") == 3
-    assert run.value("llm_cached_input_tokens_total", model=MODEL, api_endpoint="/v1/responses",
-                     user_id="rs") == 1
+    assert (
+        run.value(
+            "llm_cached_input_tokens_total", model=MODEL, api_endpoint="/v1/responses", user_id="rs"
+        )
+        == 1
+    )
 
 
 async def test_metrics_endpoints(start_sidecar: StartSidecar) -> None:
@@ -299,7 +448,8 @@ async def test_metrics_endpoints(start_sidecar: StartSidecar) -> None:
             assert r.status == 200
         async with s.get(run.admin_url + "/readyz") as r:
             assert r.status == 200
-        async with s.get(run.admin_url + "/metrics",
-                         headers={"Accept": "application/openmetrics-text"}) as r:
+        async with s.get(
+            run.admin_url + "/metrics", headers={"Accept": "application/openmetrics-text"}
+        ) as r:
             assert r.headers["Content-Type"].startswith("application/openmetrics-text")
             assert (await r.text()).endswith("# EOF\n")

@@ -19,7 +19,7 @@ STREAM = (
 def parse_in_pieces(data: bytes, cuts: list[int]) -> tuple[list, bytes]:
     p = SSEParser()
     events, last = [], 0
-    for c in sorted(set(cuts)) + [len(data)]:
+    for c in [*sorted(set(cuts)), len(data)]:
         events += p.feed(data[last:c])
         last = c
     return events, p.finish()
@@ -44,10 +44,15 @@ def test_any_cuts_preserve_bytes(cuts: list[int]) -> None:
     assert len(events) == 5
 
 
-@given(st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\n"), max_size=20),
-                min_size=1, max_size=6),
-       st.sampled_from([b"\n", b"\r\n", b"\r"]),
-       st.lists(st.integers(min_value=0, max_value=400), max_size=8))
+@given(
+    st.lists(
+        st.text(alphabet=st.characters(blacklist_characters="\r\n"), max_size=20),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([b"\n", b"\r\n", b"\r"]),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
 def test_data_roundtrip_any_line_ending(payloads: list[str], eol: bytes, cuts: list[int]) -> None:
     data = b"".join(b"data: " + p.encode() + eol + eol for p in payloads)
     events, tail = parse_in_pieces(data, [c for c in cuts if c <= len(data)])
