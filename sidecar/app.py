@@ -14,6 +14,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -21,10 +22,10 @@ from prometheus_client import exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
 from .config import Config, parse_hostport
-from .meter import Meter
+from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
-from .proxy import Proxy, ProxySettings, TgiModelName
+from .proxy import Gate, Proxy, ProxySettings, TgiModelName
 
 log = logging.getLogger("tollbooth")
 
@@ -41,6 +42,11 @@ class Sidecar:
     draining: bool = False
     proxy: Proxy | None = None
     extra_contexts: list[Ctx] = field(default_factory=list)
+    gates: list[Gate] = field(default_factory=list)  # may refuse a request before the upstream
+    on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
+
+    spend: Any = None  # budget.Spend, set by wiring
+    ledger: Any = None  # ledger.Ledger when a ledger path is configured
 
     def __post_init__(self) -> None:
         pricing = self.config.pricing
@@ -115,6 +121,8 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     tgi = TgiModelName(session, base, up.model_name)
     sc.proxy = Proxy(settings, session, sc.metrics, sc.meter, sc.users, sc.models, tgi)
+    sc.proxy.gates = sc.gates
+    sc.proxy.on_start = sc.on_start
     yield
     await session.close()
 

@@ -84,6 +84,8 @@ class BudgetConfig:
     global_daily_usd: float | None = None
     user_daily_usd: float | None = None
     users: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The budget day starts at this hour, UTC.
+    day_start_hour_utc: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,6 +286,8 @@ def validate(config: Config) -> Config:
         _fail("admission.max_batch", config.admission.max_batch, "must be >= 1")
     if not 0.0 <= config.logging.sample_success <= 1.0:
         _fail("logging.sample_success", config.logging.sample_success, "must be in [0, 1]")
+    if config.budgets.day_start_hour_utc > 23:
+        _fail("budgets.day_start_hour_utc", config.budgets.day_start_hour_utc, "must be 0-23")
     if config.metering.max_tracked_users < 1:
         _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
     if not config.metering.user_header.strip():

@@ -30,7 +30,8 @@ class Exchange:
     request_id: str
     endpoint: Endpoint
     info: RequestInfo
-    user: str  # label value (sanitised, capped)
+    user: str  # label value (sanitised, capped for cardinality)
+    user_id: str  # sanitised but not capped: the ledger, budgets and logs keep the real user
     model: str  # label value chosen at start; replaced by the response's model when known
     started_at: float = field(default_factory=time.time)  # wall clock, for the ledger
     t0: float = field(default_factory=time.perf_counter)
@@ -112,7 +113,7 @@ class Meter:
             if out and out > 1 and ex.duration_s is not None:
                 decode = ex.t0 + ex.duration_s - ex.first_token_at  # type: ignore[operator]
                 c(m.tpot, ex.model, ep).observe(max(decode, 0.0) / (out - 1))
-        if not self._has_usage(ex):
+        if not consumed(ex):
             return
         if u.input_tokens is not None:
             c(m.tokens, ex.model, "input", ep, ex.user).inc(u.input_tokens)
@@ -124,16 +125,8 @@ class Meter:
             reason = u.unknown_reason or "unknown"
             c(m.usage_unknown, ex.model, ep, reason).inc()
 
-    @staticmethod
-    def _has_usage(ex: Exchange) -> bool:
-        """Is there usage to meter? A refused request (4xx/5xx with no usage) consumed nothing."""
-        u = ex.usage
-        if u.input_tokens is not None or u.output_tokens is not None:
-            return True
-        return 200 <= ex.status < 300 or ex.status == STATUS_CLIENT_CLOSED
-
     def _price(self, ex: Exchange) -> None:
-        if not self._has_usage(ex):
+        if not consumed(ex):
             return
         m, ep, c = self.metrics, ex.endpoint.value, self.metrics.child
         cost = price_cost(self.prices, ex)
@@ -150,6 +143,14 @@ class Meter:
     @staticmethod
     def _exemplar(ex: Exchange) -> dict[str, str] | None:
         return {"trace_id": ex.trace_id} if ex.trace_id else None
+
+
+def consumed(ex: Exchange) -> bool:
+    """Did the request use the server? A refused one (4xx/5xx, no usage) consumed nothing."""
+    u = ex.usage
+    if u.input_tokens is not None or u.output_tokens is not None:
+        return True
+    return 200 <= ex.status < 300 or ex.status == STATUS_CLIENT_CLOSED
 
 
 def priced_model(ex: Exchange) -> str | None:

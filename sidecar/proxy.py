@@ -24,7 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
-from .metrics import LabelCap, Metrics
+from .metrics import LabelCap, Metrics, sanitize
 from .usage import (
     RequestInfo,
     StreamMeter,
@@ -97,8 +97,9 @@ def _connection_listed(headers: Mapping[str, str]) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
-def error_body(status: int, err_type: str, message: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": err_type, "code": status}}).encode()
+def error_body(err_type: str, message: str) -> bytes:
+    """OpenAI's error shape; `code` is the same machine-readable string as `type`."""
+    return json.dumps({"error": {"message": message, "type": err_type, "code": err_type}}).encode()
 
 
 def error_response(
@@ -107,7 +108,7 @@ def error_response(
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
     return web.Response(
         status=status,
-        body=error_body(status, err_type, message),
+        body=error_body(err_type, message),
         content_type="application/json",
         headers=headers,
     )
@@ -228,13 +229,14 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
-        user = self.users(resolve_user(request.headers, info, self.s.user_header))
+        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
         model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
         ex = Exchange(
             request_id=uuid.uuid4().hex,
             endpoint=endpoint,
             info=info,
-            user=user,
+            user=self.users(user_id),
+            user_id=user_id,
             model=self.models(model or "unknown"),
             bytes_in=len(body),
             upstream=self.s.upstream,

@@ -1,0 +1,262 @@
+"""The usage ledger: one SQLite row per request, written off the event loop in batches.
+
+Owns: the schema, a writer thread that commits every `flush_interval_s` (so a hard kill loses at
+most that much), retrying rows after a failed write, retention, and the reads that restore today's
+spend and feed `tollbooth report`.
+Never: blocks the event loop (the proxy only appends to an in-memory queue), or fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from .config import LedgerConfig
+from .meter import Exchange, consumed
+from .metrics import Metrics
+
+log = logging.getLogger("tollbooth.ledger")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,                 -- request start, unix seconds (UTC)
+    request_id TEXT NOT NULL,
+    trace_id TEXT,
+    model TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    user TEXT NOT NULL,
+    input_tokens INTEGER,             -- NULL: not measured
+    cached_input_tokens INTEGER,
+    output_tokens INTEGER,
+    cost_usd REAL,                    -- NULL: unknown (never a made-up 0)
+    status TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    queue_s REAL,
+    ttft_s REAL,
+    duration_s REAL,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    request_id TEXT NOT NULL,
+    trace_id TEXT,
+    model TEXT NOT NULL,
+    user TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    record TEXT NOT NULL              -- the audit record, JSON
+);
+CREATE INDEX IF NOT EXISTS audit_ts ON audit (ts);
+"""
+
+RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
+
+INSERT = (
+    "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
+    "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
+    "error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+INSERT_AUDIT = (
+    "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    ts: float
+    request_id: str
+    trace_id: str | None
+    model: str
+    endpoint: str
+    user: str
+    input_tokens: int | None
+    cached_input_tokens: int | None
+    output_tokens: int | None
+    cost_usd: float | None
+    status: str
+    stream: int
+    queue_s: float | None
+    ttft_s: float | None
+    duration_s: float | None
+    error: str | None
+
+
+def row_of(ex: Exchange) -> Row:
+    u = ex.usage
+    if ex.cost is not None:
+        cost: float | None = ex.cost.total_usd
+    else:
+        cost = None if consumed(ex) else 0.0  # refused before generating anything: nothing spent
+    return Row(
+        ts=ex.started_at,
+        request_id=ex.request_id,
+        trace_id=ex.trace_id,
+        model=u.model or ex.info.model or ex.model,
+        endpoint=ex.endpoint.value,
+        user=ex.user_id,
+        input_tokens=u.input_tokens,
+        cached_input_tokens=u.cached_input_tokens,
+        output_tokens=u.output_tokens,
+        cost_usd=cost,
+        status=ex.status_label,
+        stream=int(ex.info.stream),
+        queue_s=ex.queue_s,
+        ttft_s=ex.ttft_s,
+        duration_s=ex.duration_s,
+        error=ex.error,
+    )
+
+
+def connect(path: str | Path) -> sqlite3.Connection:
+    # A short busy timeout: a locked file makes the writer retry later, not stall the flushes.
+    conn = sqlite3.connect(str(path), timeout=1.0, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at each checkpointed commit
+    conn.executescript(SCHEMA)
+    return conn
+
+
+class Ledger:
+    """Append rows from the event loop; a thread commits them in batches."""
+
+    def __init__(self, config: LedgerConfig, metrics: Metrics) -> None:
+        assert config.path is not None
+        self.config = config
+        self.metrics = metrics
+        self._pending: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._retry_at = 0.0
+
+    # --- event-loop side (never blocks on disk)
+
+    def append(self, ex: Exchange) -> None:
+        self._put(INSERT, astuple(row_of(ex)))
+
+    def append_audit(self, values: tuple[Any, ...]) -> None:
+        self._put(INSERT_AUDIT, values)
+
+    def _put(self, sql: str, values: tuple[Any, ...]) -> None:
+        with self._lock:
+            if len(self._pending) >= self.config.max_pending_rows:
+                self._pending.popleft()
+                self.metrics.ledger_dropped.inc()
+            self._pending.append((sql, values))
+
+    # --- lifecycle
+
+    def open(self) -> None:
+        """Open (creating if needed), apply retention, start the writer thread.
+
+        A file that cannot be opened (corrupt, locked, unwritable) is logged and counted, and the
+        writer keeps retrying while rows wait in memory: traffic is never refused for it.
+        """
+        self._try_connect()
+        self._thread = threading.Thread(target=self._run, name="tollbooth-ledger", daemon=True)
+        self._thread.start()
+
+    def _try_connect(self) -> bool:
+        conn = None
+        try:
+            conn = connect(self.config.path)  # type: ignore[arg-type]
+            cutoff = time.time() - self.config.retention_days * 86400
+            with conn:
+                conn.execute("DELETE FROM requests WHERE ts < ?", (cutoff,))
+                conn.execute("DELETE FROM audit WHERE ts < ?", (cutoff,))
+        except sqlite3.Error as exc:
+            log.error("ledger %s cannot be opened (will retry): %s", self.config.path, exc)
+            self.metrics.ledger_errors.inc()
+            if conn is not None:
+                conn.close()
+            self._retry_at = time.monotonic() + RECONNECT_S
+            return False
+        self._conn = conn
+        return True
+
+    def spend_since(self, since: float) -> dict[str, float]:
+        if self._conn is None:
+            log.error("ledger unavailable: today's spend starts from zero")
+            return {}
+        cur = self._conn.execute(
+            "SELECT user, SUM(cost_usd) FROM requests WHERE ts >= ? AND cost_usd IS NOT NULL "
+            "GROUP BY user",
+            (since,),
+        )
+        return {user: float(total) for user, total in cur.fetchall()}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._conn is not None:
+            self._conn.close()
+
+    # --- writer thread
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.flush_interval_s):
+            self._flush()
+        self._flush()
+        if self._pending:  # one last try after a failure at shutdown
+            time.sleep(min(0.5, self.config.flush_interval_s))
+            self._flush()
+        if self._pending:
+            self.metrics.ledger_dropped.inc(len(self._pending))
+            log.error("ledger closed with %d rows unwritten", len(self._pending))
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, collections.deque()
+        if not batch:
+            return
+        try:
+            self._write(batch)
+        except sqlite3.Error as exc:
+            if self._conn is not None:
+                log.error("ledger write of %d rows failed (will retry): %s", len(batch), exc)
+                self.metrics.ledger_errors.inc()
+            with self._lock:  # put the batch back in front of what arrived meanwhile
+                batch.extend(self._pending)
+                while len(batch) > self.config.max_pending_rows:
+                    batch.popleft()
+                    self.metrics.ledger_dropped.inc()
+                self._pending = batch
+
+    def _write(self, batch: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+        if self._conn is None:
+            if time.monotonic() < self._retry_at or not self._try_connect():
+                raise sqlite3.OperationalError("ledger not open")
+        assert self._conn is not None
+        with self._conn:
+            for sql, values in batch:
+                self._conn.execute(sql, values)
+
+
+def ledger_context(
+    ledger: Ledger, on_open: Callable[[Ledger], Awaitable[None]] | None = None
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context: open before the first request, flush and close after the last."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        await asyncio.to_thread(ledger.open)
+        if on_open is not None:
+            await on_open(ledger)
+        yield
+        await asyncio.to_thread(ledger.close)
+
+    return ctx

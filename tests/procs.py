@@ -1,0 +1,70 @@
+"""Running `tollbooth` as a real process for tests that need signals (SIGTERM, SIGKILL, SIGHUP)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Tollbooth:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, url: str, admin: str, log: Path, handle: Any
+    ):
+        self.proc, self.url, self.admin, self.log, self._handle = proc, url, admin, log, handle
+
+    async def stop(self, sig: int) -> int:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+        try:
+            return await asyncio.wait_for(self.proc.wait(), 30)
+        finally:
+            self._handle.close()
+
+
+async def start_tollbooth(tmp: Path, config: dict[str, Any], *args: str) -> Tollbooth:
+    port, admin = free_port(), free_port()
+    cfg = tmp / f"tollbooth-{port}.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    log = tmp / f"tollbooth-{port}.log"
+    handle = log.open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "sidecar.cli",
+        "serve",
+        "--config",
+        str(cfg),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin-listen",
+        f"127.0.0.1:{admin}",
+        *args,
+        stdout=handle,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    tb = Tollbooth(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log, handle)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            if proc.returncode is not None:
+                handle.close()
+                raise RuntimeError("tollbooth exited: " + log.read_text()[-2000:])
+            try:
+                async with s.get(tb.admin + "/readyz") as r:
+                    if r.status == 200:
+                        return tb
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError("tollbooth did not become ready: " + log.read_text()[-2000:])

@@ -1,0 +1,195 @@
+"""The ledger: rows equal completed requests, a bounded loss on a hard kill, spend survives restarts,
+and a broken ledger file never breaks traffic. These run tollbooth as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from sidecar.budget import Spend
+from sidecar.config import BudgetConfig
+from sidecar.ledger import Ledger, connect
+from sidecar.metrics import LabelCap, Metrics
+from tests.fakes import MODEL
+from tests.procs import start_tollbooth
+
+MSGS = [{"role": "user", "content": "one two three four five"}]
+PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}}
+FLUSH = 0.25
+
+
+def config(server: Any, db: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "upstream": {"url": str(server.make_url("")).rstrip("/")},
+        "pricing": PRICES,
+        "ledger": {"path": str(db), "flush_interval_s": FLUSH},
+        "logging": {"access_log": "off"},
+        **extra,
+    }
+
+
+def rows(db: Path) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(
+            "SELECT user, input_tokens, output_tokens, cost_usd, status FROM requests"
+        ).fetchall()
+    finally:
+        conn.close()
+
+
+async def load(url: str, seconds: float, users: int = 3) -> list[float]:
+    """Closed-loop load for `seconds`; returns the completion time of each request."""
+    done: list[float] = []
+    stop_at = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as s:
+
+        async def worker(i: int) -> None:
+            while time.monotonic() < stop_at:
+                try:
+                    async with s.post(
+                        url + "/v1/chat/completions",
+                        json={"model": MODEL, "messages": MSGS, "max_tokens": 2},
+                        headers={"X-Tollbooth-User": f"user{i}"},
+                    ) as r:
+                        await r.read()
+                        if r.status == 200:
+                            done.append(time.monotonic())
+                except aiohttp.ClientError:
+                    return
+
+        await asyncio.gather(*(worker(i) for i in range(users)))
+    return done
+
+
+async def test_sigterm_flushes_every_completed_request(upstream: Any, tmp_path: Path) -> None:
+    _, server = upstream
+    db = tmp_path / "ledger.db"
+    tb = await start_tollbooth(tmp_path, config(server, db))
+    done = await load(tb.url, 0.8)
+    assert await tb.stop(signal.SIGTERM) == 0
+    got = rows(db)
+    assert len(got) == len(done) > 10
+    assert {r[4] for r in got} == {"200"}
+    assert all(r[1] == 5 and r[2] == 2 for r in got)
+
+
+async def test_hard_kill_loses_at_most_the_flush_interval(upstream: Any, tmp_path: Path) -> None:
+    _, server = upstream
+    db = tmp_path / "ledger.db"
+    tb = await start_tollbooth(tmp_path, config(server, db))
+    task = asyncio.create_task(load(tb.url, 10.0))
+    await asyncio.sleep(1.5)
+    killed_at = time.monotonic()
+    await tb.stop(signal.SIGKILL)
+    done = await task
+    kept = len(rows(db))
+    # Every request that finished a flush interval (plus commit slack) before the kill is on disk.
+    slack = 0.25
+    must_have = sum(1 for t in done if t < killed_at - FLUSH - slack)
+    assert must_have > 10
+    assert must_have <= kept <= len(done)
+
+
+async def test_restart_restores_todays_spend(upstream: Any, tmp_path: Path) -> None:
+    _, server = upstream
+    db = tmp_path / "ledger.db"
+    tb = await start_tollbooth(tmp_path, config(server, db))
+    await load(tb.url, 0.3, users=1)
+    async with aiohttp.ClientSession() as s, s.get(tb.admin + "/metrics") as r:
+        before = _spend(await r.text())
+    await tb.stop(signal.SIGTERM)
+    tb = await start_tollbooth(tmp_path, config(server, db))
+    try:
+        async with aiohttp.ClientSession() as s, s.get(tb.admin + "/metrics") as r:
+            after = _spend(await r.text())
+        assert before > 0
+        assert after == pytest.approx(before)
+    finally:
+        await tb.stop(signal.SIGTERM)
+
+
+def _spend(metrics_text: str) -> float:
+    line = next(
+        ln
+        for ln in metrics_text.splitlines()
+        if ln.startswith('llm_spend_today_usd{user_id="user0"}')
+    )
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize("breakage", ["corrupt", "locked"])
+async def test_broken_ledger_does_not_break_traffic(
+    upstream: Any, tmp_path: Path, breakage: str
+) -> None:
+    _, server = upstream
+    db = tmp_path / "ledger.db"
+    holder = None
+    if breakage == "corrupt":
+        db.write_bytes(b"this is not a database" * 100)
+    else:
+        holder = connect(db)
+        holder.execute("BEGIN EXCLUSIVE")
+    tb = await start_tollbooth(tmp_path, config(server, db))
+    try:
+        done = await load(tb.url, 0.5, users=1)
+        assert len(done) > 5
+        async with aiohttp.ClientSession() as s, s.get(tb.admin + "/metrics") as r:
+            text = await r.text()
+        errors = next(ln for ln in text.splitlines() if ln.startswith("llm_ledger_errors_total"))
+        assert float(errors.split()[-1]) >= 1
+        if holder is not None:  # the lock goes away: the rows written meanwhile arrive
+            holder.rollback()
+            holder.close()
+            holder = None
+            for _ in range(100):  # reconnect and flush
+                await asyncio.sleep(0.1)
+                if len(rows(db)) == len(done):
+                    break
+            assert len(rows(db)) == len(done)
+    finally:
+        if holder is not None:
+            holder.close()
+        await tb.stop(signal.SIGTERM)
+
+
+def test_writer_retries_rows_after_a_failure(tmp_path: Path) -> None:
+    from sidecar.config import LedgerConfig
+
+    metrics = Metrics()
+    ledger = Ledger(LedgerConfig(path=str(tmp_path / "l.db"), flush_interval_s=0.05), metrics)
+    ledger.open()
+    calls = {"n": 0}
+    real_write = ledger._write
+
+    def flaky(batch: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise sqlite3.OperationalError("disk I/O error")
+        real_write(batch)
+
+    ledger._write = flaky  # type: ignore[method-assign]
+    ledger.append_audit((time.time(), "r1", None, "m", "u", "test", "{}"))
+    time.sleep(0.3)
+    ledger.close()
+    conn = sqlite3.connect(tmp_path / "l.db")
+    assert conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 1
+    assert metrics.registry.get_sample_value("llm_ledger_errors_total") == 1
+
+
+def test_spend_rolls_over_at_the_budget_day() -> None:
+    now = [86400.0 * 100 + 3600]
+    spend = Spend(BudgetConfig(), Metrics(), LabelCap(10), clock=lambda: now[0])
+    spend.restore({"alice": 2.0})
+    assert spend.total == 2.0
+    assert spend.seconds_to_reset() == pytest.approx(86400 - 3600)
+    now[0] += 86400
+    spend._roll()
+    assert spend.total == 0.0 and spend.by_user == {}
