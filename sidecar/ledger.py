@@ -238,9 +238,9 @@ class Ledger:
                 self._pending = batch
 
     def _write(self, batch: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
-        if self._conn is None:
-            if time.monotonic() < self._retry_at or not self._try_connect():
-                raise sqlite3.OperationalError("ledger not open")
+        reconnect_due = time.monotonic() >= self._retry_at
+        if self._conn is None and not (reconnect_due and self._try_connect()):
+            raise sqlite3.OperationalError("ledger not open")
         assert self._conn is not None
         with self._conn:
             for sql, values in batch:

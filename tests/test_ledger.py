@@ -1,5 +1,5 @@
-"""The ledger: rows equal completed requests, a bounded loss on a hard kill, spend survives restarts,
-and a broken ledger file never breaks traffic. These run tollbooth as a real process."""
+"""The ledger: rows equal completed requests, a bounded loss on a hard kill, spend survives
+restarts, and a broken ledger file never breaks traffic. These run tollbooth as a real process."""
 
 from __future__ import annotations
 
