@@ -47,6 +47,7 @@ class Sidecar:
 
     spend: Any = None  # budget.Spend, set by wiring
     ledger: Any = None  # ledger.Ledger when a ledger path is configured
+    admission: Any = None  # admission.Admission unless the strategy is "none"
 
     def __post_init__(self) -> None:
         pricing = self.config.pricing

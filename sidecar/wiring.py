@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from .admission import Admission
 from .app import Sidecar
 from .budget import Spend
 from .ledger import Ledger, ledger_context
@@ -19,6 +20,9 @@ def wire(sc: Sidecar) -> Sidecar:
     spend = sc.spend = Spend(cfg.budgets, sc.metrics, sc.users)
     if spend.enforcing:
         sc.gates.append(spend.gate)
+    if cfg.admission.strategy != "none":
+        sc.admission = Admission(cfg.admission, sc.metrics)
+        sc.gates.append(sc.admission.gate)
     sc.meter.add_sink("spend", spend.settle)
     if cfg.ledger.path:
         ledger = sc.ledger = Ledger(cfg.ledger, sc.metrics)
