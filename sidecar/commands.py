@@ -29,4 +29,56 @@ def add_report(sub: Sub) -> None:  # type: ignore[valid-type]
     p.set_defaults(func=cmd_report)
 
 
-ADDERS: list[Adder] = [add_report]
+def engine_params(args: argparse.Namespace) -> object:
+    from .simulator import EngineParams
+
+    speed = args.speed
+    return EngineParams(
+        kv_capacity_tokens=args.kv_capacity,
+        on_full=args.on_full,
+        step_base_s=0.004 / speed,
+        prefill_s_per_token=0.00002 / speed,
+        decode_s_per_seq=0.0002 / speed,
+    )
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-capacity", type=int, default=65536, help="simulated KV cache, tokens")
+    p.add_argument(
+        "--on-full",
+        choices=["preempt", "oom"],
+        default="preempt",
+        help="what the simulated engine does when its KV cache is full",
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 = twice as fast")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from aiohttp import web
+
+    from . import logs
+    from .config import parse_hostport
+    from .simulator import create_simulator
+
+    logs.setup("INFO", "text")
+    host, port = parse_hostport("--listen", args.listen)
+    app = create_simulator(args.api, engine_params(args), args.model)  # type: ignore[arg-type]
+    print(f"simulated {args.api} server (not a GPU) on http://{host}:{port}", flush=True)
+    web.run_app(
+        app, host=host, port=port, access_log=None, print=None, loop=asyncio.new_event_loop()
+    )
+    return 0
+
+
+def add_simulate(sub: Sub) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser("simulate", help="run the simulated vLLM/TGI server")  # type: ignore[attr-defined]
+    p.add_argument("--listen", default="127.0.0.1:8000")
+    p.add_argument("--api", choices=["vllm", "tgi"], default="vllm")
+    p.add_argument("--model", default="sim-llama-3-8b")
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_simulate)
+
+
+ADDERS: list[Adder] = [add_report, add_simulate]
