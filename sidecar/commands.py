@@ -81,4 +81,160 @@ def add_simulate(sub: Sub) -> None:  # type: ignore[valid-type]
     p.set_defaults(func=cmd_simulate)
 
 
-ADDERS: list[Adder] = [add_report, add_simulate]
+def _distribution(args: argparse.Namespace) -> object:
+    from .bench import Distribution
+
+    return Distribution(
+        n=args.n,
+        seed=args.seed,
+        prompt_words_median=args.prompt_words,
+        max_tokens_min=args.max_tokens_min,
+        max_tokens_max=args.max_tokens_max,
+        rate_per_s=args.arrival_rate,
+    )
+
+
+def _add_distribution_flags(p: argparse.ArgumentParser, n: int) -> None:
+    p.add_argument("--n", type=int, default=n, help="number of requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-words", type=int, default=120, help="median prompt length, words")
+    p.add_argument("--max-tokens-min", type=int, default=16)
+    p.add_argument("--max-tokens-max", type=int, default=192)
+    p.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=8.0,
+        help="Poisson rate for the arrival offsets written to the file",
+    )
+
+
+def cmd_make_requests(args: argparse.Namespace) -> int:
+    from .bench import generate, write
+
+    reqs = generate(_distribution(args))  # type: ignore[arg-type]
+    write(args.out, reqs)
+    print(f"wrote {len(reqs)} requests to {args.out}")
+    return 0
+
+
+def add_make_requests(sub: Sub) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")  # type: ignore[attr-defined]
+    p.add_argument("--out", required=True)
+    _add_distribution_flags(p, 64)
+    p.set_defaults(func=cmd_make_requests)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import asyncio
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from .bench import Arrival, BenchOptions, generate, read, run
+    from .bench.output import write_all
+    from .config import ConfigError, load
+    from .pricing import load_pricing_file
+
+    if args.requests:
+        reqs, source = read(args.requests), {"request_file": args.requests}
+    else:
+        dist = _distribution(args)
+        reqs, source = generate(dist), {"generated": asdict(dist)}  # type: ignore[call-overload]
+    arrival = (
+        Arrival("concurrency", args.concurrency)
+        if args.concurrency
+        else Arrival("rate", args.rate)
+        if args.rate
+        else Arrival("burst", args.burst)
+        if args.burst
+        else Arrival("file", 0)
+        if args.requests
+        else Arrival("concurrency", 8)
+    )
+    pricing = load_pricing_file(args.pricing) if args.pricing else load().pricing
+    if args.config:
+        pricing = load(args.config).pricing
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for s in strategies:
+        if s not in ("none", "serial", "fixed-batch", "token-budget"):
+            raise ConfigError(
+                f"--strategies: '{s}' is not one of none, serial, fixed-batch, token-budget"
+            )
+    opts = BenchOptions(
+        strategies=strategies,
+        out_dir=Path(args.out),
+        upstream=args.upstream,
+        model=args.model,
+        arrival=arrival,
+        warmup=args.warmup,
+        token_budget=args.token_budget,
+        max_batch=args.max_batch,
+        lower_factor=args.lower_factor,
+        max_attempts=args.max_attempts,
+        pricing=pricing,
+        sim_api=args.api,
+        sim_params=engine_params(args),
+        seed=args.seed,  # type: ignore[arg-type]
+    )
+    result = asyncio.run(run(opts, reqs, source))
+    for path in write_all(result, opts.out_dir):
+        print(f"wrote {path}")
+    for name, s in result["strategies"].items():
+        e2e = s["e2e_s"]["p50"]
+        print(
+            f"  {name:<13} failures={s['failures']:<3} e2e p50="
+            f"{'unknown' if e2e is None else f'{e2e * 1000:.0f} ms'} "
+            f"attempts={len(s['attempts'])}"
+        )
+    return 0
+
+
+def add_bench(sub: Sub) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser("bench", help="compare scheduling strategies on a fixed request set")  # type: ignore[attr-defined]
+    p.add_argument("--requests", help="request set (JSONL); default: a generated set")
+    p.add_argument("--strategies", default="serial,fixed-batch,token-budget")
+    p.add_argument("--upstream", help="vLLM/TGI base URL; default: start the simulator")
+    p.add_argument("--model", help="model name (default: asked from the upstream)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--concurrency", type=int, help="closed loop with N in flight")
+    g.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
+    g.add_argument("--burst", type=int, help="bursts of N")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument(
+        "--lower-factor",
+        type=float,
+        default=0.5,
+        help="budget multiplier after an out-of-memory attempt",
+    )
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--pricing", help="pricing YAML for cost per 1k tokens")
+    p.add_argument("--config", help="tollbooth config whose pricing to use")
+    p.add_argument("--api", choices=["vllm", "tgi"], default="vllm", help="simulator API")
+    add_engine_flags(p)
+    _add_distribution_flags(p, 48)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo, logs
+
+    logs.setup("WARNING", "text")
+    demo.main(
+        args.duration, args.keep_running, args.listen, args.admin_listen, args.upstream_listen
+    )
+    return 0
+
+
+def add_demo(sub: Sub) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser("demo", help="simulator + sidecar + a short mixed load, then a summary")  # type: ignore[attr-defined]
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of traffic")
+    p.add_argument("--keep-running", action="store_true", help="stay up after the summary")
+    p.add_argument("--listen", default="127.0.0.1:8080")
+    p.add_argument("--admin-listen", default="127.0.0.1:9464")
+    p.add_argument("--upstream-listen", default="127.0.0.1:8000")
+    p.set_defaults(func=cmd_demo)
+
+
+ADDERS: list[Adder] = [add_report, add_simulate, add_make_requests, add_bench, add_demo]

@@ -135,6 +135,12 @@ def resolve_user(headers: Mapping[str, str], info: RequestInfo, user_header: str
     )
 
 
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's X-Request-Id (sanitised, so logs and the ledger can join on it), or a new one."""
+    given = headers.get("X-Request-Id")
+    return sanitize(given, 64) if given else uuid.uuid4().hex
+
+
 def decoded(body: bytes, encoding: str | None) -> bytes:
     """A decompressed copy for metering; the client still gets the original bytes."""
     if encoding in ("gzip", "x-gzip"):
@@ -232,7 +238,7 @@ class Proxy:
         user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
         model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
         ex = Exchange(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id(request.headers),
             endpoint=endpoint,
             info=info,
             user=self.users(user_id),

@@ -344,7 +344,8 @@ class StreamMeter:
         choices = obj.get("choices")
         usage = obj.get("usage")
         if isinstance(choices, list) and choices:
-            s.token_events += 1
+            if any(_carries_output(c) for c in choices):
+                s.token_events += 1
             for c in choices:
                 if isinstance(c, dict) and (r := _str(c.get("finish_reason"))):
                     s.finish[_int(c.get("index")) or 0] = r
@@ -422,6 +423,27 @@ class StreamMeter:
             output_tokens=out,
             unknown_reason=None if inp is not None else "no_input_length",
         )
+
+
+_DELTA_OUTPUT = (
+    "content",
+    "reasoning_content",
+    "reasoning",
+    "tool_calls",
+    "function_call",
+    "refusal",
+)
+
+
+def _carries_output(choice: object) -> bool:
+    """Does this chunk carry generated output? vLLM's first chat chunk (the role, empty content)
+    is sent before prefill finishes, so it must not count as the first token."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return any(delta.get(k) for k in _DELTA_OUTPUT)
+    return bool(choice.get("text"))
 
 
 # --- small readers --------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ def test_tgi_chat_stream_without_usage_is_unknown() -> None:
     _, usage, m = meter_all(Endpoint.CHAT, openai_sse(events))
     assert usage.input_tokens is None and usage.output_tokens is None
     assert usage.unknown_reason == "stream_without_usage"
-    assert m.token_events == len(events)  # chunks seen, but never reported as tokens
+    # chunks carrying text are seen (for TTFT), but never reported as tokens
+    assert m.token_events == sum(1 for e in events if e["choices"][0]["delta"]["content"]) == 2
 
 
 def test_stripping_removes_only_the_usage_chunk() -> None:
@@ -183,3 +184,23 @@ def test_request_fields() -> None:
         inject_usage=True,
     )
     assert (chat.max_tokens, chat.tools, chat.messages, chat.prompt_chars) == (9, 2, 1, 3)
+
+
+def test_role_only_first_chunk_is_not_a_token() -> None:
+    role = {
+        "id": "c",
+        "model": "m",
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        ],
+    }
+    token = {
+        "id": "c",
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}],
+    }
+    m = StreamMeter(Endpoint.CHAT)
+    m.feed(openai_sse([role])[: -len(b"data: [DONE]\n\n")])
+    assert m.token_events == 0
+    m.feed(f"data: {json.dumps(token)}\n\n".encode())
+    assert m.token_events == 1

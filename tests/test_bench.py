@@ -1,0 +1,144 @@
+"""The harness end to end on a tiny request set, including out-of-memory then a smaller budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from sidecar.bench import Arrival, BenchOptions, Distribution, generate, read, run, write
+from sidecar.bench.output import write_all
+from sidecar.simulator import EngineParams
+
+FAST = EngineParams(step_base_s=0.0005, prefill_s_per_token=0.0, decode_s_per_seq=0.00002)
+
+
+def test_request_sets_are_reproducible(tmp_path: Path) -> None:
+    d = Distribution(n=10, seed=3)
+    assert generate(d) == generate(d)
+    assert generate(d) != generate(Distribution(n=10, seed=4))
+    write(tmp_path / "r.jsonl", generate(d))
+    assert read(tmp_path / "r.jsonl") == generate(d)
+
+
+async def test_three_strategies_agree_and_report(tmp_path: Path) -> None:
+    reqs = generate(Distribution(n=14, seed=1, prompt_words_median=30, max_tokens_max=24))
+    opts = BenchOptions(
+        strategies=["serial", "fixed-batch", "token-budget"],
+        out_dir=tmp_path,
+        arrival=Arrival("concurrency", 4),
+        sim_params=FAST,
+        max_batch=3,
+    )
+    result = await run(opts, reqs, {"test": True})
+    paths = write_all(result, tmp_path)
+    assert [p.name for p in paths] == ["result.json", "report.md", "latency.png"]
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(paths[0].read_text())
+    assert doc["conditions"]["warmup_requests"] == 2
+    assert doc["conditions"]["measured_requests"] == 12
+    assert doc["conditions"]["upstream"].startswith("simulator")
+    for name in ("serial", "fixed-batch", "token-budget"):
+        s = doc["strategies"][name]
+        assert s["requests"] == 12 and s["failures"] == 0
+        assert s["outputs_consistent"] is True
+        assert set(s["e2e_s"]) == {"p50", "p90", "p99"} and s["e2e_s"]["p50"] > 0
+        assert s["queue_s"]["p50"] is not None and s["ttft_s"]["p50"] is not None
+        assert s["cost_per_1k_tokens_usd"] is None  # no prices given: unknown, not 0
+        assert s["tokens_per_s"] > 0
+    # serial waits longest in the queue
+    assert (
+        doc["strategies"]["serial"]["queue_s"]["p90"]
+        > doc["strategies"]["token-budget"]["queue_s"]["p90"]
+    )
+    assert "| serial | 12 | 0 |" in paths[1].read_text()
+
+
+async def test_out_of_memory_saves_decisions_and_retries_smaller(tmp_path: Path) -> None:
+    reqs = generate(
+        Distribution(
+            n=12,
+            seed=2,
+            prompt_words_median=60,
+            prompt_words_sigma=0.2,
+            max_tokens_min=60,
+            max_tokens_max=60,
+        )
+    )
+    sim = EngineParams(
+        kv_capacity_tokens=400,
+        on_full="oom",
+        step_base_s=0.0005,
+        prefill_s_per_token=0.0,
+        decode_s_per_seq=0.0,
+    )
+    opts = BenchOptions(
+        strategies=["token-budget"],
+        out_dir=tmp_path,
+        warmup=0,
+        arrival=Arrival("burst", 6),
+        sim_params=sim,
+        token_budget=4000,
+        chars_per_token=8.0,
+        lower_factor=0.25,
+        max_attempts=3,
+    )
+    result = await run(opts, reqs, {})
+    attempts = result["strategies"]["token-budget"]["attempts"]
+    assert attempts[0]["oom_failures"] > 0 and attempts[0]["token_budget"] == 4000
+    assert attempts[1]["token_budget"] == 1000
+    assert attempts[-1]["oom_failures"] == 0
+    report = json.loads((tmp_path / attempts[0]["oom_report"]).read_text())
+    assert report["input_length_summary"]["requests"] == 12
+    assert report["failed_requests"]
+    assert {d["event"] for d in report["scheduling_decisions"]} >= {"admit"}
+    assert all(d["in_use"] <= 4000 for d in report["scheduling_decisions"])
+
+
+def test_cli_make_requests_then_bench(tmp_path: Path) -> None:
+    reqs = tmp_path / "reqs.jsonl"
+    cli = [sys.executable, "-m", "sidecar.cli"]
+    subprocess.run(
+        [
+            *cli,
+            "make-requests",
+            "--out",
+            str(reqs),
+            "--n",
+            "6",
+            "--prompt-words",
+            "20",
+            "--max-tokens-max",
+            "20",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    out = subprocess.run(
+        [
+            *cli,
+            "bench",
+            "--requests",
+            str(reqs),
+            "--strategies",
+            "serial,token-budget",
+            "--burst",
+            "3",
+            "--speed",
+            "20",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert doc["conditions"]["request_file"] == str(reqs)
+    assert doc["conditions"]["arrival"].startswith("bursts of 3")
+    assert list(doc["strategies"]) == ["serial", "token-budget"]
