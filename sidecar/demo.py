@@ -42,7 +42,18 @@ DEMO_PRICES = PricingConfig(
     models={MODEL: ModelPrice(input_per_1m=0.20, output_per_1m=0.60, cached_input_per_1m=0.05)}
 )
 USERS = {"alice": 3, "bob": 2, "carol": 1, "batch-job": 2}  # relative request rates
-TOPICS = ["cost", "tokens", "latency", "queue", "budget", "cache", "gpu", "batching", "streaming", "throughput"]
+TOPICS = [
+    "cost",
+    "tokens",
+    "latency",
+    "queue",
+    "budget",
+    "cache",
+    "gpu",
+    "batching",
+    "streaming",
+    "throughput",
+]
 
 
 async def _site(app: web.Application, listen: str, key: str) -> web.AppRunner:

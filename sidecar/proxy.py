@@ -136,7 +136,7 @@ def resolve_user(headers: Mapping[str, str], info: RequestInfo, user_header: str
 
 
 def request_id(headers: Mapping[str, str]) -> str:
-    """The client's X-Request-Id (sanitised, so logs and the ledger can join on it), or a new one."""
+    """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
     given = headers.get("X-Request-Id")
     return sanitize(given, 64) if given else uuid.uuid4().hex
 

@@ -12,7 +12,31 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-WORDS = ["inference", "budget", "token", "queue", "kernel", "tensor", "batch", "cache", "memory", "latency", "stream", "prompt", "model", "weight", "layer", "attention", "decode", "prefill", "throughput", "schedule", "request", "server", "gpu"]
+WORDS = [
+    "inference",
+    "budget",
+    "token",
+    "queue",
+    "kernel",
+    "tensor",
+    "batch",
+    "cache",
+    "memory",
+    "latency",
+    "stream",
+    "prompt",
+    "model",
+    "weight",
+    "layer",
+    "attention",
+    "decode",
+    "prefill",
+    "throughput",
+    "schedule",
+    "request",
+    "server",
+    "gpu",
+]
 
 
 @dataclass(frozen=True)

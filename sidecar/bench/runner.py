@@ -197,7 +197,7 @@ def _offsets(reqs: list[BenchRequest], arrival: Arrival, seed: int) -> list[floa
     return out
 
 
-# --- one strategy, with out-of-memory retries ------------------------------------------------------
+# --- one strategy, with out-of-memory retries -------------------------------------------------
 
 
 class Attempt:
