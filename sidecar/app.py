@@ -48,6 +48,8 @@ class Sidecar:
     spend: Any = None  # budget.Spend, set by wiring
     ledger: Any = None  # ledger.Ledger when a ledger path is configured
     admission: Any = None  # admission.Admission unless the strategy is "none"
+    attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
+    tracing: Any = None  # tracing.Tracing when an OTLP endpoint is configured
 
     def __post_init__(self) -> None:
         pricing = self.config.pricing

@@ -48,6 +48,8 @@ class Exchange:
     error: str | None = None  # why the request failed, when it did
     trace_id: str | None = None
     span_id: str | None = None
+    trace_sampled: bool = False
+    trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent for the upstream
     upstream: str = ""
     device_seconds: float | None = None
     energy_j: float | None = None
@@ -142,7 +144,7 @@ class Meter:
 
     @staticmethod
     def _exemplar(ex: Exchange) -> dict[str, str] | None:
-        return {"trace_id": ex.trace_id} if ex.trace_id else None
+        return {"trace_id": ex.trace_id} if ex.trace_id and ex.trace_sampled else None
 
 
 def consumed(ex: Exchange) -> bool:

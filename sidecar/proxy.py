@@ -255,12 +255,16 @@ class Proxy:
         in_flight.inc()
         releases: list[Callable[[], None]] = []
         try:
+            for hook in self.on_start:  # before the gates: a span covers the queue wait too
+                try:
+                    hook(ex)
+                except Exception:
+                    log.exception("start hook failed for request %s", ex.request_id)
+                    self.metrics.metering_errors.labels("start").inc()
             for gate in self.gates:
                 release = await gate(ex)
                 if release is not None:
                     releases.append(release)
-            for hook in self.on_start:
-                hook(ex)
             return await self._exchange(request, ex)
         except Refusal as r:
             ex.status, ex.error = r.status, r.err_type
@@ -278,7 +282,7 @@ class Proxy:
 
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
-        headers.update(_trace_headers(ex))
+        headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
         try:
             async with self.session.request(
@@ -452,12 +456,6 @@ class Proxy:
 
     def _url(self, request: web.Request) -> str:
         return self.s.upstream + request.rel_url.raw_path_qs
-
-
-def _trace_headers(ex: Exchange) -> dict[str, str]:
-    if ex.trace_id and ex.span_id:
-        return {"traceparent": f"00-{ex.trace_id}-{ex.span_id}-01"}
-    return {}
 
 
 def _abort(request: web.Request) -> None:

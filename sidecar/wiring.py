@@ -7,16 +7,39 @@ ledger, then logs). Never: holds state of its own.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from . import tracing
 from .admission import Admission
 from .app import Sidecar
 from .budget import Spend
+from .gpu import Attribution, GpuCollector, gpu_context
 from .ledger import Ledger, ledger_context
 
 
-def wire(sc: Sidecar) -> Sidecar:
-    """Attach every component the config turns on. Returns `sc` for chaining."""
+def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar:
+    """Attach every component the config turns on. Returns `sc` for chaining.
+
+    `nvml` and `span_exporter` are the two boundaries tests replace (a fake NVML module, an
+    in-memory exporter); by default the real ones are used.
+    """
     cfg = sc.config
+    if cfg.gpu.enabled:
+        attribution = sc.attribution = Attribution(sc.metrics, sc.prices)
+        collector = GpuCollector(cfg.gpu, sc.metrics, nvml)
+
+        def up(c: GpuCollector) -> None:
+            attribution.enable(len(c.devices))
+            c.on_poll = attribution.poll_energy
+
+        sc.extra_contexts.append(gpu_context(collector, up))
+        sc.on_start.append(attribution.begin)
+        sc.meter.add_sink("gpu", attribution.end)
+    if tracing.enabled(cfg) or span_exporter is not None:
+        t = sc.tracing = tracing.Tracing(cfg, sc.metrics, span_exporter)
+        sc.on_start.append(t.start)
+        sc.meter.add_sink("tracing", t.finish)
+        sc.extra_contexts.append(tracing.tracing_context(t))
     spend = sc.spend = Spend(cfg.budgets, sc.metrics, sc.users)
     if spend.enforcing:
         sc.gates.append(spend.gate)
