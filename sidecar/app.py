@@ -50,6 +50,8 @@ class Sidecar:
     admission: Any = None  # admission.Admission unless the strategy is "none"
     attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
     tracing: Any = None  # tracing.Tracing when an OTLP endpoint is configured
+    audit: Any = None  # audit.Audit when audit capture is enabled
+    access_log: Any = None  # accesslog.AccessLog unless logging.access_log is "off"
 
     def __post_init__(self) -> None:
         pricing = self.config.pricing
@@ -121,6 +123,12 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         max_body=sc.config.server.max_request_body_bytes,
         connect_timeout=up.connect_timeout_s,
         read_timeout=up.read_timeout_s,
+        # SSE framing costs ~100 bytes per token: keep enough stream to recover the text
+        capture_bytes=(
+            max(65536, sc.config.audit.max_text_chars * 128)
+            if sc.config.audit.enabled and sc.config.audit.capture_text
+            else 0
+        ),
     )
     tgi = TgiModelName(session, base, up.model_name)
     sc.proxy = Proxy(settings, session, sc.metrics, sc.meter, sc.users, sc.models, tgi)

@@ -237,4 +237,30 @@ def add_demo(sub: Sub) -> None:  # type: ignore[valid-type]
     p.set_defaults(func=cmd_demo)
 
 
-ADDERS: list[Adder] = [add_report, add_simulate, add_make_requests, add_bench, add_demo]
+def cmd_audit(args: argparse.Namespace) -> int:
+    from . import audit, report
+    from .config import load
+
+    path, ledger = args.path, args.ledger
+    if not path and not ledger:
+        cfg = load(args.config)
+        if cfg.audit.sink == "ledger":
+            ledger = cfg.ledger.path
+        else:
+            path = cfg.audit.path
+    records = audit.read_records(report.parse_since(args.since), path=path, ledger=ledger)
+    print(audit.render(records, args.format))
+    return 0
+
+
+def add_audit(sub: Sub) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser("audit", help="list audit records of expensive requests")  # type: ignore[attr-defined]
+    p.add_argument("--since", default="24h")
+    p.add_argument("--format", default="table", choices=["table", "json"])
+    p.add_argument("--path", help="audit JSONL file (rotated files beside it are read too)")
+    p.add_argument("--ledger", help="ledger with the audit table (audit.sink: ledger)")
+    p.add_argument("--config", help="tollbooth config to read audit.path / ledger.path from")
+    p.set_defaults(func=cmd_audit)
+
+
+ADDERS: list[Adder] = [add_report, add_simulate, add_make_requests, add_bench, add_demo, add_audit]

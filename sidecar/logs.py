@@ -6,9 +6,13 @@ made inside a request carries, and `setup()`. Never: prints, or logs a prompt, c
 
 from __future__ import annotations
 
+import atexit
 import contextvars
+import copy
 import json
 import logging
+import logging.handlers
+import queue
 import sys
 import time
 from typing import Any
@@ -40,19 +44,27 @@ class JsonFormatter(logging.Formatter):
                 out[key] = value
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            out["exception"] = record.exc_text
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = f"{_iso(record.created)} {record.levelname:<7} {record.name}: {record.getMessage()}"
-        extras = {k: v for k, v in record.__dict__.items() if k not in _STD_ATTRS}
+        extras = {
+            k: v
+            for k, v in record.__dict__.items()
+            if k not in _STD_ATTRS and not k.startswith("_")
+        }
         ctx = REQUEST_CONTEXT.get() or {}
         pairs = " ".join(f"{k}={v}" for k, v in {**ctx, **extras}.items() if v is not None)
         if pairs:
             line += " " + pairs
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
+        elif record.exc_text:
+            line += "\n" + record.exc_text
         return line
 
 
@@ -60,14 +72,41 @@ def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
 
 
+class ContextQueueHandler(logging.handlers.QueueHandler):
+    """Hands records to a writer thread. The request context (request, trace and span ids) is
+    read here, in the emitting task, because the writer thread cannot see the contextvar."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record = copy.copy(record)
+        record.message = record.getMessage()
+        record.msg, record.args = record.message, None
+        if record.exc_info:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        for k, v in (REQUEST_CONTEXT.get() or {}).items():
+            if not hasattr(record, k):
+                setattr(record, k, v)
+        return record
+
+
+def queued(handler: logging.Handler) -> tuple[logging.Handler, logging.handlers.QueueListener]:
+    """A handler for the caller's logger whose writes happen on a background thread."""
+    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(q, handler, respect_handler_level=True)
+    listener.start()
+    return ContextQueueHandler(q), listener
+
+
 def formatter(fmt: str) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else TextFormatter()
 
 
 def setup(level: str = "INFO", fmt: str = "json") -> None:
-    """Root logging to stderr in the chosen format. Called once by the CLI."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter(fmt))
+    """Root logging to stderr in the chosen format, written off the event loop. Called once."""
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(formatter(fmt))
+    handler, listener = queued(stream)
+    atexit.register(listener.stop)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -54,6 +54,7 @@ class Exchange:
     device_seconds: float | None = None
     energy_j: float | None = None
     audited: bool = False
+    response_sample: bytes | bytearray | None = None  # audit text capture only; bounded
     request_headers: Mapping[str, str] = field(default_factory=dict)  # the client's, read-only
 
     @property

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .usage import (
@@ -200,6 +201,7 @@ class ProxySettings:
     max_body: int
     connect_timeout: float
     read_timeout: float
+    capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
 
 
 class Proxy:
@@ -254,13 +256,14 @@ class Proxy:
         in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
         in_flight.inc()
         releases: list[Callable[[], None]] = []
+        for hook in self.on_start:  # before the gates: a span covers the queue wait too
+            try:
+                hook(ex)
+            except Exception:
+                log.exception("start hook failed for request %s", ex.request_id)
+                self.metrics.metering_errors.labels("start").inc()
+        context = REQUEST_CONTEXT.set(_log_context(ex))
         try:
-            for hook in self.on_start:  # before the gates: a span covers the queue wait too
-                try:
-                    hook(ex)
-                except Exception:
-                    log.exception("start hook failed for request %s", ex.request_id)
-                    self.metrics.metering_errors.labels("start").inc()
             for gate in self.gates:
                 release = await gate(ex)
                 if release is not None:
@@ -279,6 +282,7 @@ class Proxy:
             in_flight.dec()
             ex.finish()
             self.meter.record(ex)
+            REQUEST_CONTEXT.reset(context)
 
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
@@ -310,6 +314,8 @@ class Proxy:
             return await self._relay(request, up, ex)
         body = await up.read()
         ex.bytes_out = len(body)
+        if self.s.capture_bytes:
+            ex.response_sample = body  # a reference to what is in memory anyway, not a copy
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
             self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers))
@@ -336,6 +342,8 @@ class Proxy:
         try:
             async for chunk in up.content.iter_any():
                 out = self._feed(meter, chunk, ex)
+                if self.s.capture_bytes:
+                    _sample(ex, out, self.s.capture_bytes)
                 if out:
                     await resp.write(out)
                     ex.bytes_out += len(out)
@@ -456,6 +464,23 @@ class Proxy:
 
     def _url(self, request: web.Request) -> str:
         return self.s.upstream + request.rel_url.raw_path_qs
+
+
+def _sample(ex: Exchange, data: bytes, limit: int) -> None:
+    if ex.response_sample is None:
+        ex.response_sample = bytearray()
+    room = limit - len(ex.response_sample)
+    if room > 0:
+        ex.response_sample += data[:room]  # type: ignore[operator]
+
+
+def _log_context(ex: Exchange) -> dict[str, str]:
+    ctx = {"request_id": ex.request_id}
+    if ex.trace_id:
+        ctx["trace_id"] = ex.trace_id
+    if ex.span_id:
+        ctx["span_id"] = ex.span_id
+    return ctx
 
 
 def _abort(request: web.Request) -> None:

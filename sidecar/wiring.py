@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from . import tracing
+from . import thresholds, tracing
+from .accesslog import AccessLog, access_log_context
 from .admission import Admission
 from .app import Sidecar
+from .audit import Audit, audit_context
 from .budget import Spend
 from .gpu import Attribution, GpuCollector, gpu_context
 from .ledger import Ledger, ledger_context
@@ -56,4 +58,12 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
 
         sc.extra_contexts.append(ledger_context(ledger, on_open=restore))
         sc.meter.add_sink("ledger", ledger.append)
+    if cfg.audit.enabled:
+        audit = sc.audit = Audit(cfg.audit, thresholds.DEFAULT, sc.prices, sc.metrics, sc.ledger)
+        sc.extra_contexts.append(audit_context(audit))
+        sc.meter.add_sink("audit", audit.check)  # before the access log: audited lines are kept
+    if cfg.logging.access_log != "off":
+        access = sc.access_log = AccessLog(cfg.logging)
+        sc.extra_contexts.append(access_log_context(access))
+        sc.meter.add_sink("access_log", access.write)
     return sc

@@ -36,27 +36,31 @@ StartSidecar = Callable[..., Awaitable[Running]]
 
 @pytest.fixture
 async def start_sidecar(
-    aiohttp_server: Any, upstream: tuple[FakeUpstream, TestServer]
+    aiohttp_server: Any, upstream: tuple[FakeUpstream, TestServer], tmp_path: Any
 ) -> StartSidecar:
+    """Start a sidecar (proxy and admin apps) in front of the fake upstream or `upstream_url`.
+
+    Test sidecars write their audit file under tmp_path, never into the working tree.
+    """
     fake, up_server = upstream
 
     async def start(
         config: dict[str, Any] | None = None,
         *,
         upstream_url: str | None = None,
+        wire_kwargs: dict[str, Any] | None = None,
         **sidecar_kwargs: Any,
     ) -> Running:
         data = dict(config or {})
-        data.setdefault("upstream", {})
+        data["audit"] = {"path": str(tmp_path / "audit.jsonl"), **data.get("audit", {})}
         data["upstream"] = {
             "url": upstream_url or str(up_server.make_url("")).rstrip("/"),
-            **data["upstream"],
+            **data.get("upstream", {}),
         }
         cfg = validate(build(Config, data))
-        sc = wire(Sidecar(cfg, **sidecar_kwargs))
-        server = await aiohttp_server(
-            create_app(sc)
-        )  # TestServer cancels handlers on disconnect, as serve() does
+        sc = wire(Sidecar(cfg, **sidecar_kwargs), **(wire_kwargs or {}))
+        # TestServer cancels handlers on client disconnect, as serve() does.
+        server = await aiohttp_server(create_app(sc))
         admin = await aiohttp_server(create_admin_app(sc))
         return Running(
             str(server.make_url("")).rstrip("/"), str(admin.make_url("")).rstrip("/"), sc, fake

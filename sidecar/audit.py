@@ -1,0 +1,292 @@
+"""Audit capture of expensive requests: a record when a request's input cost or total cost is
+over the limit (by default the per-request alert threshold, $0.10).
+
+Owns: the decision (strictly above the limit), the record (access-log fields, request parameters,
+prompt size, redacted headers, finish reasons, trace id; text only when `capture_text` is on,
+truncated), the sinks (rotating JSONL, or the ledger's `audit` table), and `tollbooth audit`.
+Never: delays or fails a request (records are written by a background thread, errors counted),
+or captures text unless explicitly enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from .accesslog import fields
+from .config import AuditConfig
+from .logs import queued
+from .meter import Exchange, priced_model
+from .metrics import Metrics
+from .pricing import PriceBook
+from .proxy import api_key_id
+from .sse import SSEParser
+from .thresholds import Thresholds
+
+log = logging.getLogger("tollbooth.audit")
+REDACT = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"}
+)
+
+
+def redact(headers: Mapping[str, str]) -> dict[str, str]:
+    out = {}
+    for k, v in headers.items():
+        if k.lower() in ("authorization", "proxy-authorization"):
+            out[k] = f"[redacted] {api_key_id(v) or ''}".strip()
+        elif k.lower() in REDACT:
+            out[k] = "[redacted]"
+        else:
+            out[k] = v[:256]
+    return out
+
+
+class _Rotating(logging.handlers.RotatingFileHandler):
+    def __init__(self, path: str, max_bytes: int, backups: int, errors: Any) -> None:
+        super().__init__(
+            path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True
+        )  # no file until the first record
+        self._errors = errors
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._errors.inc()
+
+
+class Audit:
+    def __init__(
+        self,
+        config: AuditConfig,
+        thresholds: Thresholds,
+        prices: PriceBook,
+        metrics: Metrics,
+        ledger: Any = None,
+    ) -> None:
+        self.config = config
+        self.prices = prices
+        self.metrics = metrics
+        self.ledger = ledger
+        self.input_limit = (
+            config.input_cost_usd
+            if config.input_cost_usd is not None
+            else thresholds.request_cost_usd
+        )
+        self.total_limit = (
+            config.total_cost_usd
+            if config.total_cost_usd is not None
+            else thresholds.request_cost_usd
+        )
+        self.logger = logging.getLogger("tollbooth.audit.records")
+        self.logger.propagate = False
+        self._listener: logging.handlers.QueueListener | None = None
+
+    # --- lifecycle
+
+    def start(self) -> None:
+        if self.config.sink != "jsonl":
+            return
+        handler = _Rotating(
+            self.config.path, self.config.max_bytes, self.config.backups, self.metrics.audit_errors
+        )
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        front, self._listener = queued(handler)
+        self.logger.handlers[:] = [front]
+        self.logger.setLevel(logging.INFO)
+
+    def stop(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
+            for h in listener.handlers:
+                h.close()
+        self.logger.handlers[:] = []
+
+    # --- the sink
+
+    def reasons(self, ex: Exchange) -> tuple[list[str], float | None]:
+        input_cost = self.prices.input_cost(priced_model(ex), ex.usage)
+        reasons = []
+        if input_cost is not None and input_cost > self.input_limit:
+            reasons.append("input_cost")
+        if ex.cost is not None and ex.cost.total_usd > self.total_limit:
+            reasons.append("total_cost")
+        return reasons, input_cost
+
+    def check(self, ex: Exchange) -> None:
+        reasons, input_cost = self.reasons(ex)
+        if not reasons:
+            return
+        ex.audited = True
+        record = self.record(ex, reasons, input_cost)
+        line = json.dumps(record, default=str, separators=(",", ":"))
+        reason = ",".join(reasons)
+        self.metrics.audit_captures.labels(ex.model, reason).inc()
+        if self.config.sink == "ledger" and self.ledger is not None:
+            self.ledger.append_audit(
+                (ex.started_at, ex.request_id, ex.trace_id, ex.model, ex.user_id, reason, line)
+            )
+        else:
+            self.logger.info(line)
+
+    def record(self, ex: Exchange, reasons: list[str], input_cost: float | None) -> dict[str, Any]:
+        info = ex.info
+        out: dict[str, Any] = {
+            "time": ex.started_at,
+            **fields(ex),
+            "reasons": reasons,
+            "input_cost_usd": input_cost,
+            "limits": {"input_cost_usd": self.input_limit, "total_cost_usd": self.total_limit},
+            "request": {
+                "model": info.model,
+                "max_tokens": info.max_tokens,
+                "temperature": info.temperature,
+                "n": info.n,
+                "stream": info.stream,
+                "tools": info.tools,
+            },
+            "prompt": {
+                "chars": info.prompt_chars,
+                "messages": info.messages,
+                "tokens": ex.usage.input_tokens,
+            },
+            "request_headers": redact(ex.request_headers),
+            "finish_reasons": list(ex.usage.finish_reasons),
+        }
+        if self.config.capture_text:
+            n = self.config.max_text_chars
+            out["text"] = {
+                "prompt": prompt_text(info.body)[:n],
+                "completion": completion_text(ex.response_sample or b"")[:n],
+                "truncated_to_chars": n,
+            }
+        return out
+
+
+def prompt_text(body: bytes) -> str:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(obj, dict):
+        return ""
+    parts = [obj.get(k) for k in ("prompt", "inputs", "input") if isinstance(obj.get(k), str)]
+    for m in obj.get("messages") or []:
+        if isinstance(m, dict) and isinstance(m.get("content"), str):
+            parts.append(f"{m.get('role', '')}: {m['content']}")
+    return "\n".join(p for p in parts if p)
+
+
+def completion_text(sample: bytes) -> str:
+    """Text from a captured response: a JSON body or an SSE stream, whichever it is."""
+    try:
+        obj = json.loads(sample)
+        return _text_of(obj)
+    except ValueError:
+        pass
+    parser, parts = SSEParser(), []
+    for ev in parser.feed(sample):
+        if ev.data and ev.data != "[DONE]":
+            try:
+                parts.append(_text_of(json.loads(ev.data)))
+            except ValueError:
+                continue
+    return "".join(parts)
+
+
+def _text_of(obj: Any) -> str:
+    if isinstance(obj, list):
+        return "".join(_text_of(o) for o in obj)
+    if not isinstance(obj, dict):
+        return ""
+    if isinstance(obj.get("token"), dict):
+        return str(obj["token"].get("text") or "")
+    if isinstance(obj.get("generated_text"), str):
+        return obj["generated_text"]
+    out = []
+    for c in obj.get("choices") or []:
+        if isinstance(c, dict):
+            msg = c.get("message") or c.get("delta") or {}
+            out.append(str(msg.get("content") or "") if isinstance(msg, dict) else "")
+            out.append(str(c.get("text") or ""))
+    return "".join(out)
+
+
+def audit_context(audit: Audit) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        audit.start()
+        yield
+        audit.stop()
+
+    return ctx
+
+
+# --- tollbooth audit ------------------------------------------------------------------------------
+
+
+def read_records(
+    since: float, path: str | None = None, ledger: str | None = None
+) -> list[dict[str, Any]]:
+    if ledger:
+        import sqlite3
+
+        conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+        try:
+            rows = conn.execute(
+                "SELECT record FROM audit WHERE ts >= ? ORDER BY ts", (since,)
+            ).fetchall()
+        finally:
+            conn.close()
+        return [json.loads(r[0]) for r in rows]
+    assert path is not None
+    files = [*sorted(Path(path).parent.glob(Path(path).name + ".*"), reverse=True), Path(path)]
+    out = []
+    for f in files:
+        if not f.exists():
+            continue
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("time", 0) >= since:
+                out.append(rec)
+    return sorted(out, key=lambda r: r.get("time", 0))
+
+
+def render(records: list[dict[str, Any]], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(records, indent=2)
+    if not records:
+        return "(no audit records in this period)"
+    cols = (
+        "time",
+        "request_id",
+        "user",
+        "model",
+        "reasons",
+        "input_tokens",
+        "cost_usd",
+        "trace_id",
+    )
+    rows = [[_cell(r, c) for c in cols] for r in records]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(r: dict[str, Any], col: str) -> str:
+    v = r.get(col)
+    if col == "time" and isinstance(v, int | float):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(v))
+    if col == "reasons" and isinstance(v, list):
+        return ",".join(v)
+    if col == "cost_usd":
+        return "unknown" if v is None else f"${v:.4f}"
+    return "-" if v is None else str(v)

@@ -1,0 +1,238 @@
+"""Access log lines, trace correlation, sampling, and the audit capture of expensive requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tests.conftest import Running, StartSidecar
+from tests.fakes import MODEL
+
+API_KEY = "sk-very-secret-key-1234"
+PROMPT = "my confidential prompt about project falcon"
+# $0.10 exactly for a 5-token prompt: 0.02 USD per input token
+AT_LIMIT = {"models": {MODEL: {"input_per_1m": 20000.0, "output_per_1m": 0.0}}}
+
+
+async def post(
+    run: Running,
+    *,
+    stream: bool = False,
+    content: str = PROMPT,
+    mode: str = "",
+    max_tokens: int = 4,
+) -> aiohttp.ClientResponse:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Fake": mode, "Cookie": "session=abc"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        await r.read()
+        return r
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+async def test_access_log_fields_and_trace_ids(
+    start_sidecar: StartSidecar,
+    tmp_path: Path,
+    exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log_file = tmp_path / "access.log"
+    run = await start_sidecar(
+        {
+            "logging": {"access_log": str(log_file)},
+            "pricing": {"models": {MODEL: {"input_per_1m": 1.0, "output_per_1m": 1.0}}},
+        },
+        wire_kwargs={"span_exporter": exporter},
+    )
+    caplog.set_level(logging.DEBUG)
+    await post(run)
+    await post(run, stream=True)
+    await post(run, mode="status-400")
+    run.sc.tracing.provider.force_flush()
+    _flush_access(run)
+    got = lines(log_file)
+    assert [g["status"] for g in got] == ["200", "200", "400"]
+    spans = {s.context.span_id: s for s in exporter.get_finished_spans()}
+    for line in got:
+        span = spans[int(line["span_id"], 16)]
+        assert line["trace_id"] == f"{span.context.trace_id:032x}"
+        assert (
+            line["user"] == "key-" + __import__("hashlib").sha256(API_KEY.encode()).hexdigest()[:12]
+        )
+    plain, streamed = got[0], got[1]
+    assert plain["stream"] is False and streamed["stream"] is True
+    assert plain["input_tokens"] == 6 and plain["output_tokens"] == 4
+    assert plain["cost_usd"] == pytest.approx(10 / 1e6)
+    assert streamed["ttft_s"] is not None and plain["ttft_s"] is None
+    assert plain["bytes_in"] > 0 and plain["bytes_out"] > 0
+    assert plain["upstream"].startswith("http://127.0.0.1:")
+    assert got[2]["level"] == "warning"
+    everything = log_file.read_text() + caplog.text
+    assert API_KEY not in everything and "falcon" not in everything and "tok tok" not in everything
+
+
+def _flush_access(run: Running) -> None:
+    """Stop the access log's writer thread, which drains its queue to the file."""
+    run.sc.access_log.stop()
+
+
+async def test_sampling_keeps_errors(start_sidecar: StartSidecar, tmp_path: Path) -> None:
+    log_file = tmp_path / "access.log"
+    run = await start_sidecar({"logging": {"access_log": str(log_file), "sample_success": 0.0}})
+    for _ in range(3):
+        await post(run)
+    await post(run, mode="status-400")
+    await post(run, stream=True, mode="error-midstream")
+    _flush_access(run)
+    assert [g["status"] for g in lines(log_file)] == ["400", "stream_error"]
+
+
+async def test_other_log_lines_carry_request_ids(
+    start_sidecar: StartSidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sidecar.logs import JsonFormatter
+
+    run = await start_sidecar(upstream_url="http://127.0.0.1:9")  # the upstream is down
+    caplog.set_level(logging.WARNING, logger="tollbooth.proxy")
+    await post(run)
+    record = next(r for r in caplog.records if "upstream" in r.getMessage())
+    # the formatter, called inside the request, adds the request context
+    from sidecar.logs import REQUEST_CONTEXT
+
+    token = REQUEST_CONTEXT.set({"request_id": "abc", "trace_id": "t" * 32})
+    try:
+        formatted = json.loads(JsonFormatter().format(record))
+    finally:
+        REQUEST_CONTEXT.reset(token)
+    assert formatted["request_id"] == "abc" and formatted["level"] == "warning"
+
+
+async def test_queued_handler_captures_context_in_the_request_task() -> None:
+    import queue as q
+
+    from sidecar.logs import REQUEST_CONTEXT, ContextQueueHandler
+
+    buf: q.SimpleQueue[logging.LogRecord] = q.SimpleQueue()
+    h = ContextQueueHandler(buf)
+    token = REQUEST_CONTEXT.set({"request_id": "r1", "trace_id": "a" * 32, "span_id": "b" * 16})
+    try:
+        h.emit(logging.LogRecord("x", logging.ERROR, __file__, 1, "boom %s", ("y",), None))
+    finally:
+        REQUEST_CONTEXT.reset(token)
+    rec = buf.get_nowait()
+    assert (rec.request_id, rec.trace_id, rec.getMessage()) == ("r1", "a" * 32, "boom y")
+
+
+async def test_audit_fires_above_the_limit_not_at_it(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    run = await start_sidecar({"pricing": AT_LIMIT})
+    await post(run, content="one two three four five")  # 5 tokens: exactly $0.10, not audited
+    await post(run, content="one two three four five six")  # 6 tokens: $0.12
+    run.sc.audit.stop()
+    records = lines(tmp_path / "audit.jsonl")
+    assert len(records) == 1
+    r = records[0]
+    assert r["reasons"] == ["input_cost", "total_cost"]
+    assert r["input_cost_usd"] == pytest.approx(0.12)
+    assert r["limits"] == {"input_cost_usd": 0.1, "total_cost_usd": 0.1}
+    assert r["request"]["max_tokens"] == 4 and r["prompt"]["messages"] == 1
+    assert r["prompt"]["tokens"] == 6 and r["finish_reasons"] == ["length"]
+    assert r["request_headers"]["Authorization"].startswith("[redacted] key-")
+    assert r["request_headers"]["Cookie"] == "[redacted]"
+    assert "text" not in r and "falcon" not in json.dumps(r) and API_KEY not in json.dumps(r)
+    assert run.value("llm_audit_captures_total", model=MODEL, reason="input_cost,total_cost") == 1
+
+
+async def test_text_capture_only_when_enabled_and_truncated(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    run = await start_sidecar(
+        {"pricing": AT_LIMIT, "audit": {"capture_text": True, "max_text_chars": 20}}
+    )
+    await post(run, stream=True, max_tokens=8)
+    await post(run, stream=False, max_tokens=8)
+    run.sc.audit.stop()
+    records = lines(tmp_path / "audit.jsonl")
+    assert len(records) == 2
+    for r in records:
+        assert r["text"]["prompt"] == ("user: " + PROMPT)[:20]
+        assert r["text"]["completion"] == "tok tok tok tok tok tok tok tok"[:20]
+
+
+async def test_audit_to_ledger_and_cli(start_sidecar: StartSidecar, tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {"pricing": AT_LIMIT, "ledger": {"path": str(db)}, "audit": {"sink": "ledger"}}
+    )
+    await post(run, content="one two three four five six")
+    run.sc.ledger.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "audit", "--ledger", str(db), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    (rec,) = json.loads(out.stdout)
+    assert rec["reasons"] == ["input_cost", "total_cost"]
+    table = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "audit", "--ledger", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "input_cost,total_cost" in table and rec["request_id"] in table
+
+
+def test_rotation_is_bounded(tmp_path: Path) -> None:
+    from sidecar.audit import Audit
+    from sidecar.config import AuditConfig, PricingConfig
+    from sidecar.metrics import Metrics
+    from sidecar.pricing import PriceBook
+    from sidecar.thresholds import DEFAULT
+
+    path = tmp_path / "a.jsonl"
+    audit = Audit(
+        AuditConfig(path=str(path), max_bytes=2000, backups=2),
+        DEFAULT,
+        PriceBook(PricingConfig()),
+        Metrics(),
+    )
+    audit.start()
+    for i in range(200):
+        audit.logger.info(json.dumps({"time": 1e9 + i, "i": i, "pad": "x" * 100}))
+    audit.stop()
+    files = sorted(tmp_path.glob("a.jsonl*"))
+    assert [f.name for f in files] == ["a.jsonl", "a.jsonl.1", "a.jsonl.2"]
+    assert all(f.stat().st_size <= 2000 for f in files)
+    from sidecar.audit import read_records
+
+    kept = read_records(0, path=str(path))
+    assert [r["i"] for r in kept] == sorted(r["i"] for r in kept)
+    assert kept[-1]["i"] == 199
