@@ -19,6 +19,7 @@ class Thresholds:
     # Spend
     daily_spend_usd: float = 50.0  # LLMDailySpendHigh: rolling 24 h, all users
     daily_spend_window: str = "24h"
+    spend_for: str = "0m"  # spend is cumulative: fire as soon as it is over
     user_daily_spend_usd: float = 20.0  # LLMUserDailySpendHigh (inhibited by the global one)
     request_cost_usd: float = 0.10  # LLMRequestCostHigh and the audit capture
     request_cost_window: str = "5m"
@@ -40,7 +41,8 @@ class Thresholds:
     down_for: str = "2m"
     # Selectors and identities
     job: str = "tollbooth"
-    runbook_base: str = "https://github.com/tollbooth/tollbooth/blob/main/docs/runbooks.md"
+    # Where docs/runbooks.md is served; set it to your repository's or wiki's address.
+    runbook_base: str = "docs/runbooks.md"
     datasource_uid: str = "tollbooth-prometheus"
     traces_datasource_uid: str = "tollbooth-jaeger"
     dashboard_tags: tuple[str, ...] = ("tollbooth", "llm")

@@ -1,0 +1,191 @@
+"""The rule groups, as data. Every number and window comes from `Thresholds`.
+
+Recording rules are named level:metric:operations. Alerts are CamelCase with the LLM prefix and
+carry severity (critical pages, warning makes a ticket, info is not routed), a one-sentence
+summary, a templated description and a runbook link.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.utils import floatToGoString
+
+from sidecar.metrics import COST_BUCKETS
+from sidecar.thresholds import Thresholds
+
+ERRORS = 'status_code=~"5..|stream_error"'
+
+
+def cost_bucket(t: Thresholds) -> str:
+    """The `le` label of the per-request limit; the limit must be a bucket boundary."""
+    if t.request_cost_usd not in COST_BUCKETS:
+        raise ValueError(
+            f"request_cost_usd={t.request_cost_usd} is not a boundary of "
+            f"llm_request_cost_usd (boundaries: {COST_BUCKETS})"
+        )
+    return floatToGoString(t.request_cost_usd)
+
+
+def over_limit(t: Thresholds, by: str) -> str:
+    sel, w, le = t.selector, t.request_cost_window, cost_bucket(t)
+    return (
+        f'sum by ({by}) (increase(llm_request_cost_usd_bucket{{{sel},le="+Inf"}}[{w}]))\n'
+        f'- sum by ({by}) (increase(llm_request_cost_usd_bucket{{{sel},le="{le}"}}[{w}]))'
+    )
+
+
+def recording(t: Thresholds) -> list[dict[str, Any]]:
+    s = t.selector
+    return [
+        {
+            "record": "model_user:llm_cost_usd:rate5m",
+            "expr": f"sum by (job, model, user_id) (rate(llm_cost_usd_total{{{s}}}[5m]))",
+        },
+        {
+            "record": "model_token_type:llm_cost_usd:rate5m",
+            "expr": f"sum by (job, model, token_type) (rate(llm_cost_usd_total{{{s}}}[5m]))",
+        },
+        {
+            "record": "model_token_type:llm_tokens:rate5m",
+            "expr": f"sum by (job, model, token_type) (rate(llm_tokens_total{{{s}}}[5m]))",
+        },
+        {
+            "record": "model:llm_requests:rate5m",
+            "expr": f"sum by (job, model) (rate(llm_requests_total{{{s}}}[5m]))",
+        },
+        {
+            "record": "model:llm_request_errors:rate5m",
+            "expr": f"sum by (job, model) (rate(llm_requests_total{{{s},{ERRORS}}}[5m]))",
+        },
+        {
+            "record": "job:llm_cost_usd:increase24h",
+            "expr": f"sum by (job) (increase(llm_cost_usd_total{{{s}}}[24h]))",
+        },
+        {
+            "record": "model:llm_requests_over_cost_limit:increase5m",
+            "expr": over_limit(t, "job, model"),
+        },
+    ]
+
+
+def _alert(
+    t: Thresholds, name: str, expr: str, for_: str, severity: str, summary: str, description: str
+) -> dict[str, Any]:
+    rule: dict[str, Any] = {"alert": name, "expr": expr}
+    if for_ not in ("0s", "0m"):
+        rule["for"] = for_
+    rule["labels"] = {"severity": severity}
+    rule["annotations"] = {
+        "summary": summary,
+        "description": description,
+        "runbook_url": f"{t.runbook_base}#{name.lower()}",
+    }
+    return rule
+
+
+def alerting(t: Thresholds) -> list[dict[str, Any]]:
+    s = t.selector
+    money = '{{ $value | printf "%.2f" }}'
+    return [
+        _alert(
+            t,
+            "LLMDailySpendHigh",
+            f"sum by (job) (increase(llm_cost_usd_total{{{s}}}[{t.daily_spend_window}]))"
+            f" > {t.daily_spend_usd}",
+            t.spend_for,
+            "critical",
+            f"LLM spend over the last {t.daily_spend_window} is above ${t.daily_spend_usd:g}.",
+            f"Spend in the last {t.daily_spend_window} is ${money} "
+            f"(limit ${t.daily_spend_usd:g}) on {{{{ $labels.job }}}}.",
+        ),
+        _alert(
+            t,
+            "LLMUserDailySpendHigh",
+            f"sum by (job, user_id) (increase(llm_cost_usd_total{{{s}}}"
+            f"[{t.daily_spend_window}])) > {t.user_daily_spend_usd}",
+            t.spend_for,
+            "warning",
+            f"One user's LLM spend over the last {t.daily_spend_window} is above "
+            f"${t.user_daily_spend_usd:g}.",
+            f"User {{{{ $labels.user_id }}}} spent ${money} in the last "
+            f"{t.daily_spend_window} (limit ${t.user_daily_spend_usd:g}).",
+        ),
+        _alert(
+            t,
+            "LLMRequestCostHigh",
+            f"({over_limit(t, 'job, model')}) > 0",
+            t.spend_for,
+            "warning",
+            f"A request cost more than ${t.request_cost_usd:g}.",
+            f'{{{{ $value | printf "%.0f" }}}} request(s) to {{{{ $labels.model }}}} cost more '
+            f"than ${t.request_cost_usd:g} each in the last {t.request_cost_window}; the "
+            "audit log has their trace ids.",
+        ),
+        _alert(
+            t,
+            "LLMTokenBudgetQueueSaturated",
+            f"max by (job, instance) (llm_budget_tokens_in_use{{{s}}} / "
+            f"llm_budget_tokens_limit{{{s}}}) >= {t.queue_saturation_ratio}\n"
+            f"and max by (job, instance) (llm_queue_depth{{{s}}}) > 0",
+            t.queue_saturation_for,
+            "warning",
+            "The admission queue's token budget is saturated and requests are waiting.",
+            f"{{{{ $labels.instance }}}} has used {{{{ $value | humanizePercentage }}}} of its "
+            f"token budget for {t.queue_saturation_for} with requests queued.",
+        ),
+        _alert(
+            t,
+            "LLMUpstreamErrorRateHigh",
+            f"sum by (job) (rate(llm_requests_total{{{s},{ERRORS}}}[{t.error_window}]))\n"
+            f"/ sum by (job) (rate(llm_requests_total{{{s}}}[{t.error_window}]))"
+            f" > {t.error_ratio}",
+            t.error_for,
+            "critical",
+            "Too many LLM requests are failing upstream.",
+            f"{{{{ $value | humanizePercentage }}}} of requests failed (5xx or inside the "
+            f"stream) over {t.error_window}; the limit is {t.error_ratio:.0%}.",
+        ),
+        _alert(
+            t,
+            "LLMGPUMemoryNearFull",
+            f"max by (job, instance, gpu) (llm_gpu_memory_used_bytes{{{s}}} / "
+            f"llm_gpu_memory_total_bytes{{{s}}}) > {t.gpu_memory_ratio}",
+            t.gpu_memory_for,
+            "warning",
+            "A GPU serving the model is nearly out of memory.",
+            f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} is at "
+            f"{{{{ $value | humanizePercentage }}}} memory (limit {t.gpu_memory_ratio:.0%}).",
+        ),
+        _alert(
+            t,
+            "LLMUsageUnmeasured",
+            f"sum by (job) (rate(llm_usage_unknown_total{{{s}}}[{t.unmeasured_window}]))\n"
+            f"/ sum by (job) (rate(llm_requests_total{{{s}}}[{t.unmeasured_window}]))"
+            f" > {t.unmeasured_ratio}",
+            t.unmeasured_for,
+            "warning",
+            "Token usage of some LLM requests cannot be measured.",
+            f"{{{{ $value | humanizePercentage }}}} of requests had unknown usage over "
+            f"{t.unmeasured_window}: spend is under-reported by at least that share.",
+        ),
+        _alert(
+            t,
+            "LLMSidecarDown",
+            f"up{{{s}}} == 0",
+            t.down_for,
+            "critical",
+            "The tollbooth sidecar is not being scraped.",
+            f"{{{{ $labels.instance }}}} has been down for {t.down_for}: no metering, "
+            "no cost alerts.",
+        ),
+    ]
+
+
+def groups(t: Thresholds) -> dict[str, Any]:
+    return {
+        "groups": [
+            {"name": "tollbooth.recording", "rules": recording(t)},
+            {"name": "tollbooth.alerts", "rules": alerting(t)},
+        ]
+    }

@@ -1,0 +1,2 @@
+"""Grafana dashboards as code (grafanalib). Sources are `*.dashboard.py`;
+`python -m dashboards.build` writes dashboards/generated/*.json, which Grafana provisions."""

@@ -1,0 +1,98 @@
+"""Per-user drill-down."""
+
+from grafanalib.core import Dashboard
+
+from dashboards.lib import Grid, dashboard, stat, target, timeseries
+from sidecar.thresholds import Thresholds
+
+U = 'job="$job",instance=~"$instance",model=~"$model",user_id="$user_id"'
+
+
+def build(t: Thresholds) -> Dashboard:
+    g = Grid()
+    w24 = t.daily_spend_window
+    panels = [
+        stat(
+            g,
+            f"Spend, last {w24}",
+            "This user's spend over the rolling window; red above the per-user limit.",
+            "currencyUSD",
+            [target(f"sum(increase(llm_cost_usd_total{{{U}}}[{w24}]))")],
+            threshold=t.user_daily_spend_usd,
+        ),
+        stat(
+            g,
+            "Spend, budget day",
+            "Spend since the start of the budget day.",
+            "currencyUSD",
+            [target('sum(llm_spend_today_usd{job="$job",user_id="$user_id"})')],
+        ),
+        stat(
+            g,
+            "Tokens, selected range",
+            "Input and output tokens reported by the server.",
+            "short",
+            [target(f"sum(increase(llm_tokens_total{{{U}}}[$__range]))")],
+        ),
+        stat(
+            g,
+            "Device time, selected range",
+            "GPU-seconds attributed to this user.",
+            "s",
+            [target(f"sum(increase(llm_device_seconds_total{{{U}}}[$__range]))")],
+        ),
+        timeseries(
+            g,
+            "Spend rate by model",
+            "USD per hour.",
+            "currencyUSD",
+            [
+                target(
+                    f"sum by (model) (rate(llm_cost_usd_total{{{U}}}[$__rate_interval])) * 3600",
+                    "{{model}}",
+                )
+            ],
+        ),
+        timeseries(
+            g,
+            "Tokens by direction",
+            "Tokens per second, input and output.",
+            "short",
+            [
+                target(
+                    f"sum by (token_type) (rate(llm_tokens_total{{{U}}}[$__rate_interval]))",
+                    "{{token_type}}",
+                )
+            ],
+        ),
+        timeseries(
+            g,
+            "Cached input share",
+            "Share of input tokens served from the prefix cache.",
+            "percentunit",
+            [
+                target(
+                    f"sum(rate(llm_cached_input_tokens_total{{{U}}}[$__rate_interval]))"
+                    f' / sum(rate(llm_tokens_total{{{U},token_type="input"}}'
+                    "[$__rate_interval]))",
+                    "cached",
+                )
+            ],
+        ),
+        timeseries(
+            g,
+            "Spend vs per-user limit",
+            f"Rolling {w24} spend with the per-user threshold line.",
+            "currencyUSD",
+            [target(f"sum(increase(llm_cost_usd_total{{{U}}}[{w24}]))", "spend")],
+            threshold=t.user_daily_spend_usd,
+        ),
+    ]
+    return dashboard(
+        t,
+        "tollbooth-user",
+        "Tollbooth / Per-user drill-down",
+        "One user's spend, tokens and device time.",
+        panels,
+        user=True,
+    )

@@ -1,0 +1,203 @@
+"""Alerts and dashboards as code: rendered from one thresholds config, checked by the real
+promtool and amtool, linted like grafana/dashboard-linter, and regenerated without diff."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import pytest
+import yaml
+
+from alerts import build as alerts_build
+from dashboards import build as dash_build
+from sidecar.metrics import Metrics
+from sidecar.thresholds import DEFAULT, Thresholds, as_dict, load
+
+ROOT = Path(__file__).parents[1]
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="Debian's prometheus package is not installed")
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+# --- alerts ---------------------------------------------------------------------------------------
+
+
+def test_committed_rules_are_current() -> None:
+    assert (ROOT / "alerts/tollbooth.rules.yml").read_text() == alerts_build.render_rules(DEFAULT)
+    assert (ROOT / "alerts/alertmanager.yml").read_text() == alerts_build.render_alertmanager()
+
+
+@needs_promtool
+def test_promtool_check_and_unit_tests() -> None:
+    check = run("promtool", "check", "rules", "alerts/tollbooth.rules.yml")
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = run("promtool", "test", "rules", "alerts/tests/tollbooth.test.yml")
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "SUCCESS" in tests.stdout
+
+
+@needs_promtool
+def test_amtool_check_config() -> None:
+    out = run("amtool", "check-config", "alerts/alertmanager.yml")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def alerts_of(t: Thresholds) -> list[dict[str, Any]]:
+    doc = yaml.safe_load(alerts_build.render_rules(t))
+    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+def test_alert_conventions() -> None:
+    rules = alerts_of(DEFAULT)
+    names = {r["alert"] for r in rules}
+    assert names >= {"LLMDailySpendHigh", "LLMRequestCostHigh", "LLMTokenBudgetQueueSaturated",
+                     "LLMUpstreamErrorRateHigh", "LLMGPUMemoryNearFull", "LLMUsageUnmeasured",
+                     "LLMSidecarDown"}
+    runbooks = (ROOT / "docs/runbooks.md").read_text()
+    for r in rules:
+        assert re.fullmatch(r"LLM[A-Z][A-Za-z0-9]+", r["alert"])
+        assert r["labels"]["severity"] in ("critical", "warning", "info")
+        a = r["annotations"]
+        assert a["summary"].endswith(".") and "{{" not in a["summary"]
+        assert "{{" in a["description"]
+        anchor = a["runbook_url"].split("#")[1]
+        assert f"## {r['alert']}" in runbooks and anchor == r["alert"].lower()
+    doc = yaml.safe_load(alerts_build.render_rules(DEFAULT))
+    for g in doc["groups"]:
+        for r in g["rules"]:
+            if "record" in r:
+                assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", r["record"])
+
+
+def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
+    """Render with every threshold changed: no default value may survive in any expression."""
+    changed = load(daily_spend_usd=123.5, user_daily_spend_usd=77.25, request_cost_usd=0.25,
+                   queue_saturation_ratio=0.81, error_ratio=0.033, gpu_memory_ratio=0.91,
+                   unmeasured_ratio=0.027, daily_spend_window="23h", request_cost_window="7m",
+                   error_window="6m", unmeasured_window="17m", queue_saturation_for="11m",
+                   error_for="8m", gpu_memory_for="9m", unmeasured_for="19m", down_for="3m")
+    base, new = alerts_of(DEFAULT), alerts_of(changed)
+    literal = re.compile(r"(?<![\w.\[])(\d+(?:\.\d+)?)(?![\w\]])")
+    allowed = {"0", "1"}  # `> 0` on a count; `up == 0`
+    for old_rule, new_rule in zip(base, new, strict=True):
+        expr = re.sub(r'"[^"]*"', '""', new_rule["expr"])  # label values are not thresholds
+        numbers = set(literal.findall(expr)) - allowed
+        config_numbers = {str(v) for v in as_dict(changed).values() if isinstance(v, float)}
+        assert numbers <= config_numbers, (new_rule["alert"], numbers)
+        windows = set(re.findall(r"\[(\w+)\]", new_rule["expr"])) - {"5m"}
+        assert windows <= {str(v) for v in as_dict(changed).values()}, new_rule["alert"]
+        if "for" in old_rule:
+            assert new_rule["for"] != old_rule["for"], new_rule["alert"]
+
+
+def test_request_cost_threshold_must_be_a_bucket() -> None:
+    with pytest.raises(ValueError, match="not a boundary"):
+        alerts_build.render_rules(load(request_cost_usd=0.2))
+
+
+# --- dashboards -----------------------------------------------------------------------------------
+
+
+def test_committed_dashboards_are_current() -> None:
+    rendered = dash_build.render_all(DEFAULT)
+    committed = {p.name: p.read_text() for p in (ROOT / "dashboards/generated").glob("*.json")}
+    assert committed == rendered
+
+
+def exported_metrics() -> set[str]:
+    names = set()
+    for fam in Metrics().registry.collect():
+        kind = fam.type
+        base = fam.name
+        if kind == "counter":
+            names.add(base + "_total")
+        elif kind == "histogram":
+            names |= {base + s for s in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(base)
+    return names | {"up"}
+
+
+GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m"}
+
+
+def promql(expr: str) -> str:
+    for k, v in GRAFANA_VARS.items():
+        expr = expr.replace(k, v)
+    return re.sub(r"\$\{?(\w+)\}?", "x", expr)
+
+
+def walk(node: Any, parent_call: str | None = None) -> list[tuple[str, str | None]]:
+    """(metric name, enclosing function) for every selector in a PromQL AST."""
+    kind = type(node).__name__
+    if kind == "VectorSelector":
+        return [(node.name, parent_call)]
+    if kind == "MatrixSelector":
+        return [(node.vector_selector.name, parent_call)]
+    if kind == "Call":
+        return [x for a in node.args for x in walk(a, node.func.name)]
+    out = []
+    for attr in ("expr", "lhs", "rhs", "param"):
+        child = getattr(node, attr, None)
+        if child is not None and not isinstance(child, str | int | float):
+            out += walk(child, None if attr != "expr" or kind != "ParenExpr" else parent_call)
+    return out
+
+
+def panels() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in sorted((ROOT / "dashboards/generated").glob("*.json")):
+        data = json.loads(path.read_text())
+        assert data["schemaVersion"] >= 39 and data["uid"].startswith("tollbooth-")
+        assert data["tags"] == list(DEFAULT.dashboard_tags)
+        out += [(f"{path.name}: {p['title']}", p) for p in data["panels"]]
+    return out
+
+
+@pytest.mark.parametrize("name,panel", panels(), ids=lambda x: x if isinstance(x, str) else "")
+def test_dashboard_lint(name: str, panel: dict[str, Any]) -> None:
+    assert panel["title"] and panel["description"]
+    assert panel["fieldConfig"]["defaults"]["unit"], "every panel states a unit"
+    assert panel["datasource"]["uid"] == "${datasource}"
+    assert panel["targets"], "at least one target"
+    known = exported_metrics()
+    for t in panel["targets"]:
+        ast = promql_parser.parse(promql(t["expr"]))
+        for metric, fn in walk(ast):
+            assert metric in known, f"{metric} is not exported by the sidecar"
+            if metric.endswith("_total") or metric.endswith("_bucket"):
+                assert fn in ("rate", "increase", "irate"), f"{metric} not in rate/increase"
+
+
+def test_dashboard_variables_and_units() -> None:
+    names = {}
+    for path in (ROOT / "dashboards/generated").glob("*.json"):
+        data = json.loads(path.read_text())
+        names[path.name] = [v["name"] for v in data["templating"]["list"]]
+    assert all({"datasource", "model", "instance"} <= set(v) for v in names.values())
+    assert "user_id" in names["user.json"]
+    units = {p["fieldConfig"]["defaults"]["unit"] for _, p in panels()}
+    assert {"currencyUSD", "s", "percentunit", "watt"} <= units
+
+
+def test_threshold_lines_follow_the_config() -> None:
+    changed = load(daily_spend_usd=75.0, gpu_memory_ratio=0.9)
+    cost = json.loads(dash_build.render_all(changed)["cost.json"])
+    gpu = json.loads(dash_build.render_all(changed)["gpu.json"])
+
+    def lines(data: dict[str, Any]) -> set[float]:
+        return {s["value"] for p in data["panels"]
+                for s in p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
+                if s["value"] is not None}
+
+    assert 75.0 in lines(cost) and 50.0 not in lines(cost)
+    assert 0.9 in lines(gpu) and 0.95 not in lines(gpu)
