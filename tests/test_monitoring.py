@@ -20,8 +20,9 @@ from sidecar.metrics import Metrics
 from sidecar.thresholds import DEFAULT, Thresholds, as_dict, load
 
 ROOT = Path(__file__).parents[1]
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="Debian's prometheus package is not installed")
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="Debian's prometheus package is not installed"
+)
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -59,9 +60,15 @@ def alerts_of(t: Thresholds) -> list[dict[str, Any]]:
 def test_alert_conventions() -> None:
     rules = alerts_of(DEFAULT)
     names = {r["alert"] for r in rules}
-    assert names >= {"LLMDailySpendHigh", "LLMRequestCostHigh", "LLMTokenBudgetQueueSaturated",
-                     "LLMUpstreamErrorRateHigh", "LLMGPUMemoryNearFull", "LLMUsageUnmeasured",
-                     "LLMSidecarDown"}
+    assert names >= {
+        "LLMDailySpendHigh",
+        "LLMRequestCostHigh",
+        "LLMTokenBudgetQueueSaturated",
+        "LLMUpstreamErrorRateHigh",
+        "LLMGPUMemoryNearFull",
+        "LLMUsageUnmeasured",
+        "LLMSidecarDown",
+    }
     runbooks = (ROOT / "docs/runbooks.md").read_text()
     for r in rules:
         assert re.fullmatch(r"LLM[A-Z][A-Za-z0-9]+", r["alert"])
@@ -80,11 +87,24 @@ def test_alert_conventions() -> None:
 
 def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
     """Render with every threshold changed: no default value may survive in any expression."""
-    changed = load(daily_spend_usd=123.5, user_daily_spend_usd=77.25, request_cost_usd=0.25,
-                   queue_saturation_ratio=0.81, error_ratio=0.033, gpu_memory_ratio=0.91,
-                   unmeasured_ratio=0.027, daily_spend_window="23h", request_cost_window="7m",
-                   error_window="6m", unmeasured_window="17m", queue_saturation_for="11m",
-                   error_for="8m", gpu_memory_for="9m", unmeasured_for="19m", down_for="3m")
+    changed = load(
+        daily_spend_usd=123.5,
+        user_daily_spend_usd=77.25,
+        request_cost_usd=0.25,
+        queue_saturation_ratio=0.81,
+        error_ratio=0.033,
+        gpu_memory_ratio=0.91,
+        unmeasured_ratio=0.027,
+        daily_spend_window="23h",
+        request_cost_window="7m",
+        error_window="6m",
+        unmeasured_window="17m",
+        queue_saturation_for="11m",
+        error_for="8m",
+        gpu_memory_for="9m",
+        unmeasured_for="19m",
+        down_for="3m",
+    )
     base, new = alerts_of(DEFAULT), alerts_of(changed)
     literal = re.compile(r"(?<![\w.\[])(\d+(?:\.\d+)?)(?![\w\]])")
     allowed = {"0", "1"}  # `> 0` on a count; `up == 0`
@@ -195,9 +215,12 @@ def test_threshold_lines_follow_the_config() -> None:
     gpu = json.loads(dash_build.render_all(changed)["gpu.json"])
 
     def lines(data: dict[str, Any]) -> set[float]:
-        return {s["value"] for p in data["panels"]
-                for s in p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
-                if s["value"] is not None}
+        return {
+            s["value"]
+            for p in data["panels"]
+            for s in p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
+            if s["value"] is not None
+        }
 
     assert 75.0 in lines(cost) and 50.0 not in lines(cost)
     assert 0.9 in lines(gpu) and 0.95 not in lines(gpu)
