@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternate the paths this many times")
     args = ap.parse_args()
 
-    up_port, min_port, tb_port, admin_port = (free_port() for _ in range(4))
+    up_port, min_port, tb_port, admin_port, full_port, full_admin = (free_port() for _ in range(6))
     upstream = f"http://127.0.0.1:{up_port}"
     procs = [
         spawn([sys.executable, __file__, "_upstream", str(up_port)]),
@@ -246,28 +246,22 @@ def main() -> None:
         f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
         "logging:\n  access_log: off\n  level: WARNING\n"
     )
-    procs.append(
-        spawn(
-            [
-                sys.executable,
-                "-m",
-                "sidecar.cli",
-                "serve",
-                "--config",
-                str(cfg),
-                "--upstream",
-                upstream,
-                "--listen",
-                f"127.0.0.1:{tb_port}",
-                "--admin-listen",
-                f"127.0.0.1:{admin_port}",
-            ]
-        )
+    full = tmp / "full.yaml"  # what a production deployment turns on: ledger, access log, audit
+    full.write_text(
+        f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
+        f"ledger:\n  path: {tmp / 'ledger.db'}\n"
+        f"logging:\n  access_log: {tmp / 'access.log'}\n  level: WARNING\n"
+        f"audit:\n  path: {tmp / 'audit.jsonl'}\n"
     )
+    for conf, port, admin in ((cfg, tb_port, admin_port), (full, full_port, full_admin)):
+        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(conf)]
+        cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
+        procs.append(spawn([*cmd, "--admin-listen", f"127.0.0.1:{admin}"]))
     paths = {
         "direct": upstream,
         "minimal_proxy": f"http://127.0.0.1:{min_port}",
         "tollbooth": f"http://127.0.0.1:{tb_port}",
+        "tollbooth_full": f"http://127.0.0.1:{full_port}",
     }
     try:
         results = asyncio.run(_measure(paths, args))
@@ -303,8 +297,12 @@ async def _measure(paths: dict[str, str], args: argparse.Namespace) -> dict[str,
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     direct, minimal, tb = results["direct"], results["minimal_proxy"], results["tollbooth"]
+    full = results["tollbooth_full"]
     summary = {
         "tollbooth_rps_vs_minimal": tb["rps"] / minimal["rps"],
+        "tollbooth_full_rps_vs_minimal": full["rps"] / minimal["rps"],
+        "tollbooth_full_added_ttft_p50_ms_vs_direct": full["stream_ttft_p50_ms"]
+        - direct["stream_ttft_p50_ms"],
         "tollbooth_added_ttft_p50_ms_vs_direct": tb["stream_ttft_p50_ms"]
         - direct["stream_ttft_p50_ms"],
         "minimal_added_ttft_p50_ms_vs_direct": minimal["stream_ttft_p50_ms"]
@@ -321,6 +319,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "stream_chunks": CHUNKS,
         "note": "load generator, upstream and proxy share the same machine; medians of rounds",
+        "tollbooth": "metering, pricing, metrics; no ledger, access log off",
+        "tollbooth_full": "plus SQLite ledger, JSON access log to a file, audit capture",
     }
     doc = {
         "conditions": conditions,

@@ -73,7 +73,7 @@ class AccessLog:
             handler = logging.FileHandler(target, encoding="utf-8")
         handler.setFormatter(formatter(self.config.format))
         self._handler = handler
-        front, self._listener = queued(handler)
+        front, self._listener = queued(handler, copy_record=False)
         self.logger.handlers[:] = [front]
 
     def stop(self) -> None:
@@ -90,7 +90,7 @@ class AccessLog:
         if not (ex.failed or ex.audited) and self.rng() >= self.config.sample_success:
             return
         level = logging.WARNING if ex.failed else logging.INFO
-        self.logger.log(level, "request", extra=fields(ex))
+        self.logger.log(level, "request", extra={"access": fields(ex)})
 
 
 def access_log_context(log: AccessLog) -> Callable[[web.Application], AsyncIterator[None]]:

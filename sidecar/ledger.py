@@ -15,9 +15,8 @@ import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -74,8 +73,9 @@ INSERT_AUDIT = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
+class Row(NamedTuple):
+    """One `requests` row, in column order (a tuple: cheap to build on the event loop)."""
+
     ts: float
     request_id: str
     trace_id: str | None
@@ -101,22 +101,22 @@ def row_of(ex: Exchange) -> Row:
     else:
         cost = None if consumed(ex) else 0.0  # refused before generating anything: nothing spent
     return Row(
-        ts=ex.started_at,
-        request_id=ex.request_id,
-        trace_id=ex.trace_id,
-        model=u.model or ex.info.model or ex.model,
-        endpoint=ex.endpoint.value,
-        user=ex.user_id,
-        input_tokens=u.input_tokens,
-        cached_input_tokens=u.cached_input_tokens,
-        output_tokens=u.output_tokens,
-        cost_usd=cost,
-        status=ex.status_label,
-        stream=int(ex.info.stream),
-        queue_s=ex.queue_s,
-        ttft_s=ex.ttft_s,
-        duration_s=ex.duration_s,
-        error=ex.error,
+        ex.started_at,
+        ex.request_id,
+        ex.trace_id,
+        u.model or ex.info.model or ex.model,
+        ex.endpoint.value,
+        ex.user_id,
+        u.input_tokens,
+        u.cached_input_tokens,
+        u.output_tokens,
+        cost,
+        ex.status_label,
+        int(ex.info.stream),
+        ex.queue_s,
+        ex.ttft_s,
+        ex.duration_s,
+        ex.error,
     )
 
 
@@ -146,7 +146,7 @@ class Ledger:
     # --- event-loop side (never blocks on disk)
 
     def append(self, ex: Exchange) -> None:
-        self._put(INSERT, astuple(row_of(ex)))
+        self._put(INSERT, row_of(ex))
 
     def append_audit(self, values: tuple[Any, ...]) -> None:
         self._put(INSERT_AUDIT, values)

@@ -39,8 +39,11 @@ class JsonFormatter(logging.Formatter):
         ctx = REQUEST_CONTEXT.get()
         if ctx:
             out.update(ctx)
+        access = getattr(record, "access", None)
+        if access is not None:  # an access-log line: its fields, flat
+            out.update(access)
         for key, value in record.__dict__.items():
-            if key not in _STD_ATTRS and not key.startswith("_"):
+            if key not in _STD_ATTRS and not key.startswith("_") and key != "access":
                 out[key] = value
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
@@ -55,8 +58,9 @@ class TextFormatter(logging.Formatter):
         extras = {
             k: v
             for k, v in record.__dict__.items()
-            if k not in _STD_ATTRS and not k.startswith("_")
+            if k not in _STD_ATTRS and not k.startswith("_") and k != "access"
         }
+        extras.update(getattr(record, "access", None) or {})
         ctx = REQUEST_CONTEXT.get() or {}
         pairs = " ".join(f"{k}={v}" for k, v in {**ctx, **extras}.items() if v is not None)
         if pairs:
@@ -76,8 +80,13 @@ class ContextQueueHandler(logging.handlers.QueueHandler):
     """Hands records to a writer thread. The request context (request, trace and span ids) is
     read here, in the emitting task, because the writer thread cannot see the contextvar."""
 
+    def __init__(self, q: queue.SimpleQueue[logging.LogRecord], *, copy_record: bool = True):
+        super().__init__(q)
+        self.copy_record = copy_record  # off where this handler is the record's only consumer
+
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        record = copy.copy(record)
+        if self.copy_record:
+            record = copy.copy(record)
         record.message = record.getMessage()
         record.msg, record.args = record.message, None
         if record.exc_info:
@@ -89,12 +98,14 @@ class ContextQueueHandler(logging.handlers.QueueHandler):
         return record
 
 
-def queued(handler: logging.Handler) -> tuple[logging.Handler, logging.handlers.QueueListener]:
+def queued(
+    handler: logging.Handler, *, copy_record: bool = True
+) -> tuple[logging.Handler, logging.handlers.QueueListener]:
     """A handler for the caller's logger whose writes happen on a background thread."""
     q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     listener = logging.handlers.QueueListener(q, handler, respect_handler_level=True)
     listener.start()
-    return ContextQueueHandler(q), listener
+    return ContextQueueHandler(q, copy_record=copy_record), listener
 
 
 def formatter(fmt: str) -> logging.Formatter:
@@ -103,6 +114,9 @@ def formatter(fmt: str) -> logging.Formatter:
 
 def setup(level: str = "INFO", fmt: str = "json") -> None:
     """Root logging to stderr in the chosen format, written off the event loop. Called once."""
+    # Skip what no line of ours prints: the caller's file/line and thread/process names.
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(formatter(fmt))
     handler, listener = queued(stream)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -136,10 +137,14 @@ def resolve_user(headers: Mapping[str, str], info: RequestInfo, user_header: str
     )
 
 
+_ID_PREFIX = uuid.uuid4().hex[:12]  # per process; ids are prefix + counter, unique and cheap
+_ID_COUNTER = itertools.count(1)
+
+
 def request_id(headers: Mapping[str, str]) -> str:
     """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
     given = headers.get("X-Request-Id")
-    return sanitize(given, 64) if given else uuid.uuid4().hex
+    return sanitize(given, 64) if given else f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
 
 
 def decoded(body: bytes, encoding: str | None) -> bytes:
