@@ -155,7 +155,7 @@ async def _metrics(request: web.Request) -> web.Response:
     accept = request.headers.get("Accept", "")
     if "application/openmetrics-text" in accept:
         # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).
-        body = om_exposition.generate_latest(registry)
+        body = om_exposition.generate_latest(registry)  # type: ignore[no-untyped-call]
         ctype = om_exposition.CONTENT_TYPE_LATEST
     else:
         body = exposition.generate_latest(registry)

@@ -182,7 +182,7 @@ def prompt_text(body: bytes) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def completion_text(sample: bytes) -> str:
+def completion_text(sample: bytes | bytearray) -> str:
     """Text from a captured response: a JSON body or an SSE stream, whichever it is."""
     try:
         obj = json.loads(sample)
@@ -190,7 +190,7 @@ def completion_text(sample: bytes) -> str:
     except ValueError:
         pass
     parser, parts = SSEParser(), []
-    for ev in parser.feed(sample):
+    for ev in parser.feed(bytes(sample)):
         if ev.data and ev.data != "[DONE]":
             try:
                 parts.append(_text_of(json.loads(ev.data)))
@@ -207,7 +207,7 @@ def _text_of(obj: Any) -> str:
     if isinstance(obj.get("token"), dict):
         return str(obj["token"].get("text") or "")
     if isinstance(obj.get("generated_text"), str):
-        return obj["generated_text"]
+        return str(obj["generated_text"])
     out = []
     for c in obj.get("choices") or []:
         if isinstance(c, dict):

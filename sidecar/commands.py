@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
-Sub = "argparse._SubParsersAction[argparse.ArgumentParser]"
+if TYPE_CHECKING:
+    from .bench import Distribution
+    from .simulator import EngineParams
+
+Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Adder = Callable[[Sub], None]
 
 
@@ -20,8 +25,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_report(sub: Sub) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("report", help="spend, tokens and latency from the usage ledger")  # type: ignore[attr-defined]
+def add_report(sub: Sub) -> None:
+    p = sub.add_parser("report", help="spend, tokens and latency from the usage ledger")
     p.add_argument("--ledger", required=True, help="ledger SQLite file")
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
     p.add_argument("--by", default="user", choices=["user", "model", "day"])
@@ -29,7 +34,7 @@ def add_report(sub: Sub) -> None:  # type: ignore[valid-type]
     p.set_defaults(func=cmd_report)
 
 
-def engine_params(args: argparse.Namespace) -> object:
+def engine_params(args: argparse.Namespace) -> EngineParams:
     from .simulator import EngineParams
 
     speed = args.speed
@@ -64,7 +69,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     logs.setup("INFO", "text")
     host, port = parse_hostport("--listen", args.listen)
-    app = create_simulator(args.api, engine_params(args), args.model)  # type: ignore[arg-type]
+    app = create_simulator(args.api, engine_params(args), args.model)
     print(f"simulated {args.api} server (not a GPU) on http://{host}:{port}", flush=True)
     web.run_app(
         app, host=host, port=port, access_log=None, print=None, loop=asyncio.new_event_loop()
@@ -72,8 +77,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_simulate(sub: Sub) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("simulate", help="run the simulated vLLM/TGI server")  # type: ignore[attr-defined]
+def add_simulate(sub: Sub) -> None:
+    p = sub.add_parser("simulate", help="run the simulated vLLM/TGI server")
     p.add_argument("--listen", default="127.0.0.1:8000")
     p.add_argument("--api", choices=["vllm", "tgi"], default="vllm")
     p.add_argument("--model", default="sim-llama-3-8b")
@@ -81,7 +86,7 @@ def add_simulate(sub: Sub) -> None:  # type: ignore[valid-type]
     p.set_defaults(func=cmd_simulate)
 
 
-def _distribution(args: argparse.Namespace) -> object:
+def _distribution(args: argparse.Namespace) -> Distribution:
     from .bench import Distribution
 
     return Distribution(
@@ -111,14 +116,14 @@ def _add_distribution_flags(p: argparse.ArgumentParser, n: int) -> None:
 def cmd_make_requests(args: argparse.Namespace) -> int:
     from .bench import generate, write
 
-    reqs = generate(_distribution(args))  # type: ignore[arg-type]
+    reqs = generate(_distribution(args))
     write(args.out, reqs)
     print(f"wrote {len(reqs)} requests to {args.out}")
     return 0
 
 
-def add_make_requests(sub: Sub) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")  # type: ignore[attr-defined]
+def add_make_requests(sub: Sub) -> None:
+    p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")
     p.add_argument("--out", required=True)
     _add_distribution_flags(p, 64)
     p.set_defaults(func=cmd_make_requests)
@@ -138,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reqs, source = read(args.requests), {"request_file": args.requests}
     else:
         dist = _distribution(args)
-        reqs, source = generate(dist), {"generated": asdict(dist)}  # type: ignore[call-overload]
+        reqs, source = generate(dist), {"generated": asdict(dist)}
     arrival = (
         Arrival("concurrency", args.concurrency)
         if args.concurrency
@@ -173,7 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pricing=pricing,
         sim_api=args.api,
         sim_params=engine_params(args),
-        seed=args.seed,  # type: ignore[arg-type]
+        seed=args.seed,
     )
     result = asyncio.run(run(opts, reqs, source))
     for path in write_all(result, opts.out_dir):
@@ -188,8 +193,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench(sub: Sub) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("bench", help="compare scheduling strategies on a fixed request set")  # type: ignore[attr-defined]
+def add_bench(sub: Sub) -> None:
+    p = sub.add_parser("bench", help="compare scheduling strategies on a fixed request set")
     p.add_argument("--requests", help="request set (JSONL); default: a generated set")
     p.add_argument("--strategies", default="serial,fixed-batch,token-budget")
     p.add_argument("--upstream", help="vLLM/TGI base URL; default: start the simulator")
@@ -227,8 +232,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_demo(sub: Sub) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("demo", help="simulator + sidecar + a short mixed load, then a summary")  # type: ignore[attr-defined]
+def add_demo(sub: Sub) -> None:
+    p = sub.add_parser("demo", help="simulator + sidecar + a short mixed load, then a summary")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of traffic")
     p.add_argument("--keep-running", action="store_true", help="stay up after the summary")
     p.add_argument("--listen", default="127.0.0.1:8080")
@@ -253,8 +258,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_audit(sub: Sub) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("audit", help="list audit records of expensive requests")  # type: ignore[attr-defined]
+def add_audit(sub: Sub) -> None:
+    p = sub.add_parser("audit", help="list audit records of expensive requests")
     p.add_argument("--since", default="24h")
     p.add_argument("--format", default="table", choices=["table", "json"])
     p.add_argument("--path", help="audit JSONL file (rotated files beside it are read too)")

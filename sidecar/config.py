@@ -188,7 +188,7 @@ def _convert(key: str, value: object, hint: Any) -> Any:
             _fail(key, value, "expected a mapping")
         _, inner = typing.get_args(hint)
         return {str(k): _convert(f"{key}.{k}", v, inner) for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, prefix=key)
     return _scalar(key, value, hint)
 

@@ -115,7 +115,7 @@ def formatter(fmt: str) -> logging.Formatter:
 def setup(level: str = "INFO", fmt: str = "json") -> None:
     """Root logging to stderr in the chosen format, written off the event loop. Called once."""
     # Skip what no line of ours prints: the caller's file/line and thread/process names.
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(formatter(fmt))

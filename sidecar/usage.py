@@ -292,12 +292,15 @@ class StreamMeter:
         self._tgi_tokens = 0
         self._tgi_details: Mapping[str, Any] | None = None
         self.done = False  # saw [DONE], a final TGI event or a terminal Responses event
+        self.passthrough = False  # set after an accounting failure: forward, stop parsing
 
     @property
     def token_events(self) -> int:
         return self._s.token_events
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.passthrough:
+            return chunk
         events = self._parser.feed(chunk)
         if not self._strip:
             for ev in events:

@@ -69,6 +69,7 @@ def _int(body: dict[str, Any], key: str, default: int) -> int:
 
 
 def openai_gen(body: dict[str, Any], chat: bool, model: str) -> Gen:
+    prompt: Any
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -98,7 +99,7 @@ def tgi_gen(body: dict[str, Any], model: str, stream: bool) -> Gen:
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
         raise BadRequest("'inputs' must be a string")
-    params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
+    params: dict[str, Any] = body["parameters"] if isinstance(body.get("parameters"), dict) else {}
     return Gen(
         prompt=inputs,
         max_tokens=_int(params, "max_new_tokens", 100),
