@@ -27,6 +27,7 @@ from .meter import Exchange, priced_model
 from .metrics import Metrics
 from .pricing import PriceBook
 from .proxy import api_key_id
+from .report import columns
 from .sse import SSEParser
 from .thresholds import Thresholds
 
@@ -259,26 +260,24 @@ def read_records(
     return sorted(out, key=lambda r: r.get("time", 0))
 
 
+AUDIT_COLUMNS = [
+    "time",
+    "request_id",
+    "user",
+    "model",
+    "reasons",
+    "input_tokens",
+    "cost_usd",
+    "trace_id",
+]
+
+
 def render(records: list[dict[str, Any]], fmt: str) -> str:
     if fmt == "json":
         return json.dumps(records, indent=2)
     if not records:
         return "(no audit records in this period)"
-    cols = (
-        "time",
-        "request_id",
-        "user",
-        "model",
-        "reasons",
-        "input_tokens",
-        "cost_usd",
-        "trace_id",
-    )
-    rows = [[_cell(r, c) for c in cols] for r in records]
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+    return columns(AUDIT_COLUMNS, [[_cell(r, c) for c in AUDIT_COLUMNS] for r in records])
 
 
 def _cell(r: dict[str, Any], col: str) -> str:

@@ -124,7 +124,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no requests in this period)"
     cols = list(rows[0])
-    cells = [[_cell(r[c], c) for c in cols] for r in rows]
+    return columns(cols, [[_cell(r[c], c) for c in cols] for r in rows])
+
+
+def columns(cols: list[str], cells: list[list[str]]) -> str:
+    """Aligned text columns: the first left-aligned, the rest right-aligned."""
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines += [

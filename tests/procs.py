@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from sidecar.bench.runner import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["Tollbooth", "free_port", "start_tollbooth"]
 
 
 class Tollbooth:
