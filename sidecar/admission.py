@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from .config import AdmissionConfig
 from .meter import Exchange
 from .metrics import Metrics
 from .proxy import Refusal
+from .usage import RequestInfo
 
 
 @dataclass(eq=False)
@@ -64,6 +68,7 @@ class Admission:
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=decision_log)
         self._timer: asyncio.TimerHandle | None = None
         self._group_open = True  # fixed-batch: may a new group start?
+        self.counter: UpstreamTokenizer | None = None  # admission.tokenize
         metrics.budget_limit.set(self.limit)
         self._export()
 
@@ -81,10 +86,19 @@ class Admission:
 
     # --- the estimate (admission only)
 
-    def estimate(self, prompt_chars: int, max_tokens: int | None, n: int | None) -> int:
-        prompt = math.ceil(prompt_chars / self.config.chars_per_token)
+    def estimate(
+        self,
+        prompt_chars: int,
+        max_tokens: int | None,
+        n: int | None,
+        prompt_tokens: int | None = None,
+    ) -> int:
+        """Peak tokens: the prompt (counted by the upstream when known, else chars / ratio) plus
+        the output it may generate."""
+        if prompt_tokens is None:
+            prompt_tokens = math.ceil(prompt_chars / self.config.chars_per_token)
         out = max_tokens if max_tokens is not None else self.config.default_max_tokens
-        return prompt + out * max(1, n or 1)
+        return prompt_tokens + out * max(1, n or 1)
 
     # --- acquire / release
 
@@ -232,8 +246,9 @@ class Admission:
     async def gate(self, ex: Exchange) -> Callable[[], None]:
         """The proxy's gate: estimate, wait, record the queue time (also when refused)."""
         info = ex.info
+        counted = await self.counter.count(info) if self.counter is not None else None
         chars = info.prompt_chars if info.parsed else len(info.body)
-        tokens = self.estimate(chars, info.max_tokens, info.n)
+        tokens = self.estimate(chars, info.max_tokens, info.n, counted)
         start = self.clock()
         try:
             return await self.acquire(tokens, ex.model)
@@ -248,3 +263,55 @@ class Admission:
             "limit": self.limit,
             "running": self.running,
         }
+
+
+class UpstreamTokenizer:
+    """The prompt's exact size from the upstream's own /tokenize, for admission only.
+
+    vLLM takes {"model", "prompt"} or {"model", "messages"} (chat template applied) and answers
+    {"count": N}; TGI takes {"inputs"} and answers a list of tokens. Any failure returns None
+    (the caller falls back to the estimate) and is counted.
+    """
+
+    def __init__(
+        self,
+        session: Callable[[], aiohttp.ClientSession | None],
+        base: str,
+        api: str,
+        metrics: Metrics,
+    ) -> None:
+        self.session, self.base, self.api, self.metrics = session, base, api, metrics
+        self.timeout = aiohttp.ClientTimeout(total=2.0)
+
+    async def count(self, info: RequestInfo) -> int | None:
+        body = self._body(info)
+        session = self.session()
+        if body is None or session is None:
+            return None
+        try:
+            async with session.post(self.base + "/tokenize", json=body, timeout=self.timeout) as r:
+                data = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("count"), int):
+            return int(data["count"])
+        if isinstance(data, list):
+            return len(data)
+        self.metrics.upstream_errors.labels("tokenize").inc()
+        return None
+
+    def _body(self, info: RequestInfo) -> dict[str, Any] | None:
+        try:
+            obj = json.loads(info.body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if self.api == "tgi" or info.endpoint.is_tgi_native:
+            text = obj.get("inputs") if info.endpoint.is_tgi_native else obj.get("prompt")
+            return {"inputs": text} if isinstance(text, str) else None
+        if isinstance(obj.get("messages"), list):
+            return {"model": obj.get("model"), "messages": obj["messages"]}
+        if isinstance(obj.get("prompt"), str):
+            return {"model": obj.get("model"), "prompt": obj["prompt"]}
+        return None

@@ -35,8 +35,6 @@ class UpstreamConfig:
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
     read_timeout_s: float = 600.0
     max_connections: int = 1000
-    # Ask the upstream's own /tokenize (off the hot path) when a stream reports no prompt size.
-    tokenize_fallback: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +98,8 @@ class AdmissionConfig:
     default_max_tokens: int = 256
     # Let a small request pass a large one waiting at the head. Off: strict FIFO, no starvation.
     allow_overtake: bool = False
-    # Use the upstream's /tokenize for the prompt size instead of the bytes estimate.
+    # Ask the upstream's /tokenize for the prompt size instead of the chars estimate (exact, but one
+    # more upstream call before admission; falls back to the estimate if it fails).
     tokenize: bool = False
 
 

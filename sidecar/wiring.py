@@ -11,7 +11,7 @@ from typing import Any
 
 from . import thresholds, tracing
 from .accesslog import AccessLog, access_log_context
-from .admission import Admission
+from .admission import Admission, UpstreamTokenizer
 from .app import Sidecar
 from .audit import Audit, audit_context
 from .budget import Spend
@@ -47,6 +47,13 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.gates.append(spend.gate)
     if cfg.admission.strategy != "none":
         sc.admission = Admission(cfg.admission, sc.metrics)
+        if cfg.admission.tokenize:
+            sc.admission.counter = UpstreamTokenizer(
+                lambda: sc.proxy.session if sc.proxy else None,
+                cfg.upstream.url.rstrip("/"),
+                cfg.upstream.api,
+                sc.metrics,
+            )
         sc.gates.append(sc.admission.gate)
     sc.meter.add_sink("spend", spend.settle)
     if cfg.ledger.path:

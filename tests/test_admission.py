@@ -202,3 +202,50 @@ async def test_through_the_proxy(start_sidecar: StartSidecar) -> None:
     assert run.value("llm_budget_tokens_limit") == 40
     assert run.value("llm_budget_tokens_in_use") == 0
     assert run.value("llm_admission_rejections_total", reason="never_fits") == 1
+
+
+async def test_exact_prompt_size_from_upstream_tokenize(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    from sidecar.simulator import EngineParams, create_simulator
+
+    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.0005)))
+    base = str(sim.make_url("")).rstrip("/")
+    run = await start_sidecar(
+        {
+            "admission": {
+                "strategy": "token-budget",
+                "token_budget": 1000,
+                "tokenize": True,
+                "chars_per_token": 1000.0,
+            }
+        },
+        upstream_url=base,
+    )
+    messages = [{"role": "user", "content": "count these eight words for me please now"}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/tokenize", json={"messages": messages}) as r:
+            exact = (await r.json())["count"]
+        async with s.post(
+            run.url + "/v1/chat/completions",
+            json={"model": "m", "messages": messages, "max_tokens": 5},
+        ) as r:
+            assert r.status == 200
+    (admit,) = [d for d in run.sc.admission.decisions if d.event == "admit"]
+    assert exact > 8 and admit.tokens == exact + 5  # the estimate would have been 0 + 5
+
+
+async def test_tokenize_failure_falls_back_to_the_estimate(start_sidecar: StartSidecar) -> None:
+    run = await start_sidecar(
+        {"admission": {"strategy": "token-budget", "tokenize": True, "chars_per_token": 1.0}}
+    )  # the fake has no /tokenize
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/completions", json={"model": MODEL, "prompt": "abcd", "max_tokens": 3}
+        ) as r,
+    ):
+        assert r.status == 200
+    (admit,) = [d for d in run.sc.admission.decisions if d.event == "admit"]
+    assert admit.tokens == 4 + 3
+    assert run.value("tollbooth_upstream_errors_total", reason="tokenize") == 1
