@@ -26,6 +26,7 @@ from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
 from .proxy import Gate, Proxy, ProxySettings, TgiModelName
+from .usage import Endpoint
 
 log = logging.getLogger("tollbooth")
 
@@ -77,8 +78,6 @@ class Sidecar:
 
 def _init_label_sets(sc: Sidecar) -> None:
     """Known models get their series at 0 now, so the first request is not lost to increase()."""
-    from .usage import Endpoint
-
     for model in sc.prices.config.models:
         label = sc.models(model)
         for ep in Endpoint:

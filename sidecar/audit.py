@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -234,8 +235,6 @@ def read_records(
     since: float, path: str | None = None, ledger: str | None = None
 ) -> list[dict[str, Any]]:
     if ledger:
-        import sqlite3
-
         conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
         try:
             rows = conn.execute(

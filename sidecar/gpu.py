@@ -16,6 +16,7 @@ each poll. Time with nothing in flight is attributed to no one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -58,13 +59,13 @@ class GpuCollector:
         config: GpuConfig,
         metrics: Metrics,
         nvml: Any = None,
-        on_energy: Callable[[float | None], None] | None = None,
+        on_poll: Callable[[float | None], None] | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.nvml = nvml
         self.devices: list[Device] = []
-        self.on_poll = on_energy  # attribution hook: energy (J) read since the last poll
+        self.on_poll = on_poll  # attribution hook: energy (J) read since the last poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.up = False
@@ -281,8 +282,6 @@ def gpu_context(
     collector: GpuCollector, on_up: Callable[[GpuCollector], None]
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        import asyncio
-
         if await asyncio.to_thread(collector.start):
             on_up(collector)
         yield

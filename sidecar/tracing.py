@@ -10,10 +10,12 @@ Attribute names come from opentelemetry-semantic-conventions 0.66b2 (pinned in p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from opentelemetry import trace
@@ -87,10 +89,7 @@ class Tracing:
             CountingBatchSpanProcessor(exporter or exporter_from_env(), metrics)
         )
         self.tracer = self.provider.get_tracer("tollbooth", __version__)
-        url = config.upstream.url
-        from urllib.parse import urlsplit
-
-        parts = urlsplit(url)
+        parts = urlsplit(config.upstream.url)
         self.server_address = parts.hostname or ""
         self.server_port = parts.port or (443 if parts.scheme == "https" else 80)
         self.spans: dict[int, trace.Span] = {}
@@ -161,8 +160,6 @@ def attributes(ex: Exchange, provider: str, address: str, port: int) -> dict[str
 def tracing_context(t: Tracing) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         yield
-        import asyncio
-
         await asyncio.to_thread(t.shutdown)  # flushes what is queued
 
     return ctx
