@@ -130,9 +130,9 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         ),
     )
     tgi = TgiModelName(session, base, up.model_name)
-    sc.proxy = Proxy(settings, session, sc.metrics, sc.meter, sc.users, sc.models, tgi)
-    sc.proxy.gates = sc.gates
-    sc.proxy.on_start = sc.on_start
+    sc.proxy = Proxy(
+        settings, session, sc.metrics, sc.meter, sc.users, sc.models, tgi, sc.gates, sc.on_start
+    )
     yield
     await session.close()
 

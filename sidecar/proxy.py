@@ -69,13 +69,23 @@ class Refusal(Exception):
 # --- pure helpers ---------------------------------------------------------------------------------
 
 
-def request_headers(src: Mapping[str, str], *, peer: str | None, scheme: str) -> CIMultiDict[str]:
-    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length."""
-    drop = _connection_listed(src) | HOP_BY_HOP | {"host", "content-length"}
+def _end_to_end(src: Mapping[str, str], also_drop: frozenset[str]) -> CIMultiDict[str]:
+    """`src` without hop-by-hop headers (fixed, and those named in Connection) and `also_drop`."""
+    drop = _connection_listed(src) | HOP_BY_HOP | also_drop
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in src.items():
         if k.lower() not in drop:
             out.add(k, v)
+    return out
+
+
+_NOT_FORWARDED = frozenset({"host", "content-length"})
+_LENGTH = frozenset({"content-length"})
+
+
+def request_headers(src: Mapping[str, str], *, peer: str | None, scheme: str) -> CIMultiDict[str]:
+    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length."""
+    out = _end_to_end(src, _NOT_FORWARDED)
     if peer:
         prior = src.get("X-Forwarded-For")
         out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -84,14 +94,7 @@ def request_headers(src: Mapping[str, str], *, peer: str | None, scheme: str) ->
 
 
 def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
-    drop = _connection_listed(src) | HOP_BY_HOP
-    if drop_length:
-        drop = drop | {"content-length"}
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in src.items():
-        if k.lower() not in drop:
-            out.add(k, v)
-    return out
+    return _end_to_end(src, _LENGTH if drop_length else frozenset())
 
 
 def _connection_listed(headers: Mapping[str, str]) -> set[str]:
@@ -219,6 +222,8 @@ class Proxy:
         users: LabelCap,
         models: LabelCap,
         tgi_name: TgiModelName,
+        gates: list[Gate],
+        on_start: list[Callable[[Exchange], None]],
     ) -> None:
         self.s = settings
         self.session = session
@@ -227,8 +232,8 @@ class Proxy:
         self.users = users
         self.models = models
         self.tgi_name = tgi_name
-        self.gates: list[Gate] = []
-        self.on_start: list[Callable[[Exchange], None]] = []  # e.g. open a span, inject traceparent
+        self.gates = gates  # budgets, admission: may refuse a request before the upstream
+        self.on_start = on_start  # e.g. open a span, set the upstream's traceparent
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
@@ -345,35 +350,45 @@ class Proxy:
         )
         await resp.prepare(request)
         try:
-            async for chunk in up.content.iter_any():
+            async for chunk in up.content.iter_any():  # upstream failures raise here...
                 out = self._feed(meter, chunk, ex)
                 if self.s.capture_bytes:
                     _sample(ex, out, self.s.capture_bytes)
-                if out:
-                    await resp.write(out)
-                    ex.bytes_out += len(out)
+                if out and not await self._write(resp, out, ex, meter):
+                    return resp  # the client left; leaving the block closes the upstream
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            if isinstance(exc, ConnectionResetError) and not request.transport:
-                raise  # the client went away, not the upstream
             ex.error = "upstream_reset"
             self.metrics.upstream_errors.labels("stream_interrupted").inc()
             log.warning("upstream stream of request %s broke: %r", ex.request_id, exc)
             self._end_stream(ex, meter)
             _abort(request)  # the client must see a broken stream, not a clean end
             return resp
-        except ConnectionResetError:
-            ex.status, ex.error = STATUS_CLIENT_CLOSED, "client_disconnected"
-            self._end_stream(ex, meter)
-            raise
         except asyncio.CancelledError:
             self._end_stream(ex, meter)
             raise
         tail = self._end_stream(ex, meter)
-        if tail:
-            await resp.write(tail)
-            ex.bytes_out += len(tail)
+        if tail and not await self._write(resp, tail, ex, None):
+            return resp
         await resp.write_eof()
         return resp
+
+    async def _write(
+        self, resp: web.StreamResponse, data: bytes, ex: Exchange, meter: StreamMeter | None
+    ) -> bool:
+        """Write to the client. False when it went away: the request ends as 499.
+
+        Caught here, where it happens, because aiohttp's ClientConnectionResetError is also a
+        ClientConnectionError, the class the upstream's failures are caught by.
+        """
+        try:
+            await resp.write(data)
+        except ConnectionResetError:
+            ex.status, ex.error = STATUS_CLIENT_CLOSED, "client_disconnected"
+            if meter is not None:
+                self._end_stream(ex, meter)
+            return False
+        ex.bytes_out += len(data)
+        return True
 
     def _feed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
         try:
@@ -397,8 +412,6 @@ class Proxy:
             return b""
         if not meter.done and ex.error is None and usage.unknown_reason:
             usage = replace(usage, unknown_reason="stream_truncated")
-        if ex.error is None and usage.error is not None:
-            ex.error = usage.error  # an error event inside a 200 stream
         self._set_usage(ex, usage)
         return tail
 
@@ -407,7 +420,7 @@ class Proxy:
         if usage.model:
             ex.model = self.models(usage.model)
         if usage.error and ex.error is None:
-            ex.error = usage.error
+            ex.error = usage.error  # e.g. an error event inside a 200 stream
 
     def _cost_now(self, ex: Exchange) -> float | None:
         try:

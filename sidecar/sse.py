@@ -2,8 +2,8 @@
 
 Owns: splitting a byte stream into events (any of the three line endings, split anywhere across
 chunks), and keeping each event's exact bytes so a caller can forward or drop whole events.
-Never: touches sockets, clocks or metrics. The concatenation of every event's `raw` plus
-`finish()` equals the input, byte for byte.
+Never: touches sockets, clocks or metrics. With `keep_raw` (the default) the concatenation of
+every event's `raw` plus `finish()` equals the input, byte for byte.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ class Event:
 class SSEParser:
     """Feed bytes, get complete events. An event is complete at its terminating blank line."""
 
-    __slots__ = ("_buf", "_data", "_event", "_event_start", "_pos")
+    __slots__ = ("_buf", "_data", "_event", "_event_start", "_keep_raw", "_pos")
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_raw: bool = True) -> None:
+        # keep_raw=False: events carry b"" as `raw`, for callers that forward chunks unchanged.
+        self._keep_raw = keep_raw
         self._buf = bytearray()
         self._pos = 0  # start of the next unread line
         self._event_start = 0  # start of the event being built
@@ -80,7 +82,7 @@ class SSEParser:
             self._event = value.decode("utf-8", "replace")
 
     def _dispatch(self) -> Event:
-        raw = bytes(self._buf[self._event_start : self._pos])
+        raw = bytes(self._buf[self._event_start : self._pos]) if self._keep_raw else b""
         data = "\n".join(self._data) if self._data else None
         ev = Event(raw=raw, data=data, event=self._event)
         self._event_start = self._pos

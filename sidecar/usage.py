@@ -285,7 +285,7 @@ class StreamMeter:
     def __init__(self, endpoint: Endpoint, *, strip_usage: bool = False) -> None:
         self.endpoint = endpoint
         self._strip = strip_usage
-        self._parser = SSEParser()
+        self._parser = SSEParser(keep_raw=strip_usage)  # raw bytes only needed to strip
         self._s = _StreamState()
         self._final_usage: list[Mapping[str, Any]] = []  # usage-only chunks: request totals
         self._choice_usage: dict[int, Mapping[str, Any]] = {}  # usage riding on a choice (TGI)
