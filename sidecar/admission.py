@@ -64,6 +64,7 @@ class Admission:
         self.clock = clock
         self.queue: collections.deque[Waiter] = collections.deque()
         self.in_use = 0  # estimated tokens (token-budget) or requests (serial, fixed-batch)
+        self.waiting_tokens = 0  # estimated tokens of the queue, kept as it changes
         self.running = 0
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=decision_log)
         self._timer: asyncio.TimerHandle | None = None
@@ -123,6 +124,7 @@ class Admission:
             )
         w = Waiter(cost, tokens, model, self.clock())
         self.queue.append(w)
+        self.waiting_tokens += tokens
         self._dispatch()
         try:
             await asyncio.wait_for(asyncio.shield(w.future), self.config.max_queue_wait_s)
@@ -160,6 +162,7 @@ class Admission:
             if not w.future.done():
                 w.future.cancel()
         self.queue.clear()
+        self.waiting_tokens = 0
         if self._timer is not None:
             self._timer.cancel()
         self._export()
@@ -174,6 +177,7 @@ class Admission:
     def _leave(self, w: Waiter, event: str) -> None:
         if w in self.queue:
             self.queue.remove(w)
+            self.waiting_tokens -= w.tokens
         if not w.future.done():
             w.future.cancel()
         self._log(event, w.tokens)
@@ -187,6 +191,8 @@ class Admission:
         self._dispatch()
 
     def _admit(self, w: Waiter) -> None:
+        """`w` has just been taken off the queue."""
+        self.waiting_tokens -= w.tokens
         self.in_use += w.cost
         self.running += 1
         w.future.set_result(None)
@@ -240,7 +246,7 @@ class Admission:
     def _export(self) -> None:
         m = self.metrics
         m.queue_depth.set(len(self.queue))
-        m.queue_waiting_tokens.set(sum(w.tokens for w in self.queue))
+        m.queue_waiting_tokens.set(self.waiting_tokens)
         m.budget_in_use.set(self.in_use)
 
     async def gate(self, ex: Exchange) -> Callable[[], None]:

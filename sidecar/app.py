@@ -64,6 +64,11 @@ class Sidecar:
         self.models = LabelCap(self.config.metering.max_tracked_models, max_len=128)
         _init_label_sets(self)
 
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL without a trailing slash; request paths are appended to it."""
+        return self.config.upstream.url.rstrip("/")
+
     def reload_prices(self) -> None:
         if not self.pricing_path:
             log.info("SIGHUP: no --pricing file given; prices unchanged")
@@ -114,7 +119,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
     )
-    base = up.url.rstrip("/")
+    base = sc.upstream_base
     settings = ProxySettings(
         upstream=base,
         user_header=sc.config.metering.user_header,

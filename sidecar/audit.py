@@ -112,7 +112,10 @@ class Audit:
     # --- the sink
 
     def reasons(self, ex: Exchange) -> tuple[list[str], float | None]:
-        input_cost = self.prices.input_cost(priced_model(ex), ex.usage)
+        if ex.cost is not None:  # priced once already, by the meter
+            input_cost: float | None = ex.cost.input_usd
+        else:  # only the input may be measured
+            input_cost = self.prices.input_cost(priced_model(ex), ex.usage)
         reasons = []
         if input_cost is not None and input_cost > self.input_limit:
             reasons.append("input_cost")

@@ -50,7 +50,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         if cfg.admission.tokenize:
             sc.admission.counter = UpstreamTokenizer(
                 lambda: sc.proxy.session if sc.proxy else None,
-                cfg.upstream.url.rstrip("/"),
+                sc.upstream_base,
                 cfg.upstream.api,
                 sc.metrics,
             )
