@@ -207,7 +207,7 @@ class Attempt:
         self, opts: BenchOptions, upstream: str, strategy: str, budget: int, batch: int
     ) -> None:
         admission = AdmissionConfig(
-            strategy="none" if strategy == "none" else strategy,  # type: ignore[arg-type]
+            strategy=strategy,  # type: ignore[arg-type]
             token_budget=budget,
             max_batch=batch,
             batch_window_s=opts.batch_window_s,
