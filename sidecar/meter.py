@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .metrics import Metrics
 from .pricing import Cost, PriceBook
@@ -31,7 +32,7 @@ class Exchange:
     endpoint: Endpoint
     info: RequestInfo
     user: str  # label value (sanitised, capped for cardinality)
-    user_id: str  # sanitised but not capped: the ledger, budgets and logs keep the real user
+    user_id: str  # the billed principal, sanitised but not capped (ledger, budgets, logs)
     model: str  # label value chosen at start; replaced by the response's model when known
     started_at: float = field(default_factory=time.time)  # wall clock, for the ledger
     t0: float = field(default_factory=time.perf_counter)
@@ -56,6 +57,11 @@ class Exchange:
     audited: bool = False
     response_sample: bytes | bytearray | None = None  # audit text capture only; bounded
     request_headers: Mapping[str, str] = field(default_factory=dict)  # the client's, read-only
+    team: str | None = None  # the billed principal's team (keys file)
+    end_user: str | None = None  # the body's `user`: recorded, never billed when keys are verified
+    key_id: str | None = None  # "key-" + 12 hex of the key's sha256; never the key
+    prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
+    budget_hold: Any = None  # budget.Hold reserved by the budget gate
 
     @property
     def ttft_s(self) -> float | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
@@ -24,11 +23,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .identity import Identity, Unauthorized
 from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .usage import (
-    RequestInfo,
     StreamMeter,
     Usage,
     classify,
@@ -83,9 +82,14 @@ _NOT_FORWARDED = frozenset({"host", "content-length"})
 _LENGTH = frozenset({"content-length"})
 
 
-def request_headers(src: Mapping[str, str], *, peer: str | None, scheme: str) -> CIMultiDict[str]:
-    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length."""
+def request_headers(
+    src: Mapping[str, str], *, peer: str | None, scheme: str, authorization: str | None = None
+) -> CIMultiDict[str]:
+    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length; with an
+    upstream key configured, its `Authorization` in place of the client's."""
     out = _end_to_end(src, _NOT_FORWARDED)
+    if authorization is not None:
+        out["Authorization"] = authorization
     if peer:
         prior = src.get("X-Forwarded-For")
         out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -116,27 +120,6 @@ def error_response(
         body=error_body(err_type, message),
         content_type="application/json",
         headers=headers,
-    )
-
-
-def api_key_id(authorization: str | None) -> str | None:
-    """A stable id for an API key: sha256, first 12 hex chars. The key itself never leaves here."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else authorization.strip()
-    if not token:
-        return None
-    return "key-" + hashlib.sha256(token.encode()).hexdigest()[:12]
-
-
-def resolve_user(headers: Mapping[str, str], info: RequestInfo, user_header: str) -> str:
-    """First that applies: the configured header, the body's `user`, the API key's hash."""
-    return (
-        (headers.get(user_header) or "").strip()
-        or (info.user or "").strip()
-        or api_key_id(headers.get("Authorization"))
-        or "anonymous"
     )
 
 
@@ -204,12 +187,12 @@ Gate = Callable[[Exchange], Awaitable[Callable[[], None] | None]]
 @dataclass
 class ProxySettings:
     upstream: str  # base URL without trailing slash
-    user_header: str
     inject_usage: bool
     max_body: int
     connect_timeout: float
     read_timeout: float
     capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
+    authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
 
 
 class Proxy:
@@ -224,8 +207,10 @@ class Proxy:
         tgi_name: TgiModelName,
         gates: list[Gate],
         on_start: list[Callable[[Exchange], None]],
+        identity: Identity,
     ) -> None:
         self.s = settings
+        self.identity = identity
         self.session = session
         self.metrics = metrics
         self.meter = meter
@@ -240,14 +225,20 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         endpoint = classify(request.method, request.path)
-        if endpoint is None:
-            return await self._passthrough(request)
         try:
-            body = await request.read()  # bounded by the app's client_max_size
-        except web.HTTPRequestEntityTooLarge:
-            return self._too_large()
-        info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
-        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
+            if endpoint is None:
+                self.identity.resolve(request.headers, None)  # only a valid key passes
+                return await self._passthrough(request)
+            try:
+                body = await request.read()  # bounded by the app's client_max_size
+            except web.HTTPRequestEntityTooLarge:
+                return self._too_large()
+            info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
+            principal = self.identity.resolve(request.headers, info.user)
+        except Unauthorized as exc:
+            self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
+            return error_response(401, "invalid_api_key", str(exc))
+        user_id = sanitize(principal.user, 128)
         model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
         ex = Exchange(
             request_id=request_id(request.headers),
@@ -259,6 +250,9 @@ class Proxy:
             bytes_in=len(body),
             upstream=self.s.upstream,
             request_headers=request.headers,
+            team=principal.team,
+            end_user=sanitize(info.user, 128) if info.user else None,
+            key_id=principal.key_id,
         )
         return await self._metered(request, ex)
 
@@ -295,7 +289,7 @@ class Proxy:
             REQUEST_CONTEXT.reset(context)
 
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
-        headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
+        headers = self._upstream_headers(request)
         headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
         try:
@@ -448,7 +442,7 @@ class Proxy:
 
     async def _passthrough(self, request: web.Request) -> web.StreamResponse:
         """Unmetered routes: both bodies streamed, nothing recorded but failures."""
-        headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
+        headers = self._upstream_headers(request)
         data = request.content if request.body_exists else None
         try:
             async with self.session.request(
@@ -478,6 +472,14 @@ class Proxy:
     def _too_large(self) -> web.Response:
         return error_response(
             413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+        )
+
+    def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
+        return request_headers(
+            request.headers,
+            peer=request.remote,
+            scheme=request.scheme,
+            authorization=self.s.authorization,
         )
 
     def _url(self, request: web.Request) -> str:
