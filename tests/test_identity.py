@@ -173,9 +173,10 @@ async def test_upstream_key_replaces_the_clients(
     await oai(run, api_key=ALICE_KEY).chat.completions.create(
         model=MODEL, messages=MSGS, max_tokens=2
     )
-    async with aiohttp.ClientSession() as s, s.get(
-        run.url + "/v1/models", headers={"Authorization": f"Bearer {ALICE_KEY}"}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(run.url + "/v1/models", headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r,
+    ):
         assert r.status == 200
     assert run.upstream is not None
     sent = [seen["headers"]["Authorization"] for seen in run.upstream.seen]
@@ -254,3 +255,46 @@ def test_a_bad_keys_file_stops_the_start(tmp_path: Path) -> None:
     cfg = validate(build(Config, {"identity": {"keys_file": str(bad)}}))
     with pytest.raises(ConfigError, match="sha256"):
         Sidecar(cfg)
+
+
+async def test_no_credential_reaches_a_log_an_audit_record_or_the_ledger(
+    start_sidecar: StartSidecar,
+    oai: Any,
+    keys: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("VLLM_KEY", "upstream-secret-zz")
+    prices = {"default": {"input_per_1m": 1e6, "output_per_1m": 1e6}}
+    run = await start_sidecar(
+        {
+            "identity": {"keys_file": keys},
+            "upstream": {"api_key_env": "VLLM_KEY"},
+            "pricing": prices,
+            "audit": {"total_cost_usd": 0.0, "input_cost_usd": 0.0},  # audit every request
+            "logging": {"access_log": str(tmp_path / "access.log")},
+            "ledger": {"path": str(tmp_path / "l.db"), "flush_interval_s": 0.05},
+        }
+    )
+    client = oai(run, api_key=ALICE_KEY)
+    await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=2, stream=True
+    )
+    async for _ in stream:
+        pass
+    with pytest.raises(openai.AuthenticationError):
+        await oai(run, api_key="sk-wrong-key-zz").chat.completions.create(
+            model=MODEL, messages=MSGS
+        )
+    await ledger_rows(run, 2)
+    for _ in range(100):  # the audit and access-log writers run in threads
+        if (tmp_path / "audit.jsonl").exists() and (tmp_path / "access.log").exists():
+            break
+        await asyncio.sleep(0.05)
+    written = "".join(p.read_text(errors="replace") for p in tmp_path.iterdir() if p.is_file())
+    written += caplog.text
+    assert "chat.completions" in written or "/v1/chat/completions" in written
+    for secret in ("upstream-secret-zz", ALICE_KEY, "sk-wrong-key-zz"):
+        assert secret not in written

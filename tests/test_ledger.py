@@ -180,4 +180,3 @@ def test_writer_retries_rows_after_a_failure(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "l.db")
     assert conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 1
     assert metrics.registry.get_sample_value("llm_ledger_errors_total") == 1
-
