@@ -159,3 +159,24 @@ async def test_a_stream_without_usage_is_charged_its_hold(
         )
     assert run.value("llm_budget_unmeasured_charges_total") == 3
     assert spent(run) == 0.0  # a hold is never exported as spend
+
+
+async def test_spend_is_kept_only_for_scopes_with_a_limit(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
+    run = await start_sidecar({"pricing": PRICES, "budgets": {"global_daily_usd": 100.0}})
+    client = oai(run)
+    for i in range(50):
+        await client.chat.completions.create(
+            model=MODEL, messages=MSGS, max_tokens=1, extra_headers={"X-Tollbooth-User": f"u{i}"}
+        )
+    assert set(run.sc.budgets.store.spent) == {"global:*"}
+
+
+async def test_a_tiny_budget_is_named_exactly_in_the_refusal(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
+    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 0.001}})
+    with pytest.raises(openai.RateLimitError) as err:
+        await oai(run).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5)
+    assert "daily budget of $0.001 " in err.value.body["message"]
