@@ -30,6 +30,8 @@ log = logging.getLogger("tollbooth.budget")
 
 DAY = 86400
 MICRO = 1_000_000
+# Larger token counts are read as this: the hold stays a finite number (and is refused).
+MAX_TOKENS = 2**31
 
 
 def to_micros(usd: float) -> int:
@@ -59,7 +61,7 @@ class Scope:
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    request_id: str
+    request_id: str  # the sidecar's uid of the request, never a client-chosen id
     day: int  # start of the budget day it is charged to, unix seconds
     amount: int  # micro-dollars reserved
     scopes: tuple[Scope, ...]
@@ -215,7 +217,8 @@ class Budgets:
         limit = info.max_tokens
         if limit is None:
             limit = self.config.default_max_output_tokens
-        return compute(price, prompt, None, limit * max(1, info.n or 1)).total_usd
+        out = min(limit, MAX_TOKENS) * min(max(1, info.n or 1), MAX_TOKENS)
+        return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
 
     # --- the gate and the sink
 
@@ -225,7 +228,7 @@ class Budgets:
         if not scopes:
             return None
         hold = Hold(
-            ex.request_id, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
+            ex.uid, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
         )
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
@@ -263,7 +266,7 @@ class Budgets:
         """A sink: the hold becomes the measured charge; measured spend feeds the gauge."""
         measured = self.measured_usd(ex)
         if ex.budget_hold is not None:
-            self.store.settle(ex.request_id, self.charge(ex, measured))
+            self.store.settle(ex.uid, self.charge(ex, measured))
         if measured:
             self._gauge(ex.user_id, measured)
 

@@ -287,20 +287,23 @@ def parse_hostport(key: str, value: str) -> tuple[str, int]:
 
 
 def _check_url(key: str, value: str) -> None:
+    """Errors name the key and the problem, never the value: a URL can carry a credential."""
     parts = urlsplit(value)
-    if "@" in parts.netloc:  # never echo the value: it holds a credential
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"config '{key}' must be an http:// or https:// URL with a host")
+    if "@" in parts.netloc:
         raise ConfigError(
             f"config '{key}' carries credentials (user:password@): remove them and put the "
             "upstream's key in the variable named by upstream.api_key_env"
         )
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        _fail(key, value, "expected an http:// or https:// URL with a host")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        _fail(key, value, "the port is not a number in 0-65535")
+        raise ConfigError(f"config '{key}': the port is not a number in 0-65535") from None
+    if not parts.hostname:
+        raise ConfigError(f"config '{key}' must be an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
-        _fail(key, value, "the upstream URL must not carry a query or fragment")
+        raise ConfigError(f"config '{key}' must not carry a query or fragment")
 
 
 def validate(config: Config) -> Config:
@@ -319,6 +322,13 @@ def validate(config: Config) -> Config:
         _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
     if not config.metering.user_header.strip():
         _fail("metering.user_header", config.metering.user_header, "must not be empty")
+    if config.identity.trust_user_header and config.identity.keys_file:
+        _fail(
+            "identity.trust_user_header",
+            True,
+            "a trusted header would let any key holder bill any user; with identity.keys_file "
+            "the key decides",
+        )
     if config.identity.unknown_key == "reject" and not config.identity.keys_file:
         _fail("identity.unknown_key", "reject", "needs identity.keys_file")
     return config

@@ -54,7 +54,8 @@ def bearer(headers: Mapping[str, str]) -> str | None:
 
 
 def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    # aiohttp hands over undecodable header bytes as surrogates: hash them, never fail
+    return hashlib.sha256(key.encode("utf-8", "backslashreplace")).hexdigest()
 
 
 def key_id(key: str | None) -> str | None:
@@ -116,6 +117,11 @@ class Identity:
         trust = ident.trust_user_header
         self.trust_header = (self.keys is None) if trust is None else trust
         self.user_header = config.metering.user_header
+
+    @property
+    def needs_body(self) -> bool:
+        """Only without a keys file can the body (its `user`) decide who is billed."""
+        return self.keys is None
 
     def resolve(self, headers: Mapping[str, str], body_user: str | None) -> Principal:
         """Keys file: the key's principal (an unknown key: 401, or the one shared "anonymous", so

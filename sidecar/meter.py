@@ -9,8 +9,10 @@ Never: raises into the proxy. Any failure here is logged and counted in
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,16 @@ from .usage import Endpoint, RequestInfo, Usage
 
 log = logging.getLogger("tollbooth.meter")
 
+_UID_PREFIX = uuid.uuid4().hex[:12]  # per process; ids are prefix + counter, unique and cheap
+_UID_COUNTER = itertools.count(1)
+
+
+def new_uid() -> str:
+    """An id the sidecar made, unique across processes (random prefix + counter). Budget holds
+    are keyed by it; a client's X-Request-Id is only for joining logs and never keys a hold."""
+    return f"{_UID_PREFIX}{next(_UID_COUNTER):012x}"
+
+
 STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 
 
@@ -28,12 +40,13 @@ STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before th
 class Exchange:
     """Mutable while the request runs; read-only once handed to `Meter.record`."""
 
-    request_id: str
+    request_id: str  # the client's X-Request-Id (for joining logs), else the uid
     endpoint: Endpoint
     info: RequestInfo
     user: str  # label value (sanitised, capped for cardinality)
     user_id: str  # the billed principal, sanitised but not capped (ledger, budgets, logs)
     model: str  # label value chosen at start; replaced by the response's model when known
+    uid: str = field(default_factory=lambda: new_uid())  # unique: holds are keyed by it
     started_at: float = field(default_factory=time.time)  # wall clock, for the ledger
     t0: float = field(default_factory=time.perf_counter)
     status: int = 0

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
-import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -25,9 +23,11 @@ from multidict import CIMultiDict
 
 from .identity import Identity, Unauthorized
 from .logs import REQUEST_CONTEXT
-from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
+from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, new_uid, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .usage import (
+    Endpoint,
+    RequestInfo,
     StreamMeter,
     Usage,
     classify,
@@ -55,6 +55,8 @@ HOP_BY_HOP = frozenset(
 COST_HEADER = "x-tollbooth-cost-usd"
 # A non-streaming body larger than this is forwarded as a stream and its usage marked unknown.
 MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
+# json.loads takes ~1 ms per 100 KB: above this a request body is parsed off the event loop.
+PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
 class Refusal(Exception):
@@ -123,14 +125,10 @@ def error_response(
     )
 
 
-_ID_PREFIX = uuid.uuid4().hex[:12]  # per process; ids are prefix + counter, unique and cheap
-_ID_COUNTER = itertools.count(1)
-
-
-def request_id(headers: Mapping[str, str]) -> str:
+def request_id(headers: Mapping[str, str], uid: str) -> str:
     """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
     given = headers.get("X-Request-Id")
-    return sanitize(given, 64) if given else f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
+    return sanitize(given, 64) if given else uid
 
 
 def decoded(body: bytes, encoding: str | None) -> bytes:
@@ -226,22 +224,30 @@ class Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         endpoint = classify(request.method, request.path)
         try:
+            # Under verified keys the headers decide: an unknown client's body is never read.
+            principal = (
+                None if self.identity.needs_body else self.identity.resolve(request.headers, None)
+            )
             if endpoint is None:
-                self.identity.resolve(request.headers, None)  # only a valid key passes
+                if principal is None:
+                    self.identity.resolve(request.headers, None)  # a required key is checked
                 return await self._passthrough(request)
             try:
                 body = await request.read()  # bounded by the app's client_max_size
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large()
-            info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
-            principal = self.identity.resolve(request.headers, info.user)
+            info = await self._inspect(endpoint, body)
+            if principal is None:
+                principal = self.identity.resolve(request.headers, info.user)
         except Unauthorized as exc:
             self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
             return error_response(401, "invalid_api_key", str(exc))
         user_id = sanitize(principal.user, 128)
         model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
+        uid = new_uid()
         ex = Exchange(
-            request_id=request_id(request.headers),
+            uid=uid,
+            request_id=request_id(request.headers, uid),
             endpoint=endpoint,
             info=info,
             user=self.users(user_id),
@@ -256,6 +262,14 @@ class Proxy:
         )
         return await self._metered(request, ex)
 
+    async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
+        """Parse the request; a large body is parsed in a thread so the loop keeps serving."""
+        if len(body) < PARSE_IN_THREAD_BYTES:
+            return inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
+        return await asyncio.to_thread(
+            inspect_request, endpoint, body, inject_usage=self.s.inject_usage
+        )
+
     async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
         in_flight.inc()
@@ -269,7 +283,7 @@ class Proxy:
         context = REQUEST_CONTEXT.set(_log_context(ex))
         try:
             for gate in self.gates:
-                release = await gate(ex)
+                release = await self._pass(gate, ex)
                 if release is not None:
                     releases.append(release)
             return await self._exchange(request, ex)
@@ -287,6 +301,18 @@ class Proxy:
             ex.finish()
             self.meter.record(ex)
             REQUEST_CONTEXT.reset(context)
+
+    async def _pass(self, gate: Gate, ex: Exchange) -> Callable[[], None] | None:
+        """Run a gate. A Refusal is the gate's answer; any other failure is a bug in accounting:
+        logged and counted, and the request goes on."""
+        try:
+            return await gate(ex)
+        except (Refusal, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("gate failed for request %s", ex.request_id)
+            self.metrics.metering_errors.labels("gate").inc()
+            return None
 
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         headers = self._upstream_headers(request)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -298,3 +300,135 @@ async def test_no_credential_reaches_a_log_an_audit_record_or_the_ledger(
     assert "chat.completions" in written or "/v1/chat/completions" in written
     for secret in ("upstream-secret-zz", ALICE_KEY, "sk-wrong-key-zz"):
         assert secret not in written
+
+
+async def test_a_reused_request_id_never_shares_a_hold(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
+    prices = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}}
+    run = await start_sidecar({"pricing": prices, "budgets": {"user_daily_usd": 0.05}})
+    client = oai(run)
+
+    async def one(user: str, max_tokens: int) -> int:
+        hdr = {"X-Tollbooth-User": user, "X-Request-Id": "same-id", "X-Fake": "slow-stream"}
+        try:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=MSGS,
+                stream=True,
+                max_tokens=max_tokens,
+                extra_headers=hdr,
+            )
+            async for _ in stream:
+                pass
+        except openai.RateLimitError:
+            return 429
+        return 200
+
+    # each holds (6 + 10) x $0.001: three fit in $0.05, whatever id the client sends
+    statuses = await asyncio.gather(*(one("ivan", 10) for _ in range(20)))
+    assert statuses.count(200) <= 4
+    assert (run.value("llm_spend_today_usd", user_id="ivan") or 0) <= 0.05
+    # another user's request under the same id is charged to that user, not to ivan
+    before = run.value("llm_spend_today_usd", user_id="ivan")
+    assert await one("judy", 4) == 200
+    assert run.value("llm_spend_today_usd", user_id="judy") == pytest.approx(0.009)
+    assert run.sc.budgets.store.spent["user:judy"] == 9000
+    assert run.value("llm_spend_today_usd", user_id="ivan") == before
+
+
+async def test_an_unknown_clients_body_is_never_parsed(
+    start_sidecar: StartSidecar, keys: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sidecar.proxy
+
+    parsed: list[bytes] = []
+    real = sidecar.proxy.inspect_request
+
+    def spy(endpoint: Any, body: bytes, **kw: Any) -> Any:
+        parsed.append(body)
+        return real(endpoint, body, **kw)
+
+    monkeypatch.setattr(sidecar.proxy, "inspect_request", spy)
+    run = await start_sidecar({"identity": {"keys_file": keys}})
+    async with aiohttp.ClientSession() as s:
+        body = b"[" + b"[]," * 300_000 + b"[]]"
+        async with s.post(run.url + "/v1/chat/completions", data=body) as r:
+            assert r.status == 401
+        async with s.post(
+            run.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": MSGS, "max_tokens": 1},
+            headers={"Authorization": f"Bearer {ALICE_KEY}"},
+        ) as r:
+            assert r.status == 200
+    assert len(parsed) == 1 and b"fake/llama" in parsed[0]
+
+
+async def test_hostile_values_get_an_answer_not_a_500(
+    start_sidecar: StartSidecar, keys: str
+) -> None:
+    prices = {"models": {MODEL: {"input_per_1m": 1.0, "output_per_1m": 1.0}}}
+    run = await start_sidecar(
+        {"identity": {"keys_file": keys}, "pricing": prices, "budgets": {"user_daily_usd": 1.0}}
+    )
+    host, port = run.url.removeprefix("http://").split(":")
+    for auth in (b"Bearer \xff\xfe", b"Bearer caf\xe9"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"Authorization: " + auth + b"\r\nConnection: close\r\n\r\n{}"
+        )
+        status = (await reader.readline()).split()[1]
+        writer.close()
+        assert status == b"401"
+    async with aiohttp.ClientSession() as s:
+        huge = {"model": MODEL, "messages": MSGS, "max_tokens": 10**400, "n": 10**400}
+        async with s.post(
+            run.url + "/v1/chat/completions",
+            data=json.dumps(huge),
+            headers={"Authorization": f"Bearer {ALICE_KEY}"},
+        ) as r:
+            assert r.status == 429  # a worst case this large exceeds any budget
+    assert run.value("tollbooth_metering_errors_total", stage="gate") is None
+
+
+async def test_a_key_in_a_malformed_header_line_is_not_logged(tmp_path: Path) -> None:
+    from tests.procs import start_tollbooth
+
+    key = "tb-" + "S3cretKeyValue_" * 3
+    tb = await start_tollbooth(tmp_path, {"upstream": {"url": "http://127.0.0.1:9"}})
+    try:
+        host, port = tb.url.removeprefix("http://").split(":")
+        for line in (
+            b"Authorization: Bearer " + key.encode() + b"\x01",
+            b"Authorization: Bearer " + key.encode() + b" " * 9000,
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + line + b"\r\n\r\n")
+            assert (await reader.readline()).split()[1] == b"400"
+            writer.close()
+    finally:
+        await tb.stop(signal.SIGTERM)
+    log = tb.log.read_text()
+    assert "400" in log or "Bad" in log or "Invalid" in log  # aiohttp did log the bad line
+    assert "S3cretKeyValue" not in log
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "user:sk-SECRET9@host:8000",
+        "http://host:8000/?api_key=sk-SECRET9",
+        "http://host:sk-SECRET9",
+        "http://tok-SECRET9@host",
+    ],
+)
+def test_no_form_of_upstream_url_is_echoed(url: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(build(Config, {"upstream": {"url": url}}))
+    assert "SECRET9" not in str(err.value)
+
+
+def test_a_trusted_header_cannot_override_verified_keys(keys: str) -> None:
+    with pytest.raises(ConfigError, match="trust_user_header"):
+        validate(build(Config, {"identity": {"keys_file": keys, "trust_user_header": True}}))
