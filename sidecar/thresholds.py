@@ -41,6 +41,7 @@ class Thresholds:
     down_for: str = "2m"
     # Selectors and identities
     job: str = "tollbooth"
+    engine_job: str = "inference"  # the vLLM / TGI server (or the simulator) scraped directly
     # Where docs/runbooks.md is served; set it to your repository's or wiki's address.
     runbook_base: str = "docs/runbooks.md"
     datasource_uid: str = "tollbooth-prometheus"
