@@ -78,6 +78,8 @@ def test_alert_conventions() -> None:
         assert "{{" in a["description"]
         anchor = a["runbook_url"].split("#")[1]
         assert f"## {r['alert']}" in runbooks and anchor == r["alert"].lower()
+    spend = next(r for r in rules if r["alert"] == "LLMDailySpendHigh")
+    assert spend["labels"]["priority"] == DEFAULT.daily_spend_priority == "P2"  # the handbook's
     doc = yaml.safe_load(alerts_build.render_rules(DEFAULT))
     for g in doc["groups"]:
         for r in g["rules"]:
@@ -92,6 +94,8 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
         user_daily_spend_usd=77.25,
         request_cost_usd=0.25,
         queue_saturation_ratio=0.81,
+        queue_waiting_share=0.63,
+        queue_saturation_window="4m",
         error_ratio=0.033,
         gpu_memory_ratio=0.91,
         unmeasured_ratio=0.027,
@@ -113,7 +117,7 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
         numbers = set(literal.findall(expr)) - allowed
         config_numbers = {str(v) for v in as_dict(changed).values() if isinstance(v, float)}
         assert numbers <= config_numbers, (new_rule["alert"], numbers)
-        windows = set(re.findall(r"\[(\w+)\]", new_rule["expr"])) - {"5m"}
+        windows = set(re.findall(r"\[(\w+):?\]", new_rule["expr"])) - {"5m"}
         assert windows <= {str(v) for v in as_dict(changed).values()}, new_rule["alert"]
         if "for" in old_rule:
             assert new_rule["for"] != old_rule["for"], new_rule["alert"]
