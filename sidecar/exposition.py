@@ -1,14 +1,14 @@
 """What /metrics shows: the registry, with every new cumulative series published at 0 first.
 
-Owns: the view the admin app renders, and carrying the counts it has not published yet across a
-graceful restart. Prometheus' increase() and rate() never count a series' first sample, so a
+Owns: the view the admin app renders, and carrying the counters across a graceful restart.
+Prometheus' increase() and rate() never count a series' first sample, so a
 series first scraped already holding its first request's cost loses that cost: the whole first
 spend of a user or model that appears mid-window, and of everything after a restart. Here each
 counter or histogram series that a panel or rule reads is shown as 0 from the first time it is
 exposed until `hold_s` seconds later, then with its real value. Every Prometheus that scrapes more
 often than `hold_s` (one server or an HA pair) so takes at least one sample of it at 0 and counts
-its first increment in full. The counters still held at shutdown are saved and start the next
-process (docs/metrics.md, "Exact increases").
+its first increment in full. At a graceful restart the counters go on from their values in the
+next process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
 Never: changes a value in the registry (budgets, tests and the demo read the truth), runs on the
 request path, or holds a gauge.
 """
@@ -84,6 +84,13 @@ class HeldView:
         self._last_render = -math.inf
         self._exposed: dict[str, dict[Labels, float]] = {}  # held series: first shown at
         self._seen: dict[str, set[Labels]] = {}  # only when `_created` samples are switched off
+        self._shown_before: dict[str, set[Labels]] = {}  # carried series the scrapers know
+
+    def shown_before(self, family: str, labels: dict[str, str]) -> None:
+        """A series carried from the previous process that scrapers have already seen above 0:
+        it goes on at its value, not at 0 (a 0 would read as a reset, and count it twice)."""
+        key = tuple(v for k, v in labels.items() if k != "le")
+        self._shown_before.setdefault(family, set()).add(key)
 
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
@@ -110,8 +117,10 @@ class HeldView:
     def _holding(self, fam: Metric, now: float) -> dict[Labels, float]:
         """Note the series shown for the first time now; return those still in their hold."""
         exposed = self._exposed.setdefault(fam.name, {})
+        shown_before = self._shown_before.pop(fam.name, set())  # only until the first render
         for key in self._new(fam):
-            exposed.setdefault(key, now)
+            if key not in shown_before:
+                exposed.setdefault(key, now)
         for key in [k for k, t in exposed.items() if now - t >= self._hold_s]:
             del exposed[key]
         return exposed
@@ -128,27 +137,33 @@ class HeldView:
                 yield key
 
     def carried(self) -> list[dict[str, Any]]:
-        """Every series the view holds or has held, for the next process (see `save`).
+        """Every series the view reads, for the next process (see `save`).
 
-        A counter no scraper has seen above 0 (shown as 0 at the last render, or never shown)
-        carries its value; every other series carries 0, so that it goes on in the next process
-        instead of ending at the restart (Prometheus extrapolates a series that ends mid-window).
+        A counter carries its value, and whether a scraper may have seen it above 0 (`shown`);
+        the next process goes on from there, so the restart is no reset at all. A histogram
+        carries its labels only: it goes on from 0 (a reset Prometheus handles).
         """
-        out = []
+        out: list[dict[str, Any]] = []
         for fam in self._registry.collect():
             if fam.name not in self._families or fam.type not in ("counter", "histogram"):
                 continue
             young = set(self._exposed.get(fam.name, {})) | set(self._created_since_render(fam))
-            counter = fam.type == "counter"
-            last = fam.name + ("_total" if counter else "_count")
+            if fam.type == "histogram":
+                out += [
+                    {"family": fam.name, "labels": s.labels}
+                    for s in fam.samples
+                    if s.name == fam.name + "_count"
+                ]
+                continue
             out += [
                 {
                     "family": fam.name,
                     "labels": s.labels,
-                    "value": s.value if counter and _labels(s) in young else 0.0,
+                    "value": s.value,
+                    "shown": _labels(s) not in young,
                 }
                 for s in fam.samples
-                if s.name == last
+                if s.name == fam.name + "_total"
             ]
         return out
 
@@ -193,11 +208,18 @@ Relabel = Callable[[dict[str, str]], dict[str, str]]
 
 
 def restore(
-    m: Metrics, path: Path, relabel: Relabel = dict, clock: Callable[[], float] = time.time
+    m: Metrics,
+    view: HeldView,
+    path: Path,
+    relabel: Relabel = dict,
+    clock: Callable[[], float] = time.time,
 ) -> int:
-    """At start, before the first request: the saved series start again, each at its carried
-    count (the counts no scraper saw) or at 0. `relabel` passes the labels through this process's
-    cardinality caps. The file is removed first: a crash after this never counts a cost twice.
+    """At start, before the first request and the first scrape: every saved series goes on.
+
+    A counter starts at its saved value, so a graceful restart is no reset: whatever a scraper had
+    not seen yet (the last increments, a series still in its hold) it sees now, exactly once.
+    `relabel` passes the labels through this process's caps. The file is removed first: a crash
+    after this never counts a cost twice.
     """
     try:
         data = json.loads(path.read_text())
@@ -214,9 +236,12 @@ def restore(
     n = 0
     for s in data.get("series", []):
         try:
-            child = families[s["family"]].labels(**relabel(s["labels"]))
-            if (value := float(s["value"])) > 0:
+            labels = relabel(s["labels"])
+            child = families[s["family"]].labels(**labels)
+            if (value := float(s.get("value", 0.0))) > 0:
                 child.inc(value)
+            if s.get("shown"):
+                view.shown_before(s["family"], labels)
             n += 1
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             log.error("saved series %r not restored: %s", s, exc)
@@ -237,7 +262,7 @@ def carry_context(
         return out
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        if n := await asyncio.to_thread(restore, m, path, relabel):
+        if n := await asyncio.to_thread(restore, m, view, path, relabel):
             log.info("restored %d series from %s", n, path)
         yield
         await asyncio.to_thread(save, view, path)

@@ -188,33 +188,37 @@ async def test_the_admin_app_serves_the_held_view(start_sidecar: StartSidecar) -
     )
 
 
-def test_series_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> None:
-    """A graceful restart: counts no scraper saw are carried, every series starts again."""
+def test_counters_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> None:
+    """A graceful restart is no reset: what no scraper saw yet, every scraper sees after it."""
     m = Metrics()
     reg, view = published(m, hold_s=10)
     m.cost.labels("m", "input", EP, "seen").inc(1)
     shown(reg)
     clock.now += 11
-    shown(reg)  # "seen" is published at its value: a restart loses nothing of it
-    m.cost.labels("m", "input", EP, "seen").inc(2)  # since the last scrape: Prometheus' usual loss
+    shown(reg)  # "seen" is published at 1
+    m.cost.labels("m", "input", EP, "seen").inc(2)  # after the last scrape
     m.cost.labels("m", "input", EP, "held").inc(3)
     shown(reg)  # shown at 0 once
     m.cost.labels("m", "input", EP, "never").inc(4)  # never shown at all
-    m.request_cost.labels("m", EP).observe(0.2)  # a histogram goes on, at 0
+    m.request_cost.labels("m", EP).observe(0.2)  # a histogram goes on from 0
     m.ledger_errors.inc()  # not read by increase(): not carried
     path = tmp_path / "ledger.db.series.json"
     assert save(view, path, clock) == 4
     nxt = Metrics()
-    assert restore(nxt, path, clock=clock) == 4
+    reg2, view2 = published(nxt, hold_s=10)
+    assert restore(nxt, view2, path, clock=clock) == 4
     assert not path.exists()  # never applied twice
-    for user, value in (("held", 3.0), ("never", 4.0), ("seen", 0.0)):
+    for user, value in (("held", 3.0), ("never", 4.0), ("seen", 3.0)):
         labels = {"model": "m", "token_type": "input", "api_endpoint": EP, "user_id": user}
         assert nxt.registry.get_sample_value("llm_cost_usd_total", labels) == value
     count = {"model": "m", "api_endpoint": EP}
     assert nxt.registry.get_sample_value("llm_request_cost_usd_count", count) == 0
     assert nxt.registry.get_sample_value("llm_ledger_errors_total") == 0
-    reg2, _ = published(nxt, hold_s=10)
-    assert shown(reg2)[cost_key("held")] == 0  # and held again in the new process
+    now = shown(reg2)
+    assert now[cost_key("seen")] == 3  # scrapers saw it above 0: it goes on at once
+    assert now[cost_key("held")] == 0 and now[cost_key("never")] == 0  # still at 0 first
+    clock.now += 11
+    assert shown(reg2)[cost_key("held")] == 3
 
 
 def test_carried_series_pass_the_caps_of_the_new_process(clock: Clock, tmp_path: Path) -> None:
@@ -230,7 +234,7 @@ def test_carried_series_pass_the_caps_of_the_new_process(clock: Clock, tmp_path:
     def relabel(labels: dict[str, str]) -> dict[str, str]:
         return {**labels, "user_id": cap(labels["user_id"])}
 
-    restore(nxt, path, relabel, clock)
+    restore(nxt, published(nxt, 10)[1], path, relabel, clock)
     users = {
         s.labels["user_id"]: s.value
         for fam in nxt.registry.collect()
@@ -243,15 +247,17 @@ def test_carried_series_pass_the_caps_of_the_new_process(clock: Clock, tmp_path:
 
 def test_stale_or_broken_carry_files_are_dropped(clock: Clock, tmp_path: Path) -> None:
     path = tmp_path / "x.json"
-    assert restore(Metrics(), path, clock=clock) == 0  # none: nothing to do
+    m0 = Metrics()
+    _, v0 = published(m0, hold_s=10)
+    assert restore(m0, v0, path, clock=clock) == 0  # none: nothing to do
     path.write_text("{not json")
-    assert restore(Metrics(), path, clock=clock) == 0
+    assert restore(m0, v0, path, clock=clock) == 0
     m = Metrics()
     _, view = published(m, hold_s=10)
     m.tokens.labels("m", "input", EP, "u").inc(5)
     assert save(view, path, clock) == 1
     clock.now += CARRY_MAX_AGE_S + 1
     nxt = Metrics()
-    assert restore(nxt, path, clock=clock) == 0 and not path.exists()
+    assert restore(nxt, published(nxt, 10)[1], path, clock=clock) == 0 and not path.exists()
     assert carry_path(None) is None
     assert carry_path("/var/lib/t/ledger.db") == Path("/var/lib/t/ledger.db.series.json")
