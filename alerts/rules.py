@@ -180,7 +180,7 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
         _alert(
             t,
             "LLMUsageUnmeasured",
-            f"sum by (job) (rate(llm_usage_unknown_total{{{s},reason!=\"{UPSTREAM_FAILED}\"}}"
+            f'sum by (job) (rate(llm_usage_unknown_total{{{s},reason!="{UPSTREAM_FAILED}"}}'
             f"[{t.unmeasured_window}]))\n"
             f"/ sum by (job) (rate(llm_requests_total{{{s}}}[{t.unmeasured_window}]))"
             f" > {t.unmeasured_ratio}",

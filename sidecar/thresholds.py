@@ -51,6 +51,7 @@ class Thresholds:
     runbook_base: str = "docs/runbooks.md"
     datasource_uid: str = "tollbooth-prometheus"
     traces_datasource_uid: str = "tollbooth-jaeger"
+    logs_datasource_uid: str = "tollbooth-loki"
     dashboard_tags: tuple[str, ...] = ("tollbooth", "llm")
     dashboard_refresh: str = "30s"
 
