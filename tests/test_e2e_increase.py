@@ -26,8 +26,9 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from alerts.build import render_rules
 from sidecar.simulator import EngineParams, create_simulator
-from sidecar.thresholds import DEFAULT
+from sidecar.thresholds import DEFAULT, load
 from tests.procs import (
     PROMETHEUS,
     Prometheus,
@@ -53,6 +54,8 @@ PRICES = {  # USD per million tokens: large, so every request costs a readable a
 }
 JOB, ENGINE_JOB = DEFAULT.job, DEFAULT.engine_job
 WINDOW = "10m"  # longer than the whole run: every series starts inside it
+# The real rules, with the limits lowered so this run's new users go over them.
+THRESHOLDS = load(daily_spend_usd=1.0, user_daily_spend_usd=0.3)
 
 
 @dataclass
@@ -124,9 +127,10 @@ def tollbooth_config(tmp: Path, upstream: str) -> dict[str, Any]:
     }
 
 
-def prometheus_config(sidecar_admin: str, engines: list[str]) -> dict[str, Any]:
+def prometheus_config(sidecar_admin: str, engines: list[str], rules: Path) -> dict[str, Any]:
     return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
         "scrape_configs": [
             {"job_name": JOB, "static_configs": [{"targets": [sidecar_admin]}]},
             {"job_name": ENGINE_JOB, "static_configs": [{"targets": engines}]},
@@ -143,7 +147,9 @@ async def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Run]:
     ports = (free_port(), free_port())
     cfg = tollbooth_config(tmp, vllm_addr)
     tb = await start_tollbooth(tmp, cfg, ports=ports)
-    prom_cfg = prometheus_config(tb.admin.removeprefix("http://"), [vllm_addr, tgi_addr])
+    rules = tmp / "rules.yml"
+    rules.write_text(render_rules(THRESHOLDS))
+    prom_cfg = prometheus_config(tb.admin.removeprefix("http://"), [vllm_addr, tgi_addr], rules)
     proms: list[Prometheus] = []
     try:
         for name in ("prom-a", "prom-b"):
@@ -209,6 +215,25 @@ async def test_increase_per_user_and_in_total_equals_the_ledger(run: Run) -> Non
             assert tokens.get(user, 0.0) == pytest.approx(toks, rel=0.02), (prom.url, user)
         spent = sum(usd for usd, _ in ledger.values())
         assert float(total[0]["value"][1]) == pytest.approx(spent, rel=0.02)
+
+
+async def test_spend_alerts_fire_for_new_users(run: Run) -> None:
+    """The alerts the under-count silenced: users first seen mid-run, one after the restart."""
+    ledger = ledger_by_user(run.ledger)
+    over = {u for u, (usd, _) in ledger.items() if usd > THRESHOLDS.user_daily_spend_usd}
+    assert over and over != set(ledger)  # the run has users on both sides of the limit
+    assert sum(usd for usd, _ in ledger.values()) > THRESHOLDS.daily_spend_usd
+    for prom in run.proms:
+        firing = await prom.query('ALERTS{alertstate="firing"}')
+        names = {a["metric"]["alertname"] for a in firing}
+        users = {
+            a["metric"]["user_id"]
+            for a in firing
+            if a["metric"]["alertname"] == "LLMUserDailySpendHigh"
+        }
+        # sim-b's chat requests cost about $0.12 each: over the $0.10 per-request limit too
+        assert names == {"LLMDailySpendHigh", "LLMUserDailySpendHigh", "LLMRequestCostHigh"}
+        assert users == over
 
 
 # Dashboard targets that have no data in this run, and why (docs/metrics.md keeps the same list).
