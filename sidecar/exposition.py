@@ -35,8 +35,8 @@ from .metrics import OTHER, LabelCap, Metrics
 log = logging.getLogger("tollbooth.exposition")
 
 Labels = tuple[str, ...]
-# Carried counts older than this are dropped: adding them now would move old spend into a window
-# it does not belong to.
+# Saved series older than this are dropped (the counters start from 0: a reset): going on from them
+# would put spend no scraper saw into a window long after it happened.
 CARRY_MAX_AGE_S = 3600.0
 
 
@@ -127,7 +127,8 @@ class HeldView:
 
     def _new(self, fam: Metric) -> Iterator[Labels]:
         """Series never shown before: created since the last render."""
-        if not fam.samples or any(s.name == fam.name + "_created" for s in fam.samples):
+        created = fam.name + "_created"
+        if not fam.samples or any(s.name == created for s in fam.samples):
             yield from self._created_since_render(fam)
             return
         seen = self._seen.setdefault(fam.name, set())  # PROMETHEUS_DISABLE_CREATED_SERIES
