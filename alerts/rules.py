@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
+from sidecar.meter import UPSTREAM_FAILED
 from sidecar.metrics import COST_BUCKETS
 from sidecar.thresholds import Thresholds
 
@@ -32,6 +33,18 @@ def over_limit(t: Thresholds, by: str) -> str:
     return (
         f'sum by ({by}) (increase(llm_request_cost_usd_bucket{{{sel},le="+Inf"}}[{w}]))\n'
         f'- sum by ({by}) (increase(llm_request_cost_usd_bucket{{{sel},le="{le}"}}[{w}]))'
+    )
+
+
+def queue_saturated(t: Thresholds) -> str:
+    """Peak budget use in the window, while requests waited in a large enough share of it."""
+    sel, w = t.selector, t.queue_saturation_window
+    return (
+        f"max by (job, instance) (max_over_time(llm_budget_tokens_in_use{{{sel}}}[{w}])\n"
+        f"  / max_over_time(llm_budget_tokens_limit{{{sel}}}[{w}])) >= {t.queue_saturation_ratio}\n"
+        f"and on (job, instance)\n"
+        f"max by (job, instance) (avg_over_time((llm_queue_depth{{{sel}}} > bool 0)[{w}:]))"
+        f" >= {t.queue_waiting_share}"
     )
 
 
@@ -70,12 +83,19 @@ def recording(t: Thresholds) -> list[dict[str, Any]]:
 
 
 def _alert(
-    t: Thresholds, name: str, expr: str, for_: str, severity: str, summary: str, description: str
+    t: Thresholds,
+    name: str,
+    expr: str,
+    for_: str,
+    severity: str,
+    summary: str,
+    description: str,
+    **labels: str,
 ) -> dict[str, Any]:
     rule: dict[str, Any] = {"alert": name, "expr": expr}
     if for_ not in ("0s", "0m"):
         rule["for"] = for_
-    rule["labels"] = {"severity": severity}
+    rule["labels"] = {"severity": severity, **labels}
     rule["annotations"] = {
         "summary": summary,
         "description": description,
@@ -98,6 +118,7 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
             f"LLM spend over the last {t.daily_spend_window} is above ${t.daily_spend_usd:g}.",
             f"Spend in the last {t.daily_spend_window} is ${money} "
             f"(limit ${t.daily_spend_usd:g}) on {{{{ $labels.job }}}}.",
+            priority=t.daily_spend_priority,
         ),
         _alert(
             t,
@@ -125,14 +146,13 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
         _alert(
             t,
             "LLMTokenBudgetQueueSaturated",
-            f"max by (job, instance) (llm_budget_tokens_in_use{{{s}}} / "
-            f"llm_budget_tokens_limit{{{s}}}) >= {t.queue_saturation_ratio}\n"
-            f"and max by (job, instance) (llm_queue_depth{{{s}}}) > 0",
+            queue_saturated(t),
             t.queue_saturation_for,
             "warning",
             "The admission queue's token budget is saturated and requests are waiting.",
-            f"{{{{ $labels.instance }}}} has used {{{{ $value | humanizePercentage }}}} of its "
-            f"token budget for {t.queue_saturation_for} with requests queued.",
+            f"{{{{ $labels.instance }}}} used up to {{{{ $value | humanizePercentage }}}} of its "
+            f"token budget in every {t.queue_saturation_window} for {t.queue_saturation_for}, "
+            f"with requests waiting at least {t.queue_waiting_share:.0%} of the time.",
         ),
         _alert(
             t,
@@ -160,14 +180,16 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
         _alert(
             t,
             "LLMUsageUnmeasured",
-            f"sum by (job) (rate(llm_usage_unknown_total{{{s}}}[{t.unmeasured_window}]))\n"
+            f'sum by (job) (rate(llm_usage_unknown_total{{{s},reason!="{UPSTREAM_FAILED}"}}'
+            f"[{t.unmeasured_window}]))\n"
             f"/ sum by (job) (rate(llm_requests_total{{{s}}}[{t.unmeasured_window}]))"
             f" > {t.unmeasured_ratio}",
             t.unmeasured_for,
             "warning",
             "Token usage of some LLM requests cannot be measured.",
             f"{{{{ $value | humanizePercentage }}}} of requests had unknown usage over "
-            f"{t.unmeasured_window}: spend is under-reported by at least that share.",
+            f"{t.unmeasured_window}: spend is under-reported by at least that share. Requests "
+            "that failed upstream are LLMUpstreamErrorRateHigh's and are not counted here.",
         ),
         _alert(
             t,

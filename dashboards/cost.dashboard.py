@@ -2,7 +2,7 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, Grid, dashboard, stat, target, timeseries
+from dashboards.lib import FILTER, INST, Grid, dashboard, or_zero, stat, target, timeseries
 from sidecar.thresholds import Thresholds
 
 
@@ -21,7 +21,7 @@ def build(t: Thresholds) -> Dashboard:
             f"Spend over the rolling {w24} window; red above the "
             f"${t.daily_spend_usd:g} LLMDailySpendHigh limit.",
             "currencyUSD",
-            [target(f"sum(increase(llm_cost_usd_total{{{FILTER}}}[{w24}]))")],
+            [target(or_zero(f"sum(increase(llm_cost_usd_total{{{FILTER}}}[{w24}]))"))],
             threshold=t.daily_spend_usd,
         ),
         stat(
@@ -30,7 +30,7 @@ def build(t: Thresholds) -> Dashboard:
             "Spend since the start of the budget day, "
             "restored from the ledger after restarts (llm_spend_today_usd).",
             "currencyUSD",
-            [target('sum(llm_spend_today_usd{job="$job",instance=~"$instance"})')],
+            [target(or_zero(f"sum(llm_spend_today_usd{{{INST}}})"))],
         ),
         stat(
             g,
@@ -39,7 +39,7 @@ def build(t: Thresholds) -> Dashboard:
             "cost was above the per-request limit (LLMRequestCostHigh); their trace ids are in "
             "the audit log.",
             "short",
-            [target(over)],
+            [target(or_zero(over))],
             threshold=1,
         ),
         stat(
@@ -48,7 +48,7 @@ def build(t: Thresholds) -> Dashboard:
             "Requests the sidecar could not price (no price "
             "for the model, or usage not measured). Never counted as $0.",
             "short",
-            [target(f"sum(increase(llm_cost_unknown_total{{{FILTER}}}[$__range]))")],
+            [target(or_zero(f"sum(increase(llm_cost_unknown_total{{{FILTER}}}[$__range]))"))],
             threshold=1,
         ),
         timeseries(
@@ -56,7 +56,7 @@ def build(t: Thresholds) -> Dashboard:
             f"Spend, rolling {w24}, vs the limit",
             "Rolling spend with the LLMDailySpendHigh threshold drawn as a line.",
             "currencyUSD",
-            [target(f"sum(increase(llm_cost_usd_total{{{FILTER}}}[{w24}]))", "spend")],
+            [target(or_zero(f"sum(increase(llm_cost_usd_total{{{FILTER}}}[{w24}]))"), "spend")],
             threshold=t.daily_spend_usd,
         ),
         timeseries(

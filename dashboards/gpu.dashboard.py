@@ -2,7 +2,7 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, Grid, dashboard, target, timeseries
+from dashboards.lib import FILTER, Grid, dashboard, stat, target, text, timeseries
 from sidecar.thresholds import Thresholds
 
 
@@ -10,6 +10,36 @@ def build(t: Thresholds) -> Dashboard:
     g = Grid()
     gpu = 'job="$job",instance=~"$instance"'
     panels = [
+        stat(
+            g,
+            "GPU telemetry",
+            "llm_gpu_telemetry_up: 1 while the sidecar reads NVML. 0 when there is no NVML, no "
+            "driver or no GPU (the simulator, a CPU host) or gpu.enabled is false: then every "
+            "GPU panel here stays empty, and nothing is estimated in its place.",
+            "none",
+            [target(f"min(llm_gpu_telemetry_up{{{gpu}}})")],
+            no_value="sidecar not scraped",
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "Off: no NVML", "color": "orange", "index": 0},
+                        "1": {"text": "On", "color": "green", "index": 1},
+                    },
+                }
+            ],
+        ),
+        text(
+            g,
+            "Why these panels can be empty",
+            "GPU readings come from NVML on the sidecar's host. **When *GPU telemetry* says "
+            "*Off*, no NVML is present** (or `gpu.enabled` is false): utilisation, memory, "
+            "power, temperature, energy and device time have no series at all, by design; "
+            "they are never filled with zeros or estimates. Token counts and spend do not "
+            "depend on it. See docs/metrics.md, *GPU telemetry and attribution*.",
+            w=18,
+            h=6,
+        ),
         timeseries(
             g,
             "GPU utilisation",

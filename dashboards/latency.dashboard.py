@@ -1,14 +1,35 @@
 """Latency and queue: what on-call looks at."""
 
-from grafanalib.core import Dashboard
+from grafanalib.core import Dashboard, TimeSeries
 
-from dashboards.lib import FILTER, Grid, dashboard, heatmap, percentiles, target, timeseries
+from dashboards.lib import (
+    ENGINE,
+    FILTER,
+    INST,
+    Grid,
+    dashboard,
+    heatmap,
+    or_zero,
+    percentiles,
+    ratio,
+    target,
+    timeseries,
+)
+from sidecar.metrics import (
+    TGI_BATCH,
+    TGI_QUEUE,
+    VLLM_KV_USAGE,
+    VLLM_KV_USAGE_OLD,
+    VLLM_PREEMPTIONS,
+    VLLM_RUNNING,
+    VLLM_WAITING,
+)
 from sidecar.thresholds import Thresholds
 
 
 def build(t: Thresholds) -> Dashboard:
     g = Grid()
-    inst = 'job="$job",instance=~"$instance"'
+    inst = INST
     panels = [
         percentiles(
             g,
@@ -85,13 +106,19 @@ def build(t: Thresholds) -> Dashboard:
             "reqps",
             [
                 target(
-                    f"sum by (reason) (rate(llm_admission_rejections_total{{{inst}}}"
-                    "[$__rate_interval]))",
+                    or_zero(
+                        f"sum by (reason) (rate(llm_admission_rejections_total{{{inst}}}"
+                        "[$__rate_interval]))",
+                        "reason",
+                    ),
                     "queue: {{reason}}",
                 ),
                 target(
-                    f"sum by (scope) (rate(llm_budget_rejections_total{{{inst}}}"
-                    "[$__rate_interval]))",
+                    or_zero(
+                        f"sum by (scope) (rate(llm_budget_rejections_total{{{inst}}}"
+                        "[$__rate_interval]))",
+                        "scope",
+                    ),
                     "budget: {{scope}}",
                     "B",
                 ),
@@ -105,14 +132,17 @@ def build(t: Thresholds) -> Dashboard:
             "percentunit",
             [
                 target(
-                    f'sum(rate(llm_requests_total{{{FILTER},status_code=~"5..|stream_error"}}'
-                    f"[$__rate_interval])) / sum(rate(llm_requests_total{{{FILTER}}}"
-                    "[$__rate_interval]))",
+                    ratio(
+                        f'sum(rate(llm_requests_total{{{FILTER},status_code=~"5..|stream_error"}}'
+                        "[$__rate_interval]))",
+                        f"sum(rate(llm_requests_total{{{FILTER}}}[$__rate_interval]))",
+                    ),
                     "errors",
                 )
             ],
             threshold=t.error_ratio,
         ),
+        *engine_panels(g),
     ]
     return dashboard(
         t,
@@ -121,3 +151,61 @@ def build(t: Thresholds) -> Dashboard:
         "Queue wait, TTFT, duration and time per token; admission state.",
         panels,
     )
+
+
+def engine_panels(g: Grid) -> list[TimeSeries]:
+    """The inference server's own scheduler beside the sidecar's: where a request waits."""
+    return [
+        timeseries(
+            g,
+            "Where requests wait: sidecar queue vs engine queue",
+            "Requests waiting in the sidecar's admission queue, and in the inference server's "
+            "own scheduler (vLLM num_requests_waiting, TGI queue_size; the simulator exports "
+            'the same names, labelled simulated="true"). A full sidecar queue beside an empty '
+            "engine queue means the admission budget is the limit, not the server.",
+            "short",
+            [
+                target(f"sum(llm_queue_depth{{{INST}}})", "sidecar admission queue"),
+                target(f"sum({VLLM_WAITING}{{{ENGINE}}})", "vLLM waiting", "B"),
+                target(f"sum({TGI_QUEUE}{{{ENGINE}}})", "TGI queue", "C"),
+            ],
+        ),
+        timeseries(
+            g,
+            "Running: sidecar in flight vs engine batch",
+            "Requests the sidecar has admitted and is proxying, and the requests the server is "
+            "running (vLLM num_requests_running, TGI batch_current_size).",
+            "short",
+            [
+                target(f"sum(llm_in_flight_requests{{{INST}}})", "sidecar in flight"),
+                target(f"sum({VLLM_RUNNING}{{{ENGINE}}})", "vLLM running", "B"),
+                target(f"sum({TGI_BATCH}{{{ENGINE}}})", "TGI batch", "C"),
+            ],
+        ),
+        timeseries(
+            g,
+            "Engine KV-cache usage",
+            f"vLLM's KV-cache use per server (0-1; {VLLM_KV_USAGE_OLD} on older vLLM). Near 1 "
+            "the engine preempts or queues requests however much budget the sidecar admits.",
+            "percentunit",
+            [
+                target(
+                    f"max by (instance) ({VLLM_KV_USAGE}{{{ENGINE}}} "
+                    f"or {VLLM_KV_USAGE_OLD}{{{ENGINE}}})",
+                    "{{instance}}",
+                )
+            ],
+        ),
+        timeseries(
+            g,
+            "Engine preemptions",
+            "Sequences vLLM evicted from the KV cache and recomputed later, per second.",
+            "short",
+            [
+                target(
+                    f"sum(rate({VLLM_PREEMPTIONS}{{{ENGINE}}}[$__rate_interval]))",
+                    "preemptions/s",
+                )
+            ],
+        ),
+    ]

@@ -1,7 +1,7 @@
 """Shared pieces for the dashboards: panels that always carry a unit, a description and the fixed
-datasource; template variables; and the post-processor that turns grafanalib's output into a
-dashboard Grafana 11/12 provisions without migration (schema, uid, tags, refresh, datasource uid,
-exemplars linked to traces).
+datasource; queries that read 0, not "No data", when nothing has failed yet; template variables;
+and the post-processor that turns grafanalib's output into a dashboard in Grafana's current
+format (schema, heatmap options, no legacy keys, uid, tags, refresh, exemplars linked to traces).
 """
 
 from __future__ import annotations
@@ -16,15 +16,39 @@ from grafanalib.core import (
     Target,
     Template,
     Templating,
+    Text,
     TimeSeries,
     YAxis,
 )
 
 from sidecar.thresholds import Thresholds
 
-SCHEMA_VERSION = 39  # Grafana 11.x provisions this without migrating it
+# Grafana 11.3 (the compose file's pin) writes schema 40; the JSON also needs nothing from 41's
+# migration (no timepicker.time_options), so Grafana 12 loads it unchanged too.
+SCHEMA_VERSION = 40
 DS = "${datasource}"
 FILTER = 'job="$job",instance=~"$instance",model=~"$model"'
+INST = 'job="$job",instance=~"$instance"'
+ENGINE = 'job="$engine_job"'  # the inference server's own /metrics
+# Heatmap columns: at the usual panel width this keeps a cell a few pixels wide. Other panels use
+# Grafana's default (one point per pixel); the datasource's timeInterval (the scrape interval) is
+# the floor of every query step, so $__rate_interval always spans several scrapes.
+HEATMAP_MAX_POINTS = 120
+NOT_SCRAPED = "sidecar not scraped"
+
+
+def or_zero(expr: str, label: str | None = None) -> str:
+    """`expr`, or 0 while the sidecar is being scraped and `expr` has no series yet (nothing failed,
+    nobody rejected): a measured zero, not "No data". With `label`, the zero is labelled "none"."""
+    zero = f"0 * group(up{{{INST}}} == 1)"
+    if label:
+        zero = f'label_replace({zero}, "{label}", "none", "", "")'
+    return f"({expr}) or on() ({zero})"
+
+
+def ratio(num: str, den: str) -> str:
+    """num / den; 0 when num has no series yet or nothing was served in the interval."""
+    return or_zero(f"({num} or on() 0 * {den}) / ({den} > 0)")
 
 
 def ds(t: Thresholds) -> dict[str, str]:
@@ -97,6 +121,8 @@ def stat(
     targets: list[Target],
     w: int = 6,
     threshold: float | None = None,
+    no_value: str = NOT_SCRAPED,
+    mappings: list[dict[str, Any]] | None = None,
 ) -> Stat:
     from grafanalib.core import Threshold
 
@@ -112,12 +138,19 @@ def stat(
         dataSource=DS,
         thresholds=steps,
         reduceCalc="lastNotNull",
+        noValue=no_value,
+        mappings=mappings or [],
     )
+
+
+def text(grid: Grid, title: str, content: str, w: int = 24, h: int = 4) -> Text:
+    return Text(title=title, content=content, mode="markdown", gridPos=grid.next(w, h))
 
 
 def heatmap(
     grid: Grid, title: str, description: str, unit: str, metric: str, w: int = 12
 ) -> Heatmap:
+    """A Prometheus histogram as a heatmap; `finish` writes it in the current options format."""
     expr = f"sum by (le) (rate({metric}_bucket{{{FILTER}}}[$__rate_interval]))"
     return Heatmap(
         title=title,
@@ -125,13 +158,44 @@ def heatmap(
         targets=[Target(expr=expr, format="heatmap", legendFormat="{{le}}", refId="A")],
         gridPos=grid.next(w),
         dataSource=DS,
-        dataFormat="tsbuckets",
         yAxis=YAxis(format=unit),
-        extraJson={
-            "fieldConfig": {"defaults": {"unit": unit}},
-            "options": {"calculate": False, "yAxis": {"unit": unit}},
-        },
     )
+
+
+def _heatmap(panel: dict[str, Any]) -> None:
+    """Grafana's heatmap (since 9): everything in options; none of the legacy panel's fields."""
+    unit = (panel.get("yAxis") or {}).get("format") or "s"
+    panel["maxDataPoints"] = HEATMAP_MAX_POINTS
+    panel["fieldConfig"] = {
+        "defaults": {
+            "unit": "reqps",  # each cell: observations per second in that bucket
+            "custom": {
+                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                "scaleDistribution": {"type": "linear"},
+            },
+        },
+        "overrides": [],
+    }
+    panel["options"] = {
+        "calculate": False,  # the buckets come from Prometheus
+        "cellGap": 1,
+        "cellValues": {"unit": "reqps"},
+        "color": {
+            "mode": "scheme",
+            "scheme": "Oranges",
+            "fill": "dark-orange",
+            "scale": "exponential",
+            "exponent": 0.5,
+            "steps": 64,
+            "reverse": False,
+        },
+        "exemplars": {"color": "rgba(255,0,255,0.7)"},
+        "filterValues": {"le": 1e-9},  # empty buckets are not painted
+        "legend": {"show": True},
+        "rowsFrame": {"layout": "le"},  # Prometheus buckets are upper bounds
+        "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": False},
+        "yAxis": {"axisPlacement": "left", "reverse": False, "unit": unit},
+    }
 
 
 def percentiles(grid: Grid, title: str, description: str, metric: str, w: int = 12) -> TimeSeries:
@@ -171,7 +235,10 @@ def variables(t: Thresholds, user: bool = False) -> Templating:
             default=t.datasource_uid,
         ),
         Template(name="job", label="job", query=t.job, type="constant", hide=2),
-        query("instance", 'label_values(llm_requests_total{job="$job"}, instance)'),
+        Template(
+            name="engine_job", label="engine job", query=t.engine_job, type="constant", hide=2
+        ),
+        query("instance", 'label_values(up{job="$job"}, instance)'),
         query("model", 'label_values(llm_requests_total{job="$job"}, model)'),
     ]
     if user:
@@ -196,10 +263,28 @@ def dashboard(
 
 # --- post-processing ------------------------------------------------------------------------------
 
+# What a current Grafana reads; grafanalib also writes fields of older panel versions (span, height,
+# error, cacheTimeout, the legacy heatmap's cards/color/xAxis/yAxis, target.step...) and nulls.
+DASHBOARD_KEYS = {
+    "annotations", "description", "editable", "graphTooltip", "id", "links", "panels", "refresh",
+    "schemaVersion", "tags", "templating", "time", "timepicker", "timezone", "title", "uid",
+    "version",
+}  # fmt: skip
+PANEL_KEYS = {
+    "datasource", "description", "fieldConfig", "gridPos", "id", "maxDataPoints", "options",
+    "targets", "title", "type",
+}  # fmt: skip
+TARGET_KEYS = {"datasource", "exemplar", "expr", "format", "legendFormat", "refId"}
+VARIABLE_KEYS = {
+    "allValue", "current", "datasource", "definition", "hide", "includeAll", "label", "multi",
+    "name", "options", "query", "refresh", "regex", "sort", "type",
+}  # fmt: skip
+
 
 def finish(data: dict[str, Any], t: Thresholds) -> dict[str, Any]:
-    """One place for cross-cutting touches: schema, tags, refresh, fixed datasource, exemplars."""
-    data.pop("rows", None)
+    """One place for cross-cutting touches: schema, tags, refresh, fixed datasource, exemplars,
+    current panel formats, and nothing a current Grafana would ignore."""
+    data = {k: v for k, v in data.items() if k in DASHBOARD_KEYS}
     data["schemaVersion"] = SCHEMA_VERSION
     data["tags"] = list(t.dashboard_tags)
     data["refresh"] = t.dashboard_refresh
@@ -207,22 +292,9 @@ def finish(data: dict[str, Any], t: Thresholds) -> dict[str, Any]:
     data["id"] = None
     data["version"] = 1
     data["time"] = {"from": "now-6h", "to": "now"}
-    for i, panel in enumerate(data["panels"], 1):
-        panel["id"] = i
-        panel["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
-        for tgt in panel.get("targets", []):
-            tgt["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
-            tgt["exemplar"] = panel["type"] == "timeseries"
-            tgt.pop("step", None)
-            tgt.pop("intervalFactor", None)
-        _unit(panel)
-    for var in data["templating"]["list"]:
-        if var["name"] == "datasource":
-            var["current"] = {"selected": True, "text": "Prometheus", "value": t.datasource_uid}
-        elif var["type"] == "query":
-            var["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
-            var["definition"] = var["query"]
-            var["query"] = {"query": var["query"], "refId": "PrometheusVariableQueryEditor"}
+    data["timepicker"] = {}
+    data["panels"] = [_panel(i, p) for i, p in enumerate(data["panels"], 1)]
+    data["templating"]["list"] = [_variable(v, t) for v in data["templating"]["list"]]
     data["annotations"] = {
         "list": [
             {
@@ -239,6 +311,45 @@ def finish(data: dict[str, Any], t: Thresholds) -> dict[str, Any]:
     return data
 
 
+def _panel(i: int, panel: dict[str, Any]) -> dict[str, Any]:
+    panel["id"] = i
+    if panel["type"] == "heatmap":
+        _heatmap(panel)
+    else:
+        _unit(panel)
+        panel.pop("maxDataPoints", None)  # Grafana's default: the panel's width in pixels
+    if panel["type"] == "text":
+        return {k: panel[k] for k in ("id", "type", "title", "gridPos", "options")}
+    panel["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
+    targets = []
+    for tgt in panel.get("targets", []):
+        tgt = {k: v for k, v in tgt.items() if k in TARGET_KEYS and v is not None}
+        tgt["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
+        tgt["exemplar"] = panel["type"] == "timeseries"
+        targets.append(tgt)
+    panel["targets"] = targets
+    defaults = panel["fieldConfig"]["defaults"]
+    for key in [k for k, v in defaults.items() if v is None]:
+        del defaults[key]
+    custom = defaults.get("custom") or {}
+    for key in [k for k, v in custom.items() if v is None]:
+        del custom[key]
+    return {k: v for k, v in panel.items() if k in PANEL_KEYS and v is not None}
+
+
+def _variable(var: dict[str, Any], t: Thresholds) -> dict[str, Any]:
+    if var["name"] == "datasource":
+        var["current"] = {"selected": True, "text": "Prometheus", "value": t.datasource_uid}
+    elif var["type"] == "query":
+        var["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
+        var["definition"] = var["query"]
+        var["query"] = {"query": var["query"], "refId": "PrometheusVariableQueryEditor"}
+        var["current"] = {"text": "All", "value": ["$__all"]} if var["includeAll"] else {}
+    elif var["type"] == "constant":
+        var["current"] = {"text": var["query"], "value": var["query"]}
+    return {k: v for k, v in var.items() if k in VARIABLE_KEYS and v is not None}
+
+
 def _unit(panel: dict[str, Any]) -> None:
     """Every panel states its unit in fieldConfig.defaults.unit (where Grafana 11 reads it)."""
     fc = panel.setdefault("fieldConfig", {"defaults": {}, "overrides": []})
@@ -253,10 +364,10 @@ def _unit(panel: dict[str, Any]) -> None:
             }
             for s in steps
         ]
+    elif "thresholds" in defaults:
+        defaults["thresholds"]["steps"] = [{"color": "green", "value": None}]
     if defaults.get("custom", {}).get("stacking") == {}:
         defaults["custom"]["stacking"] = {"mode": "none", "group": "A"}
     unit = defaults.get("unit") or panel.pop("format", None) or panel.get("unit")
-    if panel["type"] == "heatmap":
-        unit = unit or (panel.get("yAxis") or {}).get("format")
     if unit:
         defaults["unit"] = unit

@@ -2,7 +2,7 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import Grid, dashboard, stat, target, timeseries
+from dashboards.lib import Grid, dashboard, or_zero, stat, target, timeseries
 from sidecar.thresholds import Thresholds
 
 U = 'job="$job",instance=~"$instance",model=~"$model",user_id="$user_id"'
@@ -17,7 +17,7 @@ def build(t: Thresholds) -> Dashboard:
             f"Spend, last {w24}",
             "This user's spend over the rolling window; red above the per-user limit.",
             "currencyUSD",
-            [target(f"sum(increase(llm_cost_usd_total{{{U}}}[{w24}]))")],
+            [target(or_zero(f"sum(increase(llm_cost_usd_total{{{U}}}[{w24}]))"))],
             threshold=t.user_daily_spend_usd,
         ),
         stat(
@@ -25,21 +25,22 @@ def build(t: Thresholds) -> Dashboard:
             "Spend, budget day",
             "Spend since the start of the budget day.",
             "currencyUSD",
-            [target('sum(llm_spend_today_usd{job="$job",user_id="$user_id"})')],
+            [target(or_zero('sum(llm_spend_today_usd{job="$job",user_id="$user_id"})'))],
         ),
         stat(
             g,
             "Tokens, selected range",
             "Input and output tokens reported by the server.",
             "short",
-            [target(f"sum(increase(llm_tokens_total{{{U}}}[$__range]))")],
+            [target(or_zero(f"sum(increase(llm_tokens_total{{{U}}}[$__range]))"))],
         ),
         stat(
             g,
             "Device time, selected range",
-            "GPU-seconds attributed to this user.",
+            "GPU-seconds attributed to this user (needs GPU telemetry: empty without NVML).",
             "s",
             [target(f"sum(increase(llm_device_seconds_total{{{U}}}[$__range]))")],
+            no_value="no GPU telemetry",
         ),
         timeseries(
             g,
@@ -68,7 +69,8 @@ def build(t: Thresholds) -> Dashboard:
         timeseries(
             g,
             "Cached input share",
-            "Share of input tokens served from the prefix cache.",
+            "Share of input tokens served from the prefix cache. Empty when the server does not "
+            "report cached tokens (vLLM: --enable-prompt-tokens-details): unknown, not 0.",
             "percentunit",
             [
                 target(

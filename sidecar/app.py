@@ -18,9 +18,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import exposition
+from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
+from . import exposition as held
 from .config import Config, parse_hostport
 from .identity import Identity, upstream_authorization
 from .meter import Exchange, Meter
@@ -106,6 +107,7 @@ def _init_label_sets(sc: Sidecar) -> None:
 
 
 SIDECAR = web.AppKey("sidecar", Sidecar)
+PUBLISHED = web.AppKey("published", CollectorRegistry)
 
 
 def create_app(sidecar: Sidecar | Config) -> web.Application:
@@ -177,6 +179,10 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
 def create_admin_app(sc: Sidecar) -> web.Application:
     app = web.Application()
     app[SIDECAR] = sc
+    app[PUBLISHED], view = held.published(sc.metrics, sc.config.metering.new_series_hold_s)
+    carry = held.carry_path(sc.config.ledger.path)
+    if carry is not None:  # series survive a graceful restart
+        app.cleanup_ctx.append(held.carry_context(sc.metrics, view, carry, sc.users, sc.models))
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -184,7 +190,7 @@ def create_admin_app(sc: Sidecar) -> web.Application:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[SIDECAR].metrics.registry
+    registry = request.app[PUBLISHED]  # new series read 0 first: sidecar/exposition.py
     accept = request.headers.get("Accept", "")
     if "application/openmetrics-text" in accept:
         # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).

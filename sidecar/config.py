@@ -56,6 +56,9 @@ class MeteringConfig:
     max_tracked_models: int = 100
     # Ask streaming chat/completions for usage and strip the extra chunk before the client sees it.
     inject_stream_usage: bool = True
+    # A new counter series is published at 0 for this long before its value (docs/metrics.md):
+    # keep it above the longest scrape_interval of every Prometheus scraping the sidecar.
+    new_series_hold_s: float = 90.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,9 @@ def new_uid() -> str:
 
 
 STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+# The usage_unknown reason of a request that failed upstream (5xx, or an error inside the stream):
+# LLMUpstreamErrorRateHigh pages for those, LLMUsageUnmeasured leaves them out.
+UPSTREAM_FAILED = "upstream_error"
 
 
 @dataclass(slots=True)
@@ -144,7 +147,8 @@ class Meter:
         if u.cached_input_tokens is not None:
             c(m.cached_tokens, ex.model, ep, ex.user).inc(u.cached_input_tokens)
         if u.input_tokens is None or u.output_tokens is None:
-            reason = u.unknown_reason or "unknown"
+            failed = ex.status >= 500 or ex.status_label == "stream_error"
+            reason = UPSTREAM_FAILED if failed else (u.unknown_reason or "unknown")
             c(m.usage_unknown, ex.model, ep, reason).inc()
 
     def _price(self, ex: Exchange) -> None:

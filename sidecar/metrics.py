@@ -310,3 +310,14 @@ class Metrics:
         self.audit_errors = Counter(
             "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
         )
+
+
+# The inference servers' own scheduler state, as vLLM (V1 engine) and TGI's router export it. The
+# dashboards put it beside the sidecar's admission queue; the simulator exports the same names.
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # the older (deprecated) name of the same gauge
+VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
+TGI_QUEUE = "tgi_queue_size"
+TGI_BATCH = "tgi_batch_current_size"

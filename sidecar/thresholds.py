@@ -19,12 +19,17 @@ class Thresholds:
     # Spend
     daily_spend_usd: float = 50.0  # LLMDailySpendHigh: rolling 24 h, all users
     daily_spend_window: str = "24h"
+    daily_spend_priority: str = "P2"  # the on-call handbook's priority for LLMDailySpendHigh
     spend_for: str = "0m"  # spend is cumulative: fire as soon as it is over
     user_daily_spend_usd: float = 20.0  # LLMUserDailySpendHigh (inhibited by the global one)
     request_cost_usd: float = 0.10  # LLMRequestCostHigh and the audit capture
     request_cost_window: str = "5m"
-    # Queue: saturated when the admission budget is this full and requests wait, for this long
+    # Queue: saturated when, within each window, the admission budget peaked this full and
+    # requests were waiting in at least this share of it; for this long. Windowed: both gauges
+    # move with every request, so their values at one instant rarely agree.
     queue_saturation_ratio: float = 0.9
+    queue_waiting_share: float = 0.5
+    queue_saturation_window: str = "5m"
     queue_saturation_for: str = "10m"
     # Upstream errors (5xx, stream errors, sidecar 502/504) as a share of requests
     error_ratio: float = 0.05
@@ -41,10 +46,12 @@ class Thresholds:
     down_for: str = "2m"
     # Selectors and identities
     job: str = "tollbooth"
+    engine_job: str = "inference"  # the vLLM / TGI server (or the simulator) scraped directly
     # Where docs/runbooks.md is served; set it to your repository's or wiki's address.
     runbook_base: str = "docs/runbooks.md"
     datasource_uid: str = "tollbooth-prometheus"
     traces_datasource_uid: str = "tollbooth-jaeger"
+    logs_datasource_uid: str = "tollbooth-loki"
     dashboard_tags: tuple[str, ...] = ("tollbooth", "llm")
     dashboard_refresh: str = "30s"
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import yaml
 
 from sidecar.bench.runner import free_port
 
-__all__ = ["Tollbooth", "free_port", "start_tollbooth"]
+__all__ = ["Prometheus", "Tollbooth", "free_port", "start_prometheus", "start_tollbooth"]
 
 
 class Tollbooth:
@@ -30,8 +32,11 @@ class Tollbooth:
             self._handle.close()
 
 
-async def start_tollbooth(tmp: Path, config: dict[str, Any], *args: str) -> Tollbooth:
-    port, admin = free_port(), free_port()
+async def start_tollbooth(
+    tmp: Path, config: dict[str, Any], *args: str, ports: tuple[int, int] | None = None
+) -> Tollbooth:
+    """Start `tollbooth serve`; `ports` (proxy, admin) to come back where a scraper looks."""
+    port, admin = ports or (free_port(), free_port())
     cfg = tmp / f"tollbooth-{port}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = tmp / f"tollbooth-{port}.log"
@@ -65,3 +70,62 @@ async def start_tollbooth(tmp: Path, config: dict[str, Any], *args: str) -> Toll
                 pass
             await asyncio.sleep(0.05)
     raise RuntimeError("tollbooth did not become ready: " + log.read_text()[-2000:])
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+class Prometheus:
+    """Debian's prometheus binary on a free loopback port, its data under the test's tmp dir."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc, self.url = proc, url
+
+    async def query(self, expr: str, at: float | None = None) -> list[Any]:
+        params = {"query": expr} | ({"time": repr(at)} if at is not None else {})
+        return await self._get("/api/v1/query", params)
+
+    async def query_range(self, expr: str, start: float, end: float, step: float) -> list[Any]:
+        params = {"query": expr, "start": repr(start), "end": repr(end), "step": repr(step)}
+        return await self._get("/api/v1/query_range", params)
+
+    async def _get(self, path: str, params: dict[str, str]) -> list[Any]:
+        async with aiohttp.ClientSession() as s, s.get(self.url + path, params=params) as r:
+            body = await r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{params['query']}: {body}")
+        return list(body["data"]["result"])
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(self.proc.wait(), 20)
+
+
+async def start_prometheus(tmp: Path, name: str, config: dict[str, Any]) -> Prometheus:
+    assert PROMETHEUS, "Debian's prometheus package is not installed"
+    port = free_port()
+    (tmp / f"{name}.yml").write_text(yaml.safe_dump(config))
+    with (tmp / f"{name}.log").open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            PROMETHEUS,
+            f"--config.file={tmp / f'{name}.yml'}",
+            f"--storage.tsdb.path={tmp / f'{name}-tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            stdout=log,
+            stderr=log,
+        )
+    prom = Prometheus(proc, f"http://127.0.0.1:{port}")
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            if proc.returncode is not None:
+                raise RuntimeError(f"{name} exited: " + (tmp / f"{name}.log").read_text()[-2000:])
+            try:
+                async with s.get(prom.url + "/-/ready") as r:
+                    if r.status == 200:
+                        return prom
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    await prom.stop()
+    raise RuntimeError(f"{name} did not become ready")

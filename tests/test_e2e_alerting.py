@@ -123,6 +123,7 @@ async def stack(tmp_path: Path, aiohttp_server: Any) -> AsyncIterator[Stack]:
         {
             "upstream": {"url": str(sim.make_url("")).rstrip("/")},
             "pricing": PRICES,
+            "metering": {"new_series_hold_s": 2},  # above the 1 s scrape interval
             "logging": {"access_log": "off"},
             "audit": {"enabled": False},
             "gpu": {"enabled": False},

@@ -16,6 +16,15 @@ import yaml
 
 from alerts import build as alerts_build
 from dashboards import build as dash_build
+from dashboards.lib import (
+    DASHBOARD_KEYS,
+    HEATMAP_MAX_POINTS,
+    PANEL_KEYS,
+    SCHEMA_VERSION,
+    TARGET_KEYS,
+)
+from sidecar import metrics
+from sidecar.exposition import read_by_increase
 from sidecar.metrics import Metrics
 from sidecar.thresholds import DEFAULT, Thresholds, as_dict, load
 
@@ -78,6 +87,8 @@ def test_alert_conventions() -> None:
         assert "{{" in a["description"]
         anchor = a["runbook_url"].split("#")[1]
         assert f"## {r['alert']}" in runbooks and anchor == r["alert"].lower()
+    spend = next(r for r in rules if r["alert"] == "LLMDailySpendHigh")
+    assert spend["labels"]["priority"] == DEFAULT.daily_spend_priority == "P2"  # the handbook's
     doc = yaml.safe_load(alerts_build.render_rules(DEFAULT))
     for g in doc["groups"]:
         for r in g["rules"]:
@@ -92,6 +103,8 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
         user_daily_spend_usd=77.25,
         request_cost_usd=0.25,
         queue_saturation_ratio=0.81,
+        queue_waiting_share=0.63,
+        queue_saturation_window="4m",
         error_ratio=0.033,
         gpu_memory_ratio=0.91,
         unmeasured_ratio=0.027,
@@ -113,7 +126,7 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
         numbers = set(literal.findall(expr)) - allowed
         config_numbers = {str(v) for v in as_dict(changed).values() if isinstance(v, float)}
         assert numbers <= config_numbers, (new_rule["alert"], numbers)
-        windows = set(re.findall(r"\[(\w+)\]", new_rule["expr"])) - {"5m"}
+        windows = set(re.findall(r"\[(\w+):?\]", new_rule["expr"])) - {"5m"}
         assert windows <= {str(v) for v in as_dict(changed).values()}, new_rule["alert"]
         if "for" in old_rule:
             assert new_rule["for"] != old_rule["for"], new_rule["alert"]
@@ -147,6 +160,19 @@ def exported_metrics() -> set[str]:
     return names | {"up"}
 
 
+# The inference server's own metrics the latency dashboard reads (the simulator exports them too:
+# tests/test_simulator.py).
+ENGINE_METRICS = {
+    metrics.VLLM_RUNNING,
+    metrics.VLLM_WAITING,
+    metrics.VLLM_KV_USAGE,
+    metrics.VLLM_KV_USAGE_OLD,
+    metrics.VLLM_PREEMPTIONS,
+    metrics.TGI_QUEUE,
+    metrics.TGI_BATCH,
+}
+
+
 GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m"}
 
 
@@ -177,7 +203,7 @@ def panels() -> list[tuple[str, dict[str, Any]]]:
     out = []
     for path in sorted((ROOT / "dashboards/generated").glob("*.json")):
         data = json.loads(path.read_text())
-        assert data["schemaVersion"] >= 39 and data["uid"].startswith("tollbooth-")
+        assert data["schemaVersion"] == SCHEMA_VERSION and data["uid"].startswith("tollbooth-")
         assert data["tags"] == list(DEFAULT.dashboard_tags)
         out += [(f"{path.name}: {p['title']}", p) for p in data["panels"]]
     return out
@@ -185,15 +211,19 @@ def panels() -> list[tuple[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("name,panel", panels(), ids=lambda x: x if isinstance(x, str) else "")
 def test_dashboard_lint(name: str, panel: dict[str, Any]) -> None:
+    if panel["type"] == "text":
+        assert panel["title"] and panel["options"]["mode"] == "markdown"
+        assert len(panel["options"]["content"]) > 40
+        return
     assert panel["title"] and panel["description"]
     assert panel["fieldConfig"]["defaults"]["unit"], "every panel states a unit"
     assert panel["datasource"]["uid"] == "${datasource}"
     assert panel["targets"], "at least one target"
-    known = exported_metrics()
+    known = exported_metrics() | ENGINE_METRICS
     for t in panel["targets"]:
         ast = promql_parser.parse(promql(t["expr"]))
         for metric, fn in walk(ast):
-            assert metric in known, f"{metric} is not exported by the sidecar"
+            assert metric in known, f"{metric} is not exported by the sidecar or the server"
             if metric.endswith("_total") or metric.endswith("_bucket"):
                 assert fn in ("rate", "increase", "irate"), f"{metric} not in rate/increase"
 
@@ -205,7 +235,7 @@ def test_dashboard_variables_and_units() -> None:
         names[path.name] = [v["name"] for v in data["templating"]["list"]]
     assert all({"datasource", "model", "instance"} <= set(v) for v in names.values())
     assert "user_id" in names["user.json"]
-    units = {p["fieldConfig"]["defaults"]["unit"] for _, p in panels()}
+    units = {p["fieldConfig"]["defaults"]["unit"] for _, p in panels() if p["type"] != "text"}
     assert {"currencyUSD", "s", "percentunit", "watt"} <= units
 
 
@@ -218,9 +248,51 @@ def test_threshold_lines_follow_the_config() -> None:
         return {
             s["value"]
             for p in data["panels"]
+            if "fieldConfig" in p
             for s in p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
             if s["value"] is not None
         }
 
     assert 75.0 in lines(cost) and 50.0 not in lines(cost)
     assert 0.9 in lines(gpu) and 0.95 not in lines(gpu)
+
+
+def test_current_grafana_format_without_legacy_keys() -> None:
+    for path in (ROOT / "dashboards/generated").glob("*.json"):
+        data = json.loads(path.read_text())
+        assert set(data) <= DASHBOARD_KEYS and "time_options" not in data["timepicker"]
+        for var in data["templating"]["list"]:
+            assert not {"tags", "useTags", "tagsQuery", "auto", "auto_count"} & set(var)
+    for name, panel in panels():
+        assert set(panel) <= PANEL_KEYS | {"id", "type", "title", "gridPos", "options"}, name
+        for t in panel.get("targets", []):
+            assert set(t) <= TARGET_KEYS, name
+        if panel["type"] == "heatmap":  # the current heatmap: calculate off, options-only
+            assert panel["options"]["calculate"] is False
+            assert panel["options"]["yAxis"]["unit"] == "s"
+            assert panel["maxDataPoints"] == HEATMAP_MAX_POINTS
+            assert panel["targets"][0]["format"] == "heatmap"
+        else:
+            assert "maxDataPoints" not in panel, name
+        if panel["type"] == "stat":  # never the word "none" for a missing value
+            assert panel["fieldConfig"]["defaults"]["noValue"] not in ("", "none"), name
+
+
+def cumulative_reads() -> set[str]:
+    """Every counter or histogram family a rule or a panel reads."""
+    exprs = [r["expr"] for g in yaml.safe_load(alerts_build.render_rules(DEFAULT))["groups"]
+             for r in g["rules"]]  # fmt: skip
+    exprs += [t["expr"] for _, p in panels() for t in p.get("targets", [])]
+    names = {m for e in exprs for m, _ in walk(promql_parser.parse(promql(e)))}
+    return {
+        re.sub(r"_(total|bucket|sum|count)$", "", n)
+        for n in names
+        if re.search(r"_(total|bucket|sum|count)$", n) and n not in ENGINE_METRICS
+    }
+
+
+def test_every_counter_a_rule_or_panel_reads_is_published_at_zero_first() -> None:
+    held = set(read_by_increase(Metrics()))
+    reads = cumulative_reads()
+    assert {"llm_cost_usd", "llm_tokens", "llm_request_cost_usd"} <= reads
+    assert reads <= held, reads - held

@@ -208,7 +208,7 @@ async def test_midstream_error_marks_failure(start_sidecar: StartSidecar, oai: A
             "llm_usage_unknown_total",
             model=MODEL,
             api_endpoint="/v1/chat/completions",
-            reason="stream_without_usage",
+            reason="upstream_error",  # a failure: LLMUpstreamErrorRateHigh's, not a metering gap
         )
         == 1
     )

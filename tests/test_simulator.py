@@ -11,7 +11,16 @@ import aiohttp
 import openai
 import pytest
 from huggingface_hub import AsyncInferenceClient
+from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.metrics import (
+    TGI_BATCH,
+    TGI_QUEUE,
+    VLLM_KV_USAGE,
+    VLLM_PREEMPTIONS,
+    VLLM_RUNNING,
+    VLLM_WAITING,
+)
 from sidecar.simulator import EngineParams, create_simulator
 from tests.conftest import StartSidecar
 
@@ -249,3 +258,24 @@ async def test_midstream_oom_reaches_the_client_and_the_sidecar(
         api_endpoint="/v1/completions",
         status_code="stream_error",
     ) == len(errors)
+
+
+@pytest.mark.parametrize("api", ["vllm", "tgi"])
+async def test_scheduler_metrics_use_the_servers_names_marked_simulated(
+    aiohttp_server: Any, api: str
+) -> None:
+    server = await aiohttp_server(create_simulator(api, EngineParams(step_base_s=0.0005)))
+    async with aiohttp.ClientSession() as s, s.get(base(server) + "/metrics") as r:
+        text = await r.text()
+    samples = {
+        sample.name: sample.labels
+        for fam in text_string_to_metric_families(text)
+        for sample in fam.samples
+    }
+    names = (
+        {VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE, VLLM_PREEMPTIONS}
+        if api == "vllm"
+        else {TGI_QUEUE, TGI_BATCH}
+    )
+    for name in names:
+        assert samples[name]["simulated"] == "true", name

@@ -1,10 +1,15 @@
-"""The compose stack and collector config, checked for structure (no Docker engine runs here)."""
+"""The compose stack and collector config, checked for structure (no Docker engine runs here),
+and the compose Prometheus config by the real promtool."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from sidecar.thresholds import DEFAULT
@@ -57,8 +62,12 @@ def test_ports() -> None:
     assert {"8080", "9464", "9090", "9093", "3000", "16686"} <= published
 
 
+def prometheus() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+
+
 def test_prometheus_scrapes_and_loads_the_rules() -> None:
-    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    prom = prometheus()
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     assert jobs[DEFAULT.job]["static_configs"][0]["targets"] == ["tollbooth:9464"]
     mounts = compose()["services"]["prometheus"]["volumes"]
@@ -113,3 +122,93 @@ def test_collector_pipelines_reference_defined_components() -> None:
 def test_dockerfile_runs_the_console_script() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["tollbooth"]' in text and "pip install" in text
+
+
+def test_the_inference_server_is_scraped_in_both_profiles() -> None:
+    """vLLM (gpu profile) or the simulator (sim profile): one job, one name on the network."""
+    services = compose()["services"]
+    jobs = {j["job_name"]: j for j in prometheus()["scrape_configs"]}
+    (target,) = jobs[DEFAULT.engine_job]["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    for name in ("simulator", "vllm"):
+        assert services[name]["networks"]["default"]["aliases"] == [host]
+        assert port in services[name]["expose"]
+    assert "simulator" not in jobs  # the old job only ever found the sim profile's server
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus not installed")
+def test_promtool_checks_the_compose_prometheus_config(tmp_path: Path) -> None:
+    """With the promtool `make test` installs (Debian's 2.42); the compose file pins a later 2.x,
+    which reads everything 2.42 does. The rule file is pointed at the repository's copy."""
+    image = compose()["services"]["prometheus"]["image"]
+    assert re.fullmatch(r"prom/prometheus:v2\.\d+\.\d+", image), image
+    prom = prometheus()
+    mounts = compose()["services"]["prometheus"]["volumes"]
+    for i, rule_file in enumerate(prom["rule_files"]):
+        local = next(v.split(":")[0] for v in mounts if v.split(":")[1] == rule_file)
+        prom["rule_files"][i] = str(ROOT / local)
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(yaml.safe_dump(prom))
+    out = subprocess.run(
+        ["promtool", "check", "config", str(cfg)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_grafana_step_follows_the_scrape_interval() -> None:
+    ds = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/datasources.yml").read_text()
+    )["datasources"]
+    prom_ds = next(d for d in ds if d["uid"] == DEFAULT.datasource_uid)
+    assert prom_ds["jsonData"]["timeInterval"] == prometheus()["global"]["scrape_interval"]
+
+
+def test_access_log_reaches_loki_with_links_to_traces() -> None:
+    """tollbooth writes the access log on its data volume; the collector reads it (read-only),
+    sets each record's trace context and sends it to Loki over OTLP; Grafana links both ways."""
+    services = compose()["services"]
+    tb_cfg = yaml.safe_load((ROOT / "deploy/tollbooth.yaml").read_text())
+    log_path = tb_cfg["logging"]["access_log"]
+    data_mount = next(v for v in services["tollbooth-sim"]["volumes"] if v.startswith("tollbooth-"))
+    volume, path = data_mount.split(":")[:2]
+    assert log_path.startswith(path + "/")
+    assert f"{volume}:{path}:ro" in services["otel-collector"]["volumes"]
+
+    cfg = yaml.safe_load((ROOT / "otel-collector.yaml").read_text())
+    receiver = cfg["receivers"]["filelog/access"]
+    assert receiver["include"] == [log_path]
+    assert receiver["resource"]["service.name"] == "tollbooth"
+    ops = {op["type"]: op for op in receiver["operators"]}
+    assert ops["json_parser"]["timestamp"]["parse_from"] == "attributes.time"
+    assert ops["trace_parser"]["trace_id"]["parse_from"] == "attributes.trace_id"
+    assert ops["trace_parser"]["span_id"]["parse_from"] == "attributes.span_id"
+    logs = cfg["service"]["pipelines"]["logs"]
+    assert "filelog/access" in logs["receivers"] and logs["processors"][0] == "memory_limiter"
+    (exporter,) = logs["exporters"]
+    url = cfg["exporters"][exporter]["endpoint"]
+    m = re.fullmatch(r"http://(\w+):(\d+)/otlp", url)
+    assert m, url
+    loki = services[m.group(1)]
+    loki_cfg_mount = next(v for v in loki["volumes"] if v.startswith("./"))
+    loki_cfg = yaml.safe_load((ROOT / loki_cfg_mount.split(":")[0]).read_text())
+    assert str(loki_cfg["server"]["http_listen_port"]) == m.group(2)
+    assert m.group(2) in loki["expose"]
+    assert loki_cfg["limits_config"]["allow_structured_metadata"] is True
+    assert {c["schema"] for c in loki_cfg["schema_config"]["configs"]} == {"v13"}
+    assert loki["command"] == [f"-config.file={loki_cfg_mount.split(':')[1]}"]
+
+    ds = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/datasources.yml").read_text()
+    )["datasources"]
+    uids = {d["uid"]: d for d in ds}
+    logs_ds, traces_ds = uids[DEFAULT.logs_datasource_uid], uids[DEFAULT.traces_datasource_uid]
+    assert logs_ds["type"] == "loki" and logs_ds["url"] == f"http://{m.group(1)}:{m.group(2)}"
+    (field,) = logs_ds["jsonData"]["derivedFields"]  # log line -> trace
+    assert field["matcherType"] == "label" and field["matcherRegex"] == "trace_id"
+    assert field["datasourceUid"] == DEFAULT.traces_datasource_uid
+    assert field["url"] == "$${__value.raw}"  # $$: not an environment variable to provisioning
+    to_logs = traces_ds["jsonData"]["tracesToLogsV2"]  # trace -> its log line
+    assert to_logs["datasourceUid"] == DEFAULT.logs_datasource_uid
+    assert 'service_name="tollbooth"' in to_logs["query"]
+    assert 'trace_id="$${__trace.traceId}"' in to_logs["query"]

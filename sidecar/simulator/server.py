@@ -16,6 +16,14 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from ..metrics import (
+    TGI_BATCH,
+    TGI_QUEUE,
+    VLLM_KV_USAGE,
+    VLLM_PREEMPTIONS,
+    VLLM_RUNNING,
+    VLLM_WAITING,
+)
 from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
 
 Api = Literal["vllm", "tgi"]
@@ -423,24 +431,32 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The engine's state under the names vLLM or TGI use, each series labelled simulated="true"."""
     e, s = request.app[ENGINE], request.app[SETTINGS]
-    p = "vllm:" if s.api == "vllm" else "tgi_"
+    sim = 'simulated="true"'
+    if s.api == "vllm":
+        sim += f',engine="0",model_name="{s.model}"'  # vLLM's own labels
+        engine = [
+            ("gauge", VLLM_RUNNING, len(e.running)),
+            ("gauge", VLLM_WAITING, len(e.waiting)),
+            ("gauge", VLLM_KV_USAGE, round(e.kv_usage, 6)),
+            ("counter", "vllm:prompt_tokens_total", e.prompt_tokens_total),
+            ("counter", "vllm:generation_tokens_total", e.generation_tokens_total),
+            ("counter", VLLM_PREEMPTIONS, e.preemptions_total),
+        ]
+    else:
+        engine = [("gauge", TGI_QUEUE, len(e.waiting)), ("gauge", TGI_BATCH, len(e.running))]
     lines = [
         "# Simulated engine state from tollbooth's simulator; not a measurement of any GPU.",
         "# TYPE tollbooth_simulator_info gauge",
         f'tollbooth_simulator_info{{simulated="true",api="{s.api}",model="{s.model}"}} 1',
-        f"# TYPE {p}num_requests_running gauge",
-        f"{p}num_requests_running {len(e.running)}",
-        f"# TYPE {p}num_requests_waiting gauge",
-        f"{p}num_requests_waiting {len(e.waiting)}",
-        f"# TYPE {p}kv_cache_usage_perc gauge",
-        f"{p}kv_cache_usage_perc {e.kv_usage:.6f}",
-        f"# TYPE {p}prompt_tokens_total counter",
-        f"{p}prompt_tokens_total {e.prompt_tokens_total}",
-        f"# TYPE {p}generation_tokens_total counter",
-        f"{p}generation_tokens_total {e.generation_tokens_total}",
-        f"# TYPE {p}num_preemptions_total counter",
-        f"{p}num_preemptions_total {e.preemptions_total}",
+    ]
+    for kind, name, value in engine:
+        family = name.removesuffix("_total") if kind == "counter" else name
+        lines += [f"# TYPE {family} {kind}", f"{name}{{{sim}}} {value}"]
+    lines += [
+        "# TYPE tollbooth_simulator_kv_usage_ratio gauge",
+        f"tollbooth_simulator_kv_usage_ratio {e.kv_usage:.6f}",
         "# TYPE tollbooth_simulator_oom_total counter",
         f"tollbooth_simulator_oom_total {e.oom_total}",
         "# TYPE tollbooth_simulator_kv_capacity_tokens gauge",
