@@ -22,11 +22,12 @@ from prometheus_client import exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
 from .config import Config, parse_hostport
+from .finishers import Finishers, PromptCounter
 from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
 from .proxy import Gate, Proxy, ProxySettings, TgiModelName
-from .usage import Endpoint
+from .usage import Endpoint, routing_path
 
 log = logging.getLogger("tollbooth")
 
@@ -101,6 +102,7 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
     app.cleanup_ctx.append(_proxy_ctx)
     for ctx in sc.extra_contexts:
         app.cleanup_ctx.append(ctx)
+    app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
     app.router.add_route("*", "/{tail:.*}", _handle)
     return app
 
@@ -120,6 +122,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
     )
     base = sc.upstream_base
+    metering = sc.config.metering
     settings = ProxySettings(
         upstream=base,
         user_header=sc.config.metering.user_header,
@@ -133,13 +136,39 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
             if sc.config.audit.enabled and sc.config.audit.capture_text
             else 0
         ),
+        api=up.api,
+        continuous_usage=metering.continuous_usage and up.api == "vllm",
+        free_routes=frozenset(routing_path(r) for r in metering.free_routes),
+        refuse_unknown_routes=metering.unknown_routes == "refuse",
+        drain_s=metering.drain_after_disconnect_s,
     )
     tgi = TgiModelName(session, base, up.model_name)
+    counter = PromptCounter(lambda: session, base, up.api, sc.metrics)
     sc.proxy = Proxy(
-        settings, session, sc.metrics, sc.meter, sc.users, sc.models, tgi, sc.gates, sc.on_start
+        settings,
+        session,
+        sc.metrics,
+        sc.meter,
+        sc.users,
+        sc.models,
+        tgi,
+        sc.gates,
+        sc.on_start,
+        counter=counter,
+        finishers=Finishers(),
     )
     yield
     await session.close()
+
+
+async def _finishers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Requests whose client left are finished in the background (bounded: the drain and
+    /tokenize deadlines); on shutdown they get that long to reach the meter."""
+    yield
+    proxy = app[SIDECAR].proxy
+    if proxy is not None:
+        cfg = app[SIDECAR].config.metering
+        await proxy.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
 
 
 # --- admin ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Never: raises into the proxy. Any failure here is logged and counted in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -56,6 +57,10 @@ class Exchange:
     audited: bool = False
     response_sample: bytes | bytearray | None = None  # audit text capture only; bounded
     request_headers: Mapping[str, str] = field(default_factory=dict)  # the client's, read-only
+    path: str = ""  # the normalised path: what was classified and forwarded
+    # Set when the client left and a background task settles the usage (drain, /tokenize);
+    # the exchange is recorded once it is done.
+    finisher: asyncio.Future[None] | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -149,11 +154,23 @@ class Meter:
 
 
 def consumed(ex: Exchange) -> bool:
-    """Did the request use the server? A refused one (4xx/5xx, no usage) consumed nothing."""
+    """Did the request use the server? A refused one (4xx/5xx, no usage) consumed nothing, nor
+    did one whose client left before it was sent upstream."""
     u = ex.usage
     if u.input_tokens is not None or u.output_tokens is not None:
         return True
-    return 200 <= ex.status < 300 or ex.status == STATUS_CLIENT_CLOSED
+    if ex.status == STATUS_CLIENT_CLOSED:
+        return ex.upstream_start is not None
+    return 200 <= ex.status < 300
+
+
+def measured_cost_usd(prices: PriceBook, ex: Exchange) -> float | None:
+    """What budgets and spend are charged: the whole cost when both directions were measured,
+    else the cost of the direction that was (a client that left mid-generation still pays its
+    exact prompt). None when nothing priced was measured."""
+    if (cost := price_cost(prices, ex)) is not None:
+        return cost.total_usd
+    return _partial_cost(prices, ex)
 
 
 def priced_model(ex: Exchange) -> str | None:

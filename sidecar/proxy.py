@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -19,20 +20,28 @@ import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
+from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .usage import (
+    AmbiguousPath,
+    Endpoint,
     RequestInfo,
     StreamMeter,
     Usage,
     classify,
+    endpoint_class,
     inspect_request,
+    routing_path,
     usage_from_body,
 )
 
@@ -210,6 +219,11 @@ class ProxySettings:
     connect_timeout: float
     read_timeout: float
     capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
+    api: str = "vllm"
+    continuous_usage: bool = False  # ask vLLM for running totals on every chunk (cut back out)
+    free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
+    refuse_unknown_routes: bool = True
+    drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
 
 
 class Proxy:
@@ -224,6 +238,8 @@ class Proxy:
         tgi_name: TgiModelName,
         gates: list[Gate],
         on_start: list[Callable[[Exchange], None]],
+        counter: PromptCounter | None = None,
+        finishers: Finishers | None = None,
     ) -> None:
         self.s = settings
         self.session = session
@@ -234,24 +250,38 @@ class Proxy:
         self.tgi_name = tgi_name
         self.gates = gates  # budgets, admission: may refuse a request before the upstream
         self.on_start = on_start  # e.g. open a span, set the upstream's traceparent
+        self.counter = counter  # exact prompt size for requests whose usage the wire lacked
+        self.finishers = finishers or Finishers()  # work after the handler (client left)
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        endpoint = classify(request.method, request.path)
+        try:
+            path = routing_path(request.rel_url.raw_path)
+        except AmbiguousPath as exc:
+            return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
+        endpoint = classify(request.method, path)
         if endpoint is None:
-            return await self._passthrough(request)
+            return await self._not_metered(request, path)
         try:
             body = await request.read()  # bounded by the app's client_max_size
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
-        info = inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
+        info = inspect_request(
+            endpoint,
+            body,
+            inject_usage=self.s.inject_usage,
+            continuous_usage=self.s.continuous_usage,
+            api=self.s.api,
+        )
+        if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
+            return await self._unmetered(request, path, info)
         user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
-        model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
+        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
         ex = Exchange(
             request_id=request_id(request.headers),
-            endpoint=endpoint,
+            endpoint=info.endpoint,
             info=info,
             user=self.users(user_id),
             user_id=user_id,
@@ -259,6 +289,35 @@ class Proxy:
             bytes_in=len(body),
             upstream=self.s.upstream,
             request_headers=request.headers,
+            path=path,
+        )
+        return await self._metered(request, ex)
+
+    async def _not_metered(self, request: web.Request, path: str) -> web.StreamResponse:
+        """Not a metered route: forwarded as is, unless it is a POST that may generate."""
+        if request.method != "POST" or path in self.s.free_routes:
+            return await self._passthrough(request, path)
+        return await self._unmetered(request, path, None)
+
+    async def _unmetered(
+        self, request: web.Request, path: str, info: RequestInfo | None
+    ) -> web.StreamResponse:
+        """A POST no metered route matches: counted, gated like any request, then refused or
+        forwarded with its usage unknown (`metering.unknown_routes`)."""
+        self.metrics.unmetered.labels(endpoint_class(path)).inc()
+        info = info or RequestInfo(endpoint=Endpoint.OTHER, body=b"", parsed=False)
+        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
+        ex = Exchange(
+            request_id=request_id(request.headers),
+            endpoint=Endpoint.OTHER,
+            info=info,
+            user=self.users(user_id),
+            user_id=user_id,
+            model=self.models("unknown"),
+            bytes_in=len(info.body) or request.content_length or 0,
+            upstream=self.s.upstream,
+            request_headers=request.headers,
+            path=path,
         )
         return await self._metered(request, ex)
 
@@ -274,6 +333,13 @@ class Proxy:
                 self.metrics.metering_errors.labels("start").inc()
         context = REQUEST_CONTEXT.set(_log_context(ex))
         try:
+            if ex.endpoint is Endpoint.OTHER and self.s.refuse_unknown_routes:
+                raise Refusal(
+                    403,
+                    "route_not_metered",
+                    f"POST {ex.path} is not a metered route; the operator can allow it with "
+                    "metering.free_routes or metering.unknown_routes: forward",
+                )
             for gate in self.gates:
                 release = await gate(ex)
                 if release is not None:
@@ -283,38 +349,63 @@ class Proxy:
             ex.status, ex.error = r.status, r.err_type
             return error_response(r.status, r.err_type, str(r), r.retry_after)
         except asyncio.CancelledError:
-            ex.status = ex.status if ex.status >= 400 else STATUS_CLIENT_CLOSED
-            ex.error = ex.error or "client_disconnected"
+            _client_left(ex)
             raise
         finally:
-            for release in reversed(releases):
-                release()
-            in_flight.dec()
             ex.finish()
-            self.meter.record(ex)
+            done = functools.partial(self._complete, ex, releases, in_flight)
+            if ex.finisher is not None:  # the meter hears of it once the finisher is through
+                ex.finisher.add_done_callback(lambda _: done())
+            else:
+                done()
             REQUEST_CONTEXT.reset(context)
+
+    def _complete(self, ex: Exchange, releases: list[Callable[[], None]], in_flight: Any) -> None:
+        for release in reversed(releases):
+            release()
+        in_flight.dec()
+        self.meter.record(ex)
 
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
         headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
+        up: aiohttp.ClientResponse | None = None
         try:
-            async with self.session.request(
+            up = await self.session.request(
                 request.method,
-                self._url(request),
+                self._url(ex.path, request),
                 headers=headers,
-                data=ex.info.body,
+                data=self._request_body(request, ex),
                 allow_redirects=False,
                 timeout=self.timeout,
-            ) as up:
-                ex.status = up.status
-                if up.content_type == "text/event-stream":
-                    return await self._stream(request, ex, up)
-                return await self._buffered(request, ex, up)
+            )
+            ex.status = up.status
+            if ex.endpoint is Endpoint.OTHER:
+                ex.usage = Usage(unknown_reason="unmetered_route")
+                return await self._relay(request, up, ex)
+            if up.content_type == "text/event-stream":
+                return await self._stream(request, ex, up)
+            return await self._buffered(request, ex, up)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             return self._upstream_failed(ex, 504, "upstream_timeout", exc)
         except aiohttp.ClientError as exc:
             return self._upstream_failed(ex, 502, "upstream_unreachable", exc)
+        except asyncio.CancelledError:
+            # The client left while the upstream had the request (queued, prefilling, or
+            # generating a non-streamed answer): cancel it, and count the prompt it was sent.
+            if ex.finisher is None and ex.endpoint is not Endpoint.OTHER:
+                _client_left(ex)
+                self._finish_later(ex, up, None)
+            raise
+        finally:
+            if up is not None and ex.finisher is None:
+                up.release()  # closes the connection (cancelling the upstream) if unread
+
+    def _request_body(self, request: web.Request, ex: Exchange) -> Any:
+        if ex.info.body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
+            return ex.info.body
+        return request.content  # an unmetered route's body is streamed, never read whole
 
     async def _buffered(
         self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
@@ -333,6 +424,8 @@ class Proxy:
             log.exception("could not read usage of request %s", ex.request_id)
             self.metrics.metering_errors.labels("parse").inc()
             ex.usage = Usage(unknown_reason="parse_error")
+        if ex.endpoint is Endpoint.TGI_VERTEX and 200 <= up.status < 300:
+            self._finish_later(ex, up, None)  # /vertex reports no counts: ask for the prompt's
         headers = response_headers(up.headers, drop_length=True)
         cost = self._cost_now(ex)
         if cost is not None:
@@ -342,7 +435,13 @@ class Proxy:
     async def _stream(
         self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
     ) -> web.StreamResponse:
-        meter = StreamMeter(ex.endpoint, strip_usage=ex.info.injected_usage)
+        info = ex.info
+        meter = StreamMeter(
+            ex.endpoint,
+            strip_usage=info.injected_usage,
+            strip_chunk_usage=info.strip_chunk_usage,
+            choices=info.choices,
+        )
         resp = web.StreamResponse(
             status=up.status,
             reason=up.reason,
@@ -354,8 +453,9 @@ class Proxy:
                 out = self._feed(meter, chunk, ex)
                 if self.s.capture_bytes:
                     _sample(ex, out, self.s.capture_bytes)
-                if out and not await self._write(resp, out, ex, meter):
-                    return resp  # the client left; leaving the block closes the upstream
+                if out and not await self._write(resp, out, ex):
+                    self._finish_later(ex, up, meter)  # the client left
+                    return resp
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ex.error = "upstream_reset"
             self.metrics.upstream_errors.labels("stream_interrupted").inc()
@@ -363,18 +463,20 @@ class Proxy:
             self._end_stream(ex, meter)
             _abort(request)  # the client must see a broken stream, not a clean end
             return resp
-        except asyncio.CancelledError:
-            self._end_stream(ex, meter)
+        except asyncio.CancelledError:  # the client left (the server cancels the handler)
+            _client_left(ex)
+            self._finish_later(ex, up, meter)
             raise
         tail = self._end_stream(ex, meter)
-        if tail and not await self._write(resp, tail, ex, None):
+        if tail and not await self._write(resp, tail, ex):
             return resp
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # usage is known; leaving now is a 499
+            await resp.write_eof()
+            return resp
+        _client_left(ex)
         return resp
 
-    async def _write(
-        self, resp: web.StreamResponse, data: bytes, ex: Exchange, meter: StreamMeter | None
-    ) -> bool:
+    async def _write(self, resp: web.StreamResponse, data: bytes, ex: Exchange) -> bool:
         """Write to the client. False when it went away: the request ends as 499.
 
         Caught here, where it happens, because aiohttp's ClientConnectionResetError is also a
@@ -383,12 +485,48 @@ class Proxy:
         try:
             await resp.write(data)
         except ConnectionResetError:
-            ex.status, ex.error = STATUS_CLIENT_CLOSED, "client_disconnected"
-            if meter is not None:
-                self._end_stream(ex, meter)
+            _client_left(ex)
             return False
         ex.bytes_out += len(data)
         return True
+
+    def _finish_later(
+        self, ex: Exchange, up: aiohttp.ClientResponse | None, meter: StreamMeter | None
+    ) -> None:
+        """Hand the exchange to a background finisher, which owns `up` from now on and ends
+        when the usage is settled; the meter records the exchange after it."""
+        ex.finisher = self.finishers.start(self._finish(ex, up, meter))
+        if ex.finisher is None:  # too many already: cancel now, record what was measured
+            log.warning("finishers at their limit; request %s recorded as is", ex.request_id)
+            self.metrics.metering_errors.labels("finisher_limit").inc()
+            if up is not None:
+                up.close()
+            if meter is not None:
+                usage = meter.usage_so_far()
+                if usage.input_tokens is None or usage.output_tokens is None:
+                    usage = replace(usage, unknown_reason="client_disconnected")
+                self._set_usage(ex, usage)
+
+    async def _finish(
+        self, ex: Exchange, up: aiohttp.ClientResponse | None, meter: StreamMeter | None
+    ) -> None:
+        left = ex.status == STATUS_CLIENT_CLOSED
+        try:
+            usage = ex.usage
+            if up is not None and meter is not None:
+                usage = await stream_usage(up, meter, self.s.drain_s)
+            if up is not None:
+                up.release()  # closes the connection, cancelling a generation still running
+            auth = {"Authorization": a} if (a := ex.request_headers.get("Authorization")) else {}
+            self._set_usage(
+                ex, await with_prompt_count(usage, ex.info, self.counter, auth, client_left=left)
+            )
+        except Exception:
+            log.exception("finishing request %s failed", ex.request_id)
+            self.metrics.metering_errors.labels("finish").inc()
+        finally:
+            if up is not None:
+                up.release()
 
     def _feed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
         try:
@@ -410,8 +548,11 @@ class Proxy:
             log.exception("stream finish failed for request %s", ex.request_id)
             self.metrics.metering_errors.labels("stream").inc()
             return b""
-        if not meter.done and ex.error is None and usage.unknown_reason:
-            usage = replace(usage, unknown_reason="stream_truncated")
+        if usage.unknown_reason and ex.error is None:
+            if not meter.done:
+                usage = replace(usage, unknown_reason="stream_truncated")
+            elif not ex.info.utf8:
+                usage = replace(usage, unknown_reason="body_not_utf8")  # never changed: no usage
         self._set_usage(ex, usage)
         return tail
 
@@ -439,21 +580,25 @@ class Proxy:
             headers=response_headers(up.headers, drop_length=False),
         )
         await resp.prepare(request)
-        async for chunk in up.content.iter_any():
-            await resp.write(chunk)
+        try:
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+                if ex is not None:
+                    ex.bytes_out += len(chunk)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left: not an upstream failure
             if ex is not None:
-                ex.bytes_out += len(chunk)
-        await resp.write_eof()
+                _client_left(ex)
         return resp
 
-    async def _passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Unmetered routes: both bodies streamed, nothing recorded but failures."""
+    async def _passthrough(self, request: web.Request, path: str) -> web.StreamResponse:
+        """Routes that generate nothing: both bodies streamed, nothing recorded but failures."""
         headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
         data = request.content if request.body_exists else None
         try:
             async with self.session.request(
                 request.method,
-                self._url(request),
+                self._url(path, request),
                 headers=headers,
                 data=data,
                 allow_redirects=False,
@@ -480,8 +625,23 @@ class Proxy:
             413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
         )
 
-    def _url(self, request: web.Request) -> str:
-        return self.s.upstream + request.rel_url.raw_path_qs
+    def _url(self, path: str, request: web.Request) -> URL:
+        """The upstream URL for exactly the path that was classified (already normalised, so the
+        client library has nothing left to change), with the client's query string as sent."""
+        query = request.rel_url.raw_query_string
+        target = self.s.upstream + quote(path, safe=_PATH_SAFE) + ("?" + query if query else "")
+        return URL(target, encoded=True)
+
+
+# RFC 3986 pchar and "/": what may stand unencoded in a path.
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+
+
+def _client_left(ex: Exchange) -> None:
+    """The client went away before the response ended: 499, whatever the upstream did."""
+    if ex.status < 400 or ex.status == 0:
+        ex.status = STATUS_CLIENT_CLOSED
+    ex.error = ex.error or "client_disconnected"
 
 
 def _sample(ex: Exchange, data: bytes, limit: int) -> None:
