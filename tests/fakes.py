@@ -61,6 +61,7 @@ class FakeUpstream:
         self.tokenized: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
         self.tokenize_fails = False
+        self.sent_tokens = 0  # completion tokens in the last chunk written (running totals)
         self.app = web.Application()
         r = self.app.router
         r.add_post("/v1/chat/completions", self.openai)
@@ -198,6 +199,7 @@ class FakeUpstream:
                     "completion_tokens": done,
                 }
             await resp.write(_compact(chunk))
+            self.sent_tokens = (i + 1) * TOKENS_PER_CHUNK
             if mode == "slow-stream":
                 await asyncio.sleep(0.05)
             elif mode.startswith("slow-stream:"):
@@ -217,6 +219,8 @@ class FakeUpstream:
             }
             await resp.write(_compact(final))
         await resp.write(b"data: [DONE]\n\n")
+        if mode.startswith("slow-eof:"):  # the stream is complete; the response ends later
+            await asyncio.sleep(float(mode.split(":")[1]))
         return resp
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
@@ -278,6 +282,8 @@ class FakeUpstream:
             "object": "response",
             "model": body.get("model") or MODEL,
             "status": "completed",
+            "error": None,
+            "incomplete_details": None,
             "output": [],
             "usage": usage,
         }
@@ -361,6 +367,11 @@ class FakeUpstream:
         raw = await request.read()
         body = json.loads(raw)
         request._read_bytes = raw  # let the routed handler read the body again
+        if not isinstance(body.get("stream", False), bool):  # serde takes only a JSON boolean
+            return web.json_response(
+                {"error": "invalid type: expected a boolean", "error_type": "validation"},
+                status=422,
+            )
         if body.get("stream"):
             return await self.tgi_stream(request)
         return await self.tgi_generate(request)
