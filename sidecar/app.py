@@ -27,7 +27,8 @@ from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
 from .proxy import Gate, Proxy, ProxySettings, TgiModelName
-from .usage import Endpoint, routing_path
+from .routes import routing_path
+from .usage import Endpoint
 
 log = logging.getLogger("tollbooth")
 

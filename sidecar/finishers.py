@@ -10,6 +10,7 @@ once with what was measured), or sends anything to a client.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
@@ -18,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from .metrics import Metrics
-from .usage import RequestInfo, StreamMeter, Usage, prompt_token_ids, tokenize_requests
+from .usage import Endpoint, RequestInfo, StreamMeter, Usage
 
 log = logging.getLogger("tollbooth.finishers")
 
@@ -51,6 +52,85 @@ class Finishers:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+# Chat request fields that change how vLLM renders the prompt; /tokenize takes the same ones.
+_VLLM_TEMPLATE_KEYS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+
+
+def tokenize_requests(info: RequestInfo, api: str) -> list[tuple[str, bytes]] | None:
+    """The upstream calls that count this request's prompt exactly as its generation did:
+    (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
+
+    vLLM's /tokenize renders chat messages with the same template inputs as the chat route; TGI's
+    /tokenize takes a generate request and /chat_tokenize a chat request.
+    """
+    try:
+        obj = json.loads(info.body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    ep = info.endpoint
+    if ep is Endpoint.TGI_VERTEX:
+        instances = obj.get("instances")
+        if not isinstance(instances, list) or not instances or len(instances) > 64:
+            return None
+        calls = [_tgi_tokenize(i) for i in instances]
+        return None if None in calls else calls  # type: ignore[return-value]
+    if ep.is_tgi_native:
+        call = _tgi_tokenize(obj)
+        return [call] if call else None
+    if api == "tgi":
+        return [("/chat_tokenize", info.body)] if ep is Endpoint.CHAT else None
+    if ep is Endpoint.CHAT and isinstance(obj.get("messages"), list):
+        body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
+        return [("/tokenize", json.dumps(body).encode())]
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if (
+        ep is Endpoint.COMPLETIONS
+        and isinstance(prompt, str)
+        and "truncate_prompt_tokens" not in obj
+    ):
+        body = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
+        return [("/tokenize", json.dumps({**body, "prompt": prompt}).encode())]
+    return None
+
+
+def _tgi_tokenize(obj: object) -> tuple[str, bytes] | None:
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("inputs"), str):
+        keep = {k: obj[k] for k in ("inputs", "parameters", "add_special_tokens") if k in obj}
+        return ("/tokenize", json.dumps(keep).encode())
+    if isinstance(obj.get("messages"), list):
+        return ("/chat_tokenize", json.dumps(obj).encode())
+    return None
+
+
+def prompt_token_ids(info: RequestInfo) -> int | None:
+    """A completion whose prompt is token ids is counted without asking anyone."""
+    if info.endpoint is not Endpoint.COMPLETIONS:
+        return None
+    try:
+        prompt = json.loads(info.body).get("prompt")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return len(prompt)
+    return None
 
 
 class PromptCounter:

@@ -32,18 +32,8 @@ from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
 from .metrics import LabelCap, Metrics, sanitize
-from .usage import (
-    AmbiguousPath,
-    Endpoint,
-    RequestInfo,
-    StreamMeter,
-    Usage,
-    classify,
-    endpoint_class,
-    inspect_request,
-    routing_path,
-    usage_from_body,
-)
+from .routes import AmbiguousPath, Endpoint, classify, endpoint_class, routing_path
+from .usage import RequestInfo, StreamMeter, Usage, inspect_request, usage_from_body
 
 log = logging.getLogger("tollbooth.proxy")
 
@@ -447,7 +437,12 @@ class Proxy:
             reason=up.reason,
             headers=response_headers(up.headers, drop_length=True),
         )
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            _client_left(ex)
+            self._finish_later(ex, up, meter)
+            return resp
         try:
             async for chunk in up.content.iter_any():  # upstream failures raise here...
                 out = self._feed(meter, chunk, ex)
@@ -579,8 +574,8 @@ class Proxy:
             reason=up.reason,
             headers=response_headers(up.headers, drop_length=False),
         )
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
                 if ex is not None:

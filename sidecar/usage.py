@@ -1,8 +1,10 @@
 """Token usage, read exactly from the wire of vLLM and TGI.
 
-Owns: which routes are metered, what a request asks for (model, stream, user, max tokens), the one
-change we make to a request (`stream_options.include_usage` on streams that did not ask), reading
-`usage` from response bodies, headers and streams, and dropping the usage chunk we caused.
+Owns: what a request asks for (model, stream as each server reads it, user, max tokens), the one
+change we make to a request (`stream_options.include_usage`, and vLLM's running totals, spliced
+into UTF-8 JSON objects only), reading `usage` from response bodies, headers and streams, and
+removing from a stream exactly the usage we caused (the usage chunk, per-chunk running totals).
+Routes and paths are `routes.py`'s.
 Never: counts stream chunks as tokens on OpenAI routes, invents a count, or touches clocks, sockets
 and metrics. A count that cannot be read is None, with the reason in `Usage.unknown_reason`.
 """
@@ -10,98 +12,17 @@ and metrics. A count that cannot be read is None, with the reason in `Usage.unkn
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any
-from urllib.parse import unquote
 
 from . import splice
+from .routes import Endpoint as Endpoint
+from .routes import classify as classify
+from .routes import invocation_endpoint
 from .sse import Event, SSEParser
 
-
-class Endpoint(StrEnum):
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
-    EMBEDDINGS = "/v1/embeddings"
-    RESPONSES = "/v1/responses"
-    TGI_GENERATE = "/generate"
-    TGI_GENERATE_STREAM = "/generate_stream"
-    TGI_COMPAT = "/"
-    TGI_VERTEX = "/vertex"
-    # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
-    INVOCATIONS = "/invocations"
-    # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
-    OTHER = "other"
-
-    @property
-    def is_tgi_native(self) -> bool:
-        return self in _TGI_NATIVE
-
-    @property
-    def operation(self) -> str:
-        """The GenAI `gen_ai.operation.name` for this route."""
-        if self in (Endpoint.CHAT, Endpoint.RESPONSES):
-            return "chat"
-        if self is Endpoint.EMBEDDINGS:
-            return "embeddings"
-        if self is Endpoint.OTHER:
-            return "other"
-        return "text_completion"
-
-
-_TGI_NATIVE = frozenset(
-    {Endpoint.TGI_GENERATE, Endpoint.TGI_GENERATE_STREAM, Endpoint.TGI_COMPAT, Endpoint.TGI_VERTEX}
-)
-_ROUTES = {e.value: e for e in Endpoint if e is not Endpoint.OTHER}
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
-
-
-class AmbiguousPath(ValueError):
-    """A request path whose meaning depends on which server reads it; refused with 400."""
-
-
-# An encoded slash or backslash is a separator to some servers and a character to others
-# (uvicorn decodes %2F before routing, axum does not); an encoded NUL is never a route.
-_AMBIGUOUS = re.compile(r"%(2f|5c|00)", re.IGNORECASE)
-
-
-def routing_path(raw_path: str) -> str:
-    """The path every route decision is made on, and the one forwarded upstream.
-
-    Percent-decoded (as UTF-8), repeated slashes collapsed, `.` and `..` segments resolved (never
-    above the root), no trailing slash. Raises AmbiguousPath for an encoded `/`, `\\` or NUL, a
-    control character, or bytes that are not UTF-8.
-    """
-    if _AMBIGUOUS.search(raw_path):
-        raise AmbiguousPath("the path contains an encoded '/', '\\' or NUL")
-    try:
-        path = unquote(raw_path, errors="strict")
-    except UnicodeDecodeError:
-        raise AmbiguousPath("the path is not UTF-8 once percent-decoded") from None
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise AmbiguousPath("the path contains a control character")
-    segments: list[str] = []
-    for seg in path.split("/"):
-        if seg == "..":
-            if segments:
-                segments.pop()
-        elif seg and seg != ".":
-            segments.append(seg)
-    return "/" + "/".join(segments)
-
-
-def classify(method: str, path: str) -> Endpoint | None:
-    """The metered route for a request, or None for anything that is only forwarded.
-
-    `path` is a `routing_path`; a trailing slash is ignored for callers that pass a raw one.
-    """
-    if method != "POST":
-        return None
-    if len(path) > 1:
-        path = path.rstrip("/")
-    return _ROUTES.get(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,32 +123,6 @@ def _parse(body: bytes) -> tuple[str | None, object]:
     except (ValueError, UnicodeDecodeError):
         obj = None
     return text, obj
-
-
-def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
-    """The route `/invocations` dispatches a body to, in the order the server tries them.
-
-    vLLM validates the body as a chat request (`messages`), then a completion (`prompt`), then a
-    pooling request (`input`); TGI tries its generate request (`inputs`), then chat, then
-    completion. Text generation is metered; anything else is OTHER.
-    """
-    order = _TGI_INVOCATIONS if api == "tgi" else _VLLM_INVOCATIONS
-    for key, kinds, endpoint in order:
-        if isinstance(obj.get(key), kinds):
-            return endpoint
-    return Endpoint.OTHER
-
-
-_VLLM_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
-    ("messages", list, Endpoint.CHAT),
-    ("prompt", (str, list), Endpoint.COMPLETIONS),
-    ("input", (str, list), Endpoint.EMBEDDINGS),
-)
-_TGI_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
-    ("inputs", str, Endpoint.TGI_COMPAT),
-    ("messages", list, Endpoint.CHAT),
-    ("prompt", (str, list), Endpoint.COMPLETIONS),
-)
 
 
 def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
@@ -349,109 +244,6 @@ def _splice_stream_options(text: str, obj: Mapping[str, Any], running: bool) -> 
     if added:
         text = splice.insert_first(text, current.value_start, ",".join(added))
     return text
-
-
-# Unmetered routes that generate, named in llm_unmetered_requests_total; any other is "other".
-_UNMETERED_CLASSES = frozenset(
-    {
-        "/v1/messages",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
-        "/inference/v1/generate",
-        "/invocations",
-    }
-)
-
-
-def endpoint_class(path: str) -> str:
-    """A bounded label for an unmetered route: the known ones by name, the rest "other"."""
-    return path if path in _UNMETERED_CLASSES else "other"
-
-
-# Chat request fields that change how vLLM renders the prompt; /tokenize takes the same ones.
-_VLLM_TEMPLATE_KEYS = (
-    "model",
-    "messages",
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "mm_processor_kwargs",
-)
-
-
-def tokenize_requests(info: RequestInfo, api: str) -> list[tuple[str, bytes]] | None:
-    """The upstream calls that count this request's prompt exactly as its generation did:
-    (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
-
-    vLLM's /tokenize renders chat messages with the same template inputs as the chat route; TGI's
-    /tokenize takes a generate request and /chat_tokenize a chat request.
-    """
-    try:
-        obj = json.loads(info.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(obj, dict):
-        return None
-    ep = info.endpoint
-    if ep is Endpoint.TGI_VERTEX:
-        instances = obj.get("instances")
-        if not isinstance(instances, list) or not instances or len(instances) > 64:
-            return None
-        calls = [_tgi_tokenize(i) for i in instances]
-        return None if None in calls else calls  # type: ignore[return-value]
-    if ep.is_tgi_native:
-        call = _tgi_tokenize(obj)
-        return [call] if call else None
-    if api == "tgi":
-        return [("/chat_tokenize", info.body)] if ep is Endpoint.CHAT else None
-    if ep is Endpoint.CHAT and isinstance(obj.get("messages"), list):
-        body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
-        return [("/tokenize", json.dumps(body).encode())]
-    prompt = obj.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if (
-        ep is Endpoint.COMPLETIONS
-        and isinstance(prompt, str)
-        and "truncate_prompt_tokens" not in obj
-    ):
-        body = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
-        return [("/tokenize", json.dumps({**body, "prompt": prompt}).encode())]
-    return None
-
-
-def _tgi_tokenize(obj: object) -> tuple[str, bytes] | None:
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("inputs"), str):
-        keep = {k: obj[k] for k in ("inputs", "parameters", "add_special_tokens") if k in obj}
-        return ("/tokenize", json.dumps(keep).encode())
-    if isinstance(obj.get("messages"), list):
-        return ("/chat_tokenize", json.dumps(obj).encode())
-    return None
-
-
-def prompt_token_ids(info: RequestInfo) -> int | None:
-    """A completion whose prompt is token ids is counted without asking anyone."""
-    if info.endpoint is not Endpoint.COMPLETIONS:
-        return None
-    try:
-        prompt = json.loads(info.body).get("prompt")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return len(prompt)
-    return None
 
 
 def prompt_chars(obj: Mapping[str, Any]) -> int:

@@ -9,16 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.usage import (
-    AmbiguousPath,
-    Endpoint,
-    StreamMeter,
-    classify,
-    inspect_request,
-    routing_path,
-    tokenize_requests,
-    usage_from_body,
-)
+from sidecar.finishers import tokenize_requests
+from sidecar.routes import AmbiguousPath, routing_path
+from sidecar.usage import Endpoint, StreamMeter, classify, inspect_request, usage_from_body
 from tests.fakes import load_fixture
 
 
