@@ -12,6 +12,7 @@ and metrics. A count that cannot be read is None, with the reason in `Usage.unkn
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -589,18 +590,29 @@ _DELTA_OUTPUT = (
 )
 
 
+# vLLM's chunk ends `,"usage":{...}}` (compact JSON, usage last; its values are numbers and one
+# nested object). A raw newline cannot be inside a JSON string, nor an unescaped quote, so this
+# can only match the top-level object's last member, right before the end of the data line.
+_USAGE_LAST = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}(?=\}[ \t]*[\r\n])')
+
+
 def _without_usage(ev: Event) -> bytes:
     """The event's bytes with its JSON's `usage` member cut out, every other byte kept.
 
     Only a single-line `data:` event is cut (vLLM's shape); any other is forwarded as it came.
     """
+    raw = ev.raw
+    if raw.count(b"\ndata:") + raw.startswith(b"data:") != 1:
+        return raw
+    if (m := _USAGE_LAST.search(raw)) is not None:
+        return raw[: m.start()] + raw[m.end() :]
     data = ev.data or ""
     cut = splice.without(data, "usage")
     encoded = data.encode("utf-8")
-    at = ev.raw.find(encoded)
-    if cut is None or at < 0 or ev.raw.count(b"data:") != 1:
-        return ev.raw
-    return ev.raw[:at] + cut.encode("utf-8") + ev.raw[at + len(encoded) :]
+    at = raw.find(encoded)
+    if cut is None or at < 0:
+        return raw
+    return raw[:at] + cut.encode("utf-8") + raw[at + len(encoded) :]
 
 
 def _carries_output(choice: object) -> bool:

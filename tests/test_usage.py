@@ -505,3 +505,16 @@ def test_tokenize_requests_carry_the_template_inputs() -> None:
     assert json.loads(body) == {"model": "m", "prompt": "a b"}
     batch = inspect_request(Endpoint.COMPLETIONS, b'{"prompt":["a","b"]}', inject_usage=True)
     assert tokenize_requests(batch, "vllm") is None  # not one prompt: not counted
+
+
+def test_running_usage_is_cut_whatever_the_content_or_spacing() -> None:
+    tricky = _chunk(0, _running(1))
+    tricky["choices"][0]["delta"]["content"] = 'data: ,"usage":{"x":1}}\n}'
+    spaced = json.dumps(_chunk(1, _running(2)))  # not vLLM's compact form: the slow path
+    wire = _compact_sse([tricky]) + f"data: {spaced}\r\n\r\n".encode()
+    m = StreamMeter(Endpoint.CHAT, strip_chunk_usage=True)
+    out = m.feed(wire)
+    first, second = out.split(b"\n\n", 1)
+    assert first + b"\n\n" == _compact_sse([{k: v for k, v in tricky.items() if k != "usage"}])
+    assert second == b"data: " + json.dumps(_chunk(1, None)).encode() + b"\r\n\r\n"
+    assert m.usage_so_far().output_tokens == 2
