@@ -267,21 +267,27 @@ class Proxy:
         )
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info)
-        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
         model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
-        ex = Exchange(
+        ex = self._new_exchange(request, info, path, model, len(body))
+        return await self._metered(request, ex)
+
+    def _new_exchange(
+        self, request: web.Request, info: RequestInfo, path: str, model: str | None, size: int
+    ) -> Exchange:
+        """The record of one request, metered or not; whom it bills is decided here, once."""
+        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
+        return Exchange(
             request_id=request_id(request.headers),
             endpoint=info.endpoint,
             info=info,
             user=self.users(user_id),
             user_id=user_id,
             model=self.models(model or "unknown"),
-            bytes_in=len(body),
+            bytes_in=size,
             upstream=self.s.upstream,
             request_headers=request.headers,
             path=path,
         )
-        return await self._metered(request, ex)
 
     async def _not_metered(self, request: web.Request, path: str) -> web.StreamResponse:
         """Not a metered route: forwarded as is, unless it is a POST that may generate."""
@@ -296,20 +302,8 @@ class Proxy:
         forwarded with its usage unknown (`metering.unknown_routes`)."""
         self.metrics.unmetered.labels(endpoint_class(path)).inc()
         info = info or RequestInfo(endpoint=Endpoint.OTHER, body=b"", parsed=False)
-        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
-        ex = Exchange(
-            request_id=request_id(request.headers),
-            endpoint=Endpoint.OTHER,
-            info=info,
-            user=self.users(user_id),
-            user_id=user_id,
-            model=self.models("unknown"),
-            bytes_in=len(info.body) or request.content_length or 0,
-            upstream=self.s.upstream,
-            request_headers=request.headers,
-            path=path,
-        )
-        return await self._metered(request, ex)
+        size = len(info.body) or request.content_length or 0
+        return await self._metered(request, self._new_exchange(request, info, path, None, size))
 
     async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
