@@ -91,22 +91,26 @@ def tokenize_requests(info: RequestInfo, api: str) -> list[tuple[str, bytes]] | 
     if ep.is_tgi_native:
         call = _tgi_tokenize(obj)
         return [call] if call else None
-    if api == "tgi":
-        return [("/chat_tokenize", info.body)] if ep is Endpoint.CHAT else None
     if ep is Endpoint.CHAT and isinstance(obj.get("messages"), list):
+        if api == "tgi":
+            return [("/chat_tokenize", info.body)]
         body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
         return [("/tokenize", json.dumps(body).encode())]
+    if ep is Endpoint.COMPLETIONS:
+        return _completion_tokenize(obj, api)
+    return None
+
+
+def _completion_tokenize(obj: dict[str, Any], api: str) -> list[tuple[str, bytes]] | None:
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    if (
-        ep is Endpoint.COMPLETIONS
-        and isinstance(prompt, str)
-        and "truncate_prompt_tokens" not in obj
-    ):
-        body = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
-        return [("/tokenize", json.dumps({**body, "prompt": prompt}).encode())]
-    return None
+    if not isinstance(prompt, str) or "truncate_prompt_tokens" in obj:
+        return None  # a batch, token ids (counted without asking) or a truncated prompt
+    if api == "tgi":  # TGI's completions generate from the prompt as given
+        return [("/tokenize", json.dumps({"inputs": prompt}).encode())]
+    body = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
+    return [("/tokenize", json.dumps({**body, "prompt": prompt}).encode())]
 
 
 def _tgi_tokenize(obj: object) -> tuple[str, bytes] | None:

@@ -518,3 +518,30 @@ def test_running_usage_is_cut_whatever_the_content_or_spacing() -> None:
     assert first + b"\n\n" == _compact_sse([{k: v for k, v in tricky.items() if k != "usage"}])
     assert second == b"data: " + json.dumps(_chunk(1, None)).encode() + b"\r\n\r\n"
     assert m.usage_so_far().output_tokens == 2
+
+
+def test_tgi_tokenize_requests() -> None:
+    chat = inspect_request(
+        Endpoint.CHAT, b'{"messages":[{"role":"user","content":"a"}]}', inject_usage=False
+    )
+    assert tokenize_requests(chat, "tgi") == [("/chat_tokenize", chat.body)]
+    comp = inspect_request(Endpoint.COMPLETIONS, b'{"prompt":"a b"}', inject_usage=False)
+    assert tokenize_requests(comp, "tgi") == [("/tokenize", b'{"inputs": "a b"}')]
+    native = inspect_request(
+        Endpoint.TGI_GENERATE_STREAM,
+        b'{"inputs":"a b","parameters":{"truncate":8,"max_new_tokens":3}}',
+        inject_usage=False,
+    )
+    ((path, body),) = tokenize_requests(native, "tgi") or []
+    assert path == "/tokenize" and json.loads(body)["parameters"]["truncate"] == 8
+
+
+def test_responses_stream_is_finished_between_output_items() -> None:
+    def ev(kind: str) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind})}\n\n".encode()
+
+    m = StreamMeter(Endpoint.RESPONSES)
+    m.feed(ev("response.created") + ev("response.output_text.delta"))
+    assert not m.finished
+    m.feed(ev("response.output_text.done") + ev("response.output_item.done"))
+    assert m.finished and not m.done  # the usage rides on response.completed, still to come
