@@ -28,6 +28,8 @@ def fields(ex: Exchange) -> dict[str, Any]:
         "trace_id": ex.trace_id,
         "span_id": ex.span_id,
         "user": ex.user_id,
+        "team": ex.team,
+        "end_user": ex.end_user,
         "model": ex.model,
         "endpoint": ex.endpoint.value,
         "status": ex.status_label,

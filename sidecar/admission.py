@@ -69,7 +69,6 @@ class Admission:
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=decision_log)
         self._timer: asyncio.TimerHandle | None = None
         self._group_open = True  # fixed-batch: may a new group start?
-        self.counter: UpstreamTokenizer | None = None  # admission.tokenize
         metrics.budget_limit.set(self.limit)
         self._export()
 
@@ -252,9 +251,8 @@ class Admission:
     async def gate(self, ex: Exchange) -> Callable[[], None]:
         """The proxy's gate: estimate, wait, record the queue time (also when refused)."""
         info = ex.info
-        counted = await self.counter.count(info) if self.counter is not None else None
         chars = info.prompt_chars if info.parsed else len(info.body)
-        tokens = self.estimate(chars, info.max_tokens, info.n, counted)
+        tokens = self.estimate(chars, info.max_tokens, info.n, ex.prompt_tokens)
         start = self.clock()
         try:
             return await self.acquire(tokens, ex.model)
@@ -288,6 +286,10 @@ class UpstreamTokenizer:
     ) -> None:
         self.session, self.base, self.api, self.metrics = session, base, api, metrics
         self.timeout = aiohttp.ClientTimeout(total=2.0)
+
+    async def gate(self, ex: Exchange) -> None:
+        """A gate that only measures: the prompt's exact size, for budgets and admission."""
+        ex.prompt_tokens = await self.count(ex.info)
 
     async def count(self, info: RequestInfo) -> int | None:
         body = self._body(info)

@@ -23,6 +23,7 @@ from prometheus_client.openmetrics import exposition as om_exposition
 
 from .config import Config, parse_hostport
 from .finishers import Finishers, PromptCounter
+from .identity import Identity, upstream_authorization
 from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
@@ -48,7 +49,7 @@ class Sidecar:
     gates: list[Gate] = field(default_factory=list)  # may refuse a request before the upstream
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
 
-    spend: Any = None  # budget.Spend, set by wiring
+    budgets: Any = None  # budget.Budgets, set by wiring
     ledger: Any = None  # ledger.Ledger when a ledger path is configured
     admission: Any = None  # admission.Admission unless the strategy is "none"
     attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
@@ -62,6 +63,8 @@ class Sidecar:
             pricing = load_pricing_file(self.pricing_path)
         self.prices = PriceBook(pricing)
         self.meter = Meter(self.metrics, self.prices)
+        self.identity = Identity(self.config)  # reads the keys file: a bad one stops the start
+        self.upstream_auth = upstream_authorization(self.config)
         self.users = LabelCap(self.config.metering.max_tracked_users)
         self.models = LabelCap(self.config.metering.max_tracked_models, max_len=128)
         _init_label_sets(self)
@@ -71,7 +74,9 @@ class Sidecar:
         """The upstream URL without a trailing slash; request paths are appended to it."""
         return self.config.upstream.url.rstrip("/")
 
-    def reload_prices(self) -> None:
+    def reload(self) -> None:
+        """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
+        self._reload_keys()
         if not self.pricing_path:
             log.info("SIGHUP: no --pricing file given; prices unchanged")
             return
@@ -81,6 +86,15 @@ class Sidecar:
             log.info("SIGHUP: prices re-read from %s", self.pricing_path)
         except Exception as exc:  # keep the old prices rather than lose accounting
             log.error("SIGHUP: prices not changed: %s", exc)
+
+    def _reload_keys(self) -> None:
+        if self.identity.keys is None:
+            return
+        try:
+            self.identity.reload()
+            log.info("SIGHUP: %d API keys re-read", len(self.identity.keys))
+        except Exception as exc:
+            log.error("SIGHUP: API keys not changed: %s", exc)
 
 
 def _init_label_sets(sc: Sidecar) -> None:
@@ -119,18 +133,24 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     up = sc.config.upstream
     connector = aiohttp.TCPConnector(limit=up.max_connections, ttl_dns_cache=300)
     # auto_decompress off: the client gets the upstream's bytes, compressed or not.
+    # The upstream key (if any) rides on every call of the session: proxied requests, /tokenize,
+    # /info. Proxied requests also set it explicitly, in place of the client's.
+    auth = {"Authorization": sc.upstream_auth} if sc.upstream_auth else None
     session = aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        connector=connector,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+        headers=auth,
     )
     base = sc.upstream_base
     metering = sc.config.metering
     settings = ProxySettings(
         upstream=base,
-        user_header=sc.config.metering.user_header,
         inject_usage=sc.config.metering.inject_stream_usage,
         max_body=sc.config.server.max_request_body_bytes,
         connect_timeout=up.connect_timeout_s,
         read_timeout=up.read_timeout_s,
+        authorization=sc.upstream_auth,
         # SSE framing costs ~100 bytes per token: keep enough stream to recover the text
         capture_bytes=(
             max(65536, sc.config.audit.max_text_chars * 128)
@@ -155,6 +175,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         tgi,
         sc.gates,
         sc.on_start,
+        sc.identity,
         counter=counter,
         finishers=Finishers(),
     )
@@ -228,7 +249,7 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     with contextlib.suppress(NotImplementedError, AttributeError):
-        loop.add_signal_handler(signal.SIGHUP, sc.reload_prices)
+        loop.add_signal_handler(signal.SIGHUP, sc.reload)
     try:
         host, port = parse_hostport("server.listen", cfg.listen)
         await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()

@@ -23,11 +23,11 @@ from aiohttp import web
 
 from .accesslog import fields
 from .config import AuditConfig
+from .identity import api_key_id
 from .logs import queued
 from .meter import Exchange, priced_model
 from .metrics import Metrics
 from .pricing import PriceBook
-from .proxy import api_key_id
 from .report import columns
 from .sse import SSEParser
 from .thresholds import Thresholds

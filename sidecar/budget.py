@@ -1,92 +1,260 @@
-"""Spend today, per user and in total, and the optional daily budgets that refuse requests.
+"""Daily budgets that hold under concurrency: reserve the worst case first, settle to the measured.
 
-Owns: the running spend of the current budget day (restored from the ledger at start, settled as
-each request finishes), the `llm_spend_today_usd` gauge, and the 429 a user over budget receives.
-Never: counts an unknown cost as zero spend or as spend; it is simply not added.
+Owns: the budget day, the scopes a request is charged to (global, its team, its user) and their
+limits, the hold a request reserves before it reaches the queue or the upstream (its worst-case
+cost), settling that hold to what was measured when the request ends, the `llm_spend_today_usd`
+gauge, and the 429 a request over budget receives.
+The store is an interface (`BudgetStore`): `LocalStore` keeps one process's state; fleet mode puts
+the same holds in a shared store. Amounts are integer micro-dollars; holds are keyed by request id
+so a repeated reserve or settle does nothing twice.
+Never: exports a hold as spend, or counts an unknown cost as $0 for a request that reached the
+server (see `charge`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
-from .config import BudgetConfig
-from .meter import Exchange
+from .config import AdmissionConfig, BudgetConfig
+from .meter import Exchange, consumed, priced_model
 from .metrics import LabelCap, Metrics
+from .pricing import PriceBook, compute
 from .proxy import Refusal
 
-DAY = 86400.0
+log = logging.getLogger("tollbooth.budget")
+
+DAY = 86400
+MICRO = 1_000_000
+# Larger token counts are read as this: the hold stays a finite number (and is refused).
+MAX_TOKENS = 2**31
 
 
-class Spend:
-    """Spend since the start of the budget day; rolls over by itself."""
+def to_micros(usd: float) -> int:
+    """Dollars to integer micro-dollars, rounded up: a hold or a charge never rounds to less."""
+    return math.ceil(usd * MICRO - 1e-6)
+
+
+def usd(micros: int) -> float:
+    return micros / MICRO
+
+
+def money(amount: float) -> str:
+    """$0.10, $40.00, but $0.001 (never a small budget printed as $0.00)."""
+    return f"${amount:.2f}" if round(amount, 2) == amount else f"${amount:.6g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    kind: Literal["global", "team", "user"]
+    name: str
+    limit: int  # micro-dollars per budget day
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    request_id: str  # the sidecar's uid of the request, never a client-chosen id
+    day: int  # start of the budget day it is charged to, unix seconds
+    amount: int  # micro-dollars reserved
+    scopes: tuple[Scope, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admitted: bool
+    scope: Scope | None = None  # the scope the hold would overrun
+    reason: Literal["ok", "budget", "capacity"] = "ok"
+
+
+class BudgetStore(Protocol):
+    """Where holds and spend live. Every method is idempotent per request id."""
+
+    async def reserve(self, hold: Hold) -> Verdict:
+        """Atomically, over all scopes: admit when spent + held + amount <= limit for each, and
+        hold the amount on each; else change nothing."""
+        ...
+
+    def settle(self, request_id: str, charge: int) -> None:
+        """Replace the hold by `charge` micro-dollars of spend (0 releases it). Never blocks:
+        a remote store sends it in the background."""
+        ...
+
+    async def seed(self, day: int, spent: Mapping[str, int]) -> None:
+        """Spend already in the ledger for `day`, by scope key; set only where absent."""
+        ...
+
+
+class LocalStore:
+    """One process's holds and spend, for the current budget day only."""
+
+    def __init__(self, max_scopes: int) -> None:
+        self.max_scopes = max_scopes
+        self.day = -1
+        self.spent: dict[str, int] = {}
+        self.held: dict[str, int] = {}
+        self.holds: dict[str, Hold] = {}
+
+    def _at(self, day: int) -> bool:
+        """Move to `day` if it is newer; False for a day already gone."""
+        if day > self.day:
+            self.day = day
+            self.spent.clear()
+            self.held.clear()
+            self.holds = {k: h for k, h in self.holds.items() if h.day >= day}
+        return day == self.day
+
+    async def reserve(self, hold: Hold) -> Verdict:
+        if hold.request_id in self.holds or not self._at(hold.day):
+            return Verdict(True)
+        new = sum(1 for s in hold.scopes if s.key not in self.spent)
+        if new and len(self.spent) + new > self.max_scopes:
+            return Verdict(
+                False, next(s for s in hold.scopes if s.key not in self.spent), "capacity"
+            )
+        for s in hold.scopes:
+            if self.spent.get(s.key, 0) + self.held.get(s.key, 0) + hold.amount > s.limit:
+                return Verdict(False, s, "budget")
+        for s in hold.scopes:
+            self.spent.setdefault(s.key, 0)
+            self.held[s.key] = self.held.get(s.key, 0) + hold.amount
+        self.holds[hold.request_id] = hold
+        return Verdict(True)
+
+    def settle(self, request_id: str, charge: int) -> None:
+        hold = self.holds.pop(request_id, None)
+        if hold is None or hold.day != self.day:
+            return
+        for s in hold.scopes:
+            self.held[s.key] -= hold.amount
+            self.spent[s.key] = self.spent.get(s.key, 0) + charge
+
+    async def seed(self, day: int, spent: Mapping[str, int]) -> None:
+        if not self._at(day):
+            return
+        for key, micros in spent.items():
+            if key not in self.spent and len(self.spent) < self.max_scopes:
+                self.spent[key] = micros
+
+
+class Budgets:
+    """The gate and the sink around a `BudgetStore`."""
 
     def __init__(
         self,
         config: BudgetConfig,
+        admission: AdmissionConfig,
         metrics: Metrics,
         users: LabelCap,
+        prices: PriceBook,
+        store: BudgetStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
+        self.chars_per_token = admission.chars_per_token
         self.metrics = metrics
         self.users = users
+        self.prices = prices
+        self.store: BudgetStore = store or LocalStore(
+            config.max_tracked_users + 1 + len(config.teams)
+        )
         self.clock = clock
-        self.by_user: dict[str, float] = {}
-        self.total = 0.0
-        self._day_start = self.day_start(clock())
+        self._gauge_day = self.day_start(clock())
 
-    def day_start(self, now: float) -> float:
+    @property
+    def enforcing(self) -> bool:
+        c = self.config
+        return any(
+            (
+                c.global_daily_usd is not None,
+                c.user_daily_usd is not None,
+                bool(c.users),
+                c.team_daily_usd is not None,
+                bool(c.teams),
+            )
+        )
+
+    def day_start(self, now: float) -> int:
         offset = self.config.day_start_hour_utc * 3600
-        return ((now - offset) // DAY) * DAY + offset
+        return int((now - offset) // DAY) * DAY + offset
 
     def seconds_to_reset(self) -> float:
-        return self._day_start + DAY - self.clock()
+        return self.day_start(self.clock()) + DAY - self.clock()
 
-    def _roll(self) -> None:
-        start = self.day_start(self.clock())
-        if start != self._day_start:
-            self._day_start = start
-            self.by_user.clear()
-            self.total = 0.0
-            self.metrics.spend_today.clear()
+    # --- what a request is charged to, and its worst case
 
-    def restore(self, by_user: dict[str, float]) -> None:
-        """Today's spend read from the ledger at start."""
-        for user, usd in by_user.items():
-            self._add(user, usd)
+    def scopes(self, user: str, team: str | None) -> tuple[Scope, ...]:
+        c, out = self.config, []
+        if c.global_daily_usd is not None:
+            out.append(Scope("global", "*", to_micros(c.global_daily_usd)))
+        team_cap = c.teams.get(team, c.team_daily_usd) if team else None
+        if team and team_cap is not None:
+            out.append(Scope("team", team, to_micros(team_cap)))
+        user_cap = c.users.get(user, c.user_daily_usd)
+        if user_cap is not None:
+            out.append(Scope("user", user, to_micros(user_cap)))
+        return tuple(out)
 
-    def settle(self, ex: Exchange) -> None:
-        """A finished request's known cost becomes spend (a sink)."""
-        self._roll()
-        if ex.cost is not None:
-            self._add(ex.user_id, ex.cost.total_usd)
+    def worst_case_usd(self, ex: Exchange) -> float:
+        """The prompt (exact when sized by the upstream, else the admission estimate) at the input
+        price plus every output token the request may generate at the output price. $0 for a
+        model without a price: its cost is unknown and is not spend."""
+        price = self.prices.price(priced_model(ex))
+        if price is None:
+            return 0.0
+        info = ex.info
+        prompt = ex.prompt_tokens
+        if prompt is None:
+            chars = info.prompt_chars if info.parsed else len(info.body)
+            prompt = math.ceil(chars / self.chars_per_token)
+        limit = info.max_tokens
+        if limit is None:
+            limit = self.config.default_max_output_tokens
+        out = min(limit, MAX_TOKENS) * min(max(1, info.n or 1), MAX_TOKENS)
+        return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
 
-    def _add(self, user: str, usd: float) -> None:
-        self.by_user[user] = self.by_user.get(user, 0.0) + usd
-        self.total += usd
-        self.metrics.child(self.metrics.spend_today, self.users(user)).inc(usd)
-
-    # --- the budget gate
-
-    def limit_for(self, user: str) -> float | None:
-        return self.config.users.get(user, self.config.user_daily_usd)
+    # --- the gate and the sink
 
     async def gate(self, ex: Exchange) -> None:
-        """Refuse, before reaching the upstream, a request whose user or the whole site is over."""
-        self._roll()
-        cap = self.config.global_daily_usd
-        if cap is not None and self.total >= cap:
-            self._refuse("global", f"the daily budget of ${cap:.2f} is spent")
-        user_cap = self.limit_for(ex.user_id)
-        if user_cap is not None and self.by_user.get(ex.user_id, 0.0) >= user_cap:
-            self._refuse(
-                "user", f"user '{ex.user_id}' has spent the daily budget of ${user_cap:.2f}"
-            )
-        return None
+        """Reserve the worst case on every scope, or refuse before the queue and the upstream."""
+        scopes = self.scopes(ex.user_id, ex.team)
+        if not scopes:
+            return None
+        hold = Hold(
+            ex.uid, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
+        )
+        verdict = await self.store.reserve(hold)
+        if verdict.admitted:
+            ex.budget_hold = hold
+            return None
+        self._refuse(verdict, hold.amount)
 
-    def _refuse(self, scope: str, message: str) -> None:
-        self.metrics.budget_rejections.labels(scope).inc()
+    def _refuse(self, verdict: Verdict, amount: int) -> None:
+        scope = verdict.scope
+        assert scope is not None
+        self.metrics.budget_rejections.labels(scope.kind).inc()
+        if verdict.reason == "capacity":
+            log.warning(
+                "budget table full (%d users): refusing new user", self.config.max_tracked_users
+            )
+            message = "too many distinct users today for per-user budgets"
+        else:
+            who = {
+                "global": "the site",
+                "team": f"team '{scope.name}'",
+                "user": f"user '{scope.name}'",
+            }
+            message = (
+                f"{who[scope.kind]} would exceed the daily budget of {money(usd(scope.limit))} "
+                f"(this request may cost up to {money(usd(amount))})"
+            )
         raise Refusal(
             429,
             "budget_exceeded",
@@ -94,7 +262,44 @@ class Spend:
             retry_after=self.seconds_to_reset(),
         )
 
-    @property
-    def enforcing(self) -> bool:
-        c = self.config
-        return c.global_daily_usd is not None or c.user_daily_usd is not None or bool(c.users)
+    def settle(self, ex: Exchange) -> None:
+        """A sink: the hold becomes the measured charge; measured spend feeds the gauge."""
+        measured = self.measured_usd(ex)
+        if ex.budget_hold is not None:
+            self.store.settle(ex.uid, self.charge(ex, measured))
+        if measured:
+            self._gauge(ex.user_id, measured)
+
+    def measured_usd(self, ex: Exchange) -> float:
+        if ex.cost is not None:
+            return ex.cost.total_usd
+        if ex.usage.input_tokens is not None and consumed(ex):
+            return self.prices.input_cost(priced_model(ex), ex.usage) or 0.0
+        return 0.0
+
+    def charge(self, ex: Exchange, measured: float) -> int:
+        """What the budget is charged: the measured cost; for a request that reached the server
+        and whose usage was not measured at all, its hold (a budget is never spent for free)."""
+        hold: Hold = ex.budget_hold
+        u = ex.usage
+        unmeasured = u.input_tokens is None and u.output_tokens is None
+        if unmeasured and ex.upstream_start is not None and consumed(ex):
+            self.metrics.budget_unmeasured_charges.inc()
+            return hold.amount
+        return to_micros(measured)
+
+    def _gauge(self, user: str, amount: float) -> None:
+        day = self.day_start(self.clock())
+        if day != self._gauge_day:
+            self._gauge_day = day
+            self.metrics.spend_today.clear()
+        self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
+
+    async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
+        """Today's spend read from the ledger at start."""
+        for user, amount in by_user.items():
+            self._gauge(user, amount)
+        spent = {f"user:{u}": to_micros(a) for u, a in by_user.items()}
+        spent.update({f"team:{t}": to_micros(a) for t, a in by_team.items()})
+        spent["global:*"] = to_micros(sum(by_user.values()))
+        await self.store.seed(self.day_start(self.clock()), spent)

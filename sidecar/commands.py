@@ -268,4 +268,30 @@ def add_audit(sub: Sub) -> None:
     p.set_defaults(func=cmd_audit)
 
 
-ADDERS: list[Adder] = [add_report, add_simulate, add_make_requests, add_bench, add_demo, add_audit]
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    from .identity import add_key
+
+    key = add_key(args.file, args.user, args.team)
+    print(key)  # the only time the key exists outside the client: the file keeps its hash
+    return 0
+
+
+def add_keys(sub: Sub) -> None:
+    p = sub.add_parser("keys", help="manage the API keys file (identity.keys_file)")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    a = keys.add_parser("add", help="create a key, print it once, store only its SHA-256")
+    a.add_argument("--file", required=True, help="the keys file (created if missing)")
+    a.add_argument("--user", required=True, help="the principal billed for this key")
+    a.add_argument("--team", help="the principal's team (team budgets)")
+    a.set_defaults(func=cmd_keys_add)
+
+
+ADDERS: list[Adder] = [
+    add_report,
+    add_simulate,
+    add_make_requests,
+    add_bench,
+    add_demo,
+    add_audit,
+    add_keys,
+]

@@ -35,6 +35,9 @@ class UpstreamConfig:
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
     read_timeout_s: float = 600.0
     max_connections: int = 1000
+    # Name of an environment variable holding the upstream's API key (vLLM's --api-key). When set,
+    # the sidecar sends `Authorization: Bearer <key>` upstream in place of the client's header.
+    api_key_env: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,12 +104,31 @@ class LedgerConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class IdentityConfig:
+    # YAML file of API keys by SHA-256: `keys: [{sha256: <64 hex>, user: alice, team: research}]`.
+    # Re-read on SIGHUP. When set, the key's principal is the billed user.
+    keys_file: str | None = None
+    # An unknown or missing key: 401 ("reject"), or billed to "anonymous". Null: reject when a keys
+    # file is set, anonymous otherwise.
+    unknown_key: Literal["reject", "anonymous"] | None = None
+    # Bill the user named in metering.user_header. Null: trusted only without a keys file (then a
+    # gateway in front must set or strip that header).
+    trust_user_header: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetConfig:
     global_daily_usd: float | None = None
     user_daily_usd: float | None = None
     users: dict[str, float] = dataclasses.field(default_factory=dict)
+    team_daily_usd: float | None = None
+    teams: dict[str, float] = dataclasses.field(default_factory=dict)
     # The budget day starts at this hour, UTC.
     day_start_hour_utc: int = 0
+    # Output tokens reserved for a request that sets no max_tokens (its worst case is unbounded).
+    default_max_output_tokens: int = 4096
+    # Users tracked in memory for per-user budgets; a new user beyond this is refused.
+    max_tracked_users: int = 100_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,6 +193,7 @@ class Config:
     metering: MeteringConfig = dataclasses.field(default_factory=MeteringConfig)
     pricing: PricingConfig = dataclasses.field(default_factory=PricingConfig)
     ledger: LedgerConfig = dataclasses.field(default_factory=LedgerConfig)
+    identity: IdentityConfig = dataclasses.field(default_factory=IdentityConfig)
     budgets: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
@@ -287,15 +310,23 @@ def parse_hostport(key: str, value: str) -> tuple[str, int]:
 
 
 def _check_url(key: str, value: str) -> None:
+    """Errors name the key and the problem, never the value: a URL can carry a credential."""
     parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        _fail(key, value, "expected an http:// or https:// URL with a host")
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"config '{key}' must be an http:// or https:// URL with a host")
+    if "@" in parts.netloc:
+        raise ConfigError(
+            f"config '{key}' carries credentials (user:password@): remove them and put the "
+            "upstream's key in the variable named by upstream.api_key_env"
+        )
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        _fail(key, value, "the port is not a number in 0-65535")
+        raise ConfigError(f"config '{key}': the port is not a number in 0-65535") from None
+    if not parts.hostname:
+        raise ConfigError(f"config '{key}' must be an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
-        _fail(key, value, "the upstream URL must not carry a query or fragment")
+        raise ConfigError(f"config '{key}' must not carry a query or fragment")
 
 
 def validate(config: Config) -> Config:
@@ -317,6 +348,15 @@ def validate(config: Config) -> Config:
             _fail("metering.free_routes", route, "each route must start with '/'")
     if not config.metering.user_header.strip():
         _fail("metering.user_header", config.metering.user_header, "must not be empty")
+    if config.identity.trust_user_header and config.identity.keys_file:
+        _fail(
+            "identity.trust_user_header",
+            True,
+            "a trusted header would let any key holder bill any user; with identity.keys_file "
+            "the key decides",
+        )
+    if config.identity.unknown_key == "reject" and not config.identity.keys_file:
+        _fail("identity.unknown_key", "reject", "needs identity.keys_file")
     return config
 
 

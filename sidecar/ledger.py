@@ -44,7 +44,9 @@ CREATE TABLE IF NOT EXISTS requests (
     queue_s REAL,
     ttft_s REAL,
     duration_s REAL,
-    error TEXT
+    error TEXT,
+    team TEXT,                        -- the billed principal's team (keys file)
+    end_user TEXT                     -- the body's `user`: recorded, not billed when keys verify
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -65,7 +67,7 @@ RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "error, team, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 INSERT_AUDIT = (
     "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
@@ -92,6 +94,8 @@ class Row(NamedTuple):
     ttft_s: float | None
     duration_s: float | None
     error: str | None
+    team: str | None
+    end_user: str | None
 
 
 def row_of(ex: Exchange) -> Row:
@@ -117,6 +121,8 @@ def row_of(ex: Exchange) -> Row:
         ex.ttft_s,
         ex.duration_s,
         ex.error,
+        ex.team,
+        ex.end_user,
     )
 
 
@@ -126,7 +132,16 @@ def connect(path: str | Path) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at each checkpointed commit
     conn.executescript(SCHEMA)
+    _add_missing_columns(conn)
     return conn
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Ledgers written before a column existed get it (NULL in their old rows)."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
+    for column in ("team", "end_user"):
+        if column not in have:
+            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
 
 
 class Ledger:
@@ -188,16 +203,20 @@ class Ledger:
         self._conn = conn
         return True
 
-    def spend_since(self, since: float) -> dict[str, float]:
+    def spend_since(self, since: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Known spend since `since`, by billed user and by team."""
         if self._conn is None:
             log.error("ledger unavailable: today's spend starts from zero")
-            return {}
-        cur = self._conn.execute(
-            "SELECT user, SUM(cost_usd) FROM requests WHERE ts >= ? AND cost_usd IS NOT NULL "
-            "GROUP BY user",
-            (since,),
-        )
-        return {user: float(total) for user, total in cur.fetchall()}
+            return {}, {}
+        by: list[dict[str, float]] = []
+        for column in ("user", "team"):
+            cur = self._conn.execute(
+                f"SELECT {column}, SUM(cost_usd) FROM requests WHERE ts >= ? "
+                f"AND cost_usd IS NOT NULL AND {column} IS NOT NULL GROUP BY {column}",
+                (since,),
+            )
+            by.append({key: float(total) for key, total in cur.fetchall()})
+        return by[0], by[1]
 
     def close(self) -> None:
         self._stop.set()

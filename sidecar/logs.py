@@ -13,6 +13,7 @@ import json
 import logging
 import logging.handlers
 import queue
+import re
 import sys
 import time
 from typing import Any
@@ -76,6 +77,19 @@ def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
 
 
+# A credential can reach a log line without our code putting it there: aiohttp logs the start of a
+# malformed header line ("Authorization: Bearer <key>   ...") when it refuses a request. Keys made
+# by `tollbooth keys add` (tb-...) are redacted wherever they appear.
+_CREDENTIAL = re.compile(
+    r"(?i)(\b(?:authorization|api-key|x-api-key|cookie)\s*[:=]\s*(?:(?:bearer|basic|token)\s+)?"
+    r"|\b(?:bearer|basic)\s+|\b(?=tb-))[^\s'\"\\,]+"
+)
+
+
+def redact_credentials(text: str) -> str:
+    return _CREDENTIAL.sub(r"\1[redacted]", text)
+
+
 class ContextQueueHandler(logging.handlers.QueueHandler):
     """Hands records to a writer thread. The request context (request, trace and span ids) is
     read here, in the emitting task, because the writer thread cannot see the contextvar."""
@@ -87,11 +101,13 @@ class ContextQueueHandler(logging.handlers.QueueHandler):
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         if self.copy_record:
             record = copy.copy(record)
-        record.message = record.getMessage()
+        record.message = redact_credentials(record.getMessage())
         record.msg, record.args = record.message, None
         if record.exc_info:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
             record.exc_info = None
+        if record.exc_text:
+            record.exc_text = redact_credentials(record.exc_text)
         for k, v in (REQUEST_CONTEXT.get() or {}).items():
             if not hasattr(record, k):
                 setattr(record, k, v)

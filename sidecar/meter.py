@@ -10,16 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .metrics import Metrics
 from .pricing import Cost, PriceBook
 from .usage import Endpoint, RequestInfo, Usage
 
 log = logging.getLogger("tollbooth.meter")
+
+_UID_PREFIX = uuid.uuid4().hex[:12]  # per process; ids are prefix + counter, unique and cheap
+_UID_COUNTER = itertools.count(1)
+
+
+def new_uid() -> str:
+    """An id the sidecar made, unique across processes (random prefix + counter). Budget holds
+    are keyed by it; a client's X-Request-Id is only for joining logs and never keys a hold."""
+    return f"{_UID_PREFIX}{next(_UID_COUNTER):012x}"
+
 
 STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 
@@ -28,12 +41,13 @@ STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before th
 class Exchange:
     """Mutable while the request runs; read-only once handed to `Meter.record`."""
 
-    request_id: str
+    request_id: str  # the client's X-Request-Id (for joining logs), else the uid
     endpoint: Endpoint
     info: RequestInfo
     user: str  # label value (sanitised, capped for cardinality)
-    user_id: str  # sanitised but not capped: the ledger, budgets and logs keep the real user
+    user_id: str  # the billed principal, sanitised but not capped (ledger, budgets, logs)
     model: str  # label value chosen at start; replaced by the response's model when known
+    uid: str = field(default_factory=lambda: new_uid())  # unique: holds are keyed by it
     started_at: float = field(default_factory=time.time)  # wall clock, for the ledger
     t0: float = field(default_factory=time.perf_counter)
     status: int = 0
@@ -57,6 +71,11 @@ class Exchange:
     audited: bool = False
     response_sample: bytes | bytearray | None = None  # audit text capture only; bounded
     request_headers: Mapping[str, str] = field(default_factory=dict)  # the client's, read-only
+    team: str | None = None  # the billed principal's team (keys file)
+    end_user: str | None = None  # the body's `user`: recorded, never billed when keys are verified
+    key_id: str | None = None  # "key-" + 12 hex of the key's sha256; never the key
+    prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
+    budget_hold: Any = None  # budget.Hold reserved by the budget gate
     path: str = ""  # the normalised path: what was classified and forwarded
     # Set when the client left and a background task settles the usage (drain, /tokenize);
     # the exchange is recorded once it is done.
@@ -162,15 +181,6 @@ def consumed(ex: Exchange) -> bool:
     if ex.status == STATUS_CLIENT_CLOSED:
         return ex.upstream_start is not None
     return 200 <= ex.status < 300
-
-
-def measured_cost_usd(prices: PriceBook, ex: Exchange) -> float | None:
-    """What budgets and spend are charged: the whole cost when both directions were measured,
-    else the cost of the direction that was (a client that left mid-generation still pays its
-    exact prompt). None when nothing priced was measured."""
-    if (cost := price_cost(prices, ex)) is not None:
-        return cost.total_usd
-    return _partial_cost(prices, ex)
 
 
 def priced_model(ex: Exchange) -> str | None:

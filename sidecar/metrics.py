@@ -230,8 +230,20 @@ class Metrics:
         )
         self.budget_rejections = Counter(
             "llm_budget_rejections",
-            "Requests refused because a daily budget was spent.",
+            "Requests refused because their worst-case cost would exceed a daily budget.",
             ["scope"],
+            registry=r,
+        )
+        self.budget_unmeasured_charges = Counter(
+            "llm_budget_unmeasured_charges",
+            "Requests that reached the server with no usage measured; their budget hold was "
+            "charged (not exported as spend).",
+            registry=r,
+        )
+        self.auth_rejections = Counter(
+            "llm_auth_rejections",
+            "Requests refused with 401: a missing or unknown API key.",
+            ["reason"],
             registry=r,
         )
         # --- admission

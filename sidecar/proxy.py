@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
-import itertools
 import json
 import logging
 import time
-import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -29,8 +26,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
+from .identity import Identity, Principal, Unauthorized
 from .logs import REQUEST_CONTEXT
-from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, price_cost
+from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, new_uid, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .routes import AmbiguousPath, Endpoint, classify, endpoint_class, routing_path
 from .usage import RequestInfo, StreamMeter, Usage, inspect_request, usage_from_body
@@ -55,6 +53,8 @@ HOP_BY_HOP = frozenset(
 COST_HEADER = "x-tollbooth-cost-usd"
 # A non-streaming body larger than this is forwarded as a stream and its usage marked unknown.
 MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
+# json.loads takes ~1 ms per 100 KB: above this a request body is parsed off the event loop.
+PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
 class Refusal(Exception):
@@ -82,9 +82,14 @@ _NOT_FORWARDED = frozenset({"host", "content-length"})
 _LENGTH = frozenset({"content-length"})
 
 
-def request_headers(src: Mapping[str, str], *, peer: str | None, scheme: str) -> CIMultiDict[str]:
-    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length."""
+def request_headers(
+    src: Mapping[str, str], *, peer: str | None, scheme: str, authorization: str | None = None
+) -> CIMultiDict[str]:
+    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length; with an
+    upstream key configured, its `Authorization` in place of the client's."""
     out = _end_to_end(src, _NOT_FORWARDED)
+    if authorization is not None:
+        out["Authorization"] = authorization
     if peer:
         prior = src.get("X-Forwarded-For")
         out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -118,35 +123,10 @@ def error_response(
     )
 
 
-def api_key_id(authorization: str | None) -> str | None:
-    """A stable id for an API key: sha256, first 12 hex chars. The key itself never leaves here."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else authorization.strip()
-    if not token:
-        return None
-    return "key-" + hashlib.sha256(token.encode()).hexdigest()[:12]
-
-
-def resolve_user(headers: Mapping[str, str], info: RequestInfo, user_header: str) -> str:
-    """First that applies: the configured header, the body's `user`, the API key's hash."""
-    return (
-        (headers.get(user_header) or "").strip()
-        or (info.user or "").strip()
-        or api_key_id(headers.get("Authorization"))
-        or "anonymous"
-    )
-
-
-_ID_PREFIX = uuid.uuid4().hex[:12]  # per process; ids are prefix + counter, unique and cheap
-_ID_COUNTER = itertools.count(1)
-
-
-def request_id(headers: Mapping[str, str]) -> str:
+def request_id(headers: Mapping[str, str], uid: str) -> str:
     """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
     given = headers.get("X-Request-Id")
-    return sanitize(given, 64) if given else f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
+    return sanitize(given, 64) if given else uid
 
 
 def decoded(body: bytes, encoding: str | None) -> bytes:
@@ -203,12 +183,12 @@ Gate = Callable[[Exchange], Awaitable[Callable[[], None] | None]]
 @dataclass
 class ProxySettings:
     upstream: str  # base URL without trailing slash
-    user_header: str
     inject_usage: bool
     max_body: int
     connect_timeout: float
     read_timeout: float
     capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
+    authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
     api: str = "vllm"
     continuous_usage: bool = False  # ask vLLM for running totals on every chunk (cut back out)
     free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
@@ -228,10 +208,12 @@ class Proxy:
         tgi_name: TgiModelName,
         gates: list[Gate],
         on_start: list[Callable[[Exchange], None]],
+        identity: Identity,
         counter: PromptCounter | None = None,
         finishers: Finishers | None = None,
     ) -> None:
         self.s = settings
+        self.identity = identity
         self.session = session
         self.metrics = metrics
         self.meter = meter
@@ -252,32 +234,59 @@ class Proxy:
         except AmbiguousPath as exc:
             return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
         endpoint = classify(request.method, path)
-        if endpoint is None:
-            return await self._not_metered(request, path)
         try:
-            body = await request.read()  # bounded by the app's client_max_size
-        except web.HTTPRequestEntityTooLarge:
-            return self._too_large()
-        info = inspect_request(
+            # Under verified keys the headers decide: an unknown client's body is never read.
+            principal = (
+                None if self.identity.needs_body else self.identity.resolve(request.headers, None)
+            )
+            if endpoint is None:  # a required key is checked, also here
+                principal = principal or self.identity.resolve(request.headers, None)
+                return await self._not_metered(request, path, principal)
+            try:
+                body = await request.read()  # bounded by the app's client_max_size
+            except web.HTTPRequestEntityTooLarge:
+                return self._too_large()
+            info = await self._inspect(endpoint, body)
+            if principal is None:
+                principal = self.identity.resolve(request.headers, info.user)
+        except Unauthorized as exc:
+            self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
+            return error_response(401, "invalid_api_key", str(exc))
+        if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
+            return await self._unmetered(request, path, info, principal)
+        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
+        ex = self._new_exchange(request, info, path, model, len(body), principal)
+        return await self._metered(request, ex)
+
+    async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
+        """Parse the request; a large body is parsed in a thread so the loop keeps serving."""
+        inspect = functools.partial(
+            inspect_request,
             endpoint,
             body,
             inject_usage=self.s.inject_usage,
             continuous_usage=self.s.continuous_usage,
             api=self.s.api,
         )
-        if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
-            return await self._unmetered(request, path, info)
-        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
-        ex = self._new_exchange(request, info, path, model, len(body))
-        return await self._metered(request, ex)
+        if len(body) < PARSE_IN_THREAD_BYTES:
+            return inspect()
+        return await asyncio.to_thread(inspect)
 
     def _new_exchange(
-        self, request: web.Request, info: RequestInfo, path: str, model: str | None, size: int
+        self,
+        request: web.Request,
+        info: RequestInfo,
+        path: str,
+        model: str | None,
+        size: int,
+        principal: Principal,
     ) -> Exchange:
-        """The record of one request, metered or not; whom it bills is decided here, once."""
-        user_id = sanitize(resolve_user(request.headers, info, self.s.user_header), 128)
+        """The record of one request, metered or not, billed to `principal`."""
+        user_id = sanitize(principal.user, 128)
+        uid = new_uid()
         return Exchange(
-            request_id=request_id(request.headers),
+            uid=uid,
+            request_id=request_id(request.headers, uid),
             endpoint=info.endpoint,
             info=info,
             user=self.users(user_id),
@@ -286,24 +295,34 @@ class Proxy:
             bytes_in=size,
             upstream=self.s.upstream,
             request_headers=request.headers,
+            team=principal.team,
+            end_user=sanitize(info.user, 128) if info.user else None,
+            key_id=principal.key_id,
             path=path,
         )
 
-    async def _not_metered(self, request: web.Request, path: str) -> web.StreamResponse:
+    async def _not_metered(
+        self, request: web.Request, path: str, principal: Principal
+    ) -> web.StreamResponse:
         """Not a metered route: forwarded as is, unless it is a POST that may generate."""
         if request.method != "POST" or path in self.s.free_routes:
             return await self._passthrough(request, path)
-        return await self._unmetered(request, path, None)
+        return await self._unmetered(request, path, None, principal)
 
     async def _unmetered(
-        self, request: web.Request, path: str, info: RequestInfo | None
+        self,
+        request: web.Request,
+        path: str,
+        info: RequestInfo | None,
+        principal: Principal,
     ) -> web.StreamResponse:
         """A POST no metered route matches: counted, gated like any request, then refused or
         forwarded with its usage unknown (`metering.unknown_routes`)."""
         self.metrics.unmetered.labels(endpoint_class(path)).inc()
         info = info or RequestInfo(endpoint=Endpoint.OTHER, body=b"", parsed=False)
         size = len(info.body) or request.content_length or 0
-        return await self._metered(request, self._new_exchange(request, info, path, None, size))
+        ex = self._new_exchange(request, info, path, None, size, principal)
+        return await self._metered(request, ex)
 
     async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
@@ -325,7 +344,7 @@ class Proxy:
                     "metering.free_routes or metering.unknown_routes: forward",
                 )
             for gate in self.gates:
-                release = await gate(ex)
+                release = await self._pass(gate, ex)
                 if release is not None:
                     releases.append(release)
             return await self._exchange(request, ex)
@@ -350,8 +369,20 @@ class Proxy:
         in_flight.dec()
         self.meter.record(ex)
 
+    async def _pass(self, gate: Gate, ex: Exchange) -> Callable[[], None] | None:
+        """Run a gate. A Refusal is the gate's answer; any other failure is a bug in accounting:
+        logged and counted, and the request goes on."""
+        try:
+            return await gate(ex)
+        except (Refusal, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("gate failed for request %s", ex.request_id)
+            self.metrics.metering_errors.labels("gate").inc()
+            return None
+
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
-        headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
+        headers = self._upstream_headers(request)
         headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
         up: aiohttp.ClientResponse | None = None
@@ -506,9 +537,13 @@ class Proxy:
                 usage = await stream_usage(up, meter, self.s.drain_s)
             if up is not None:
                 up.release()  # closes the connection, cancelling a generation still running
-            auth = {"Authorization": a} if (a := ex.request_headers.get("Authorization")) else {}
+            if usage.input_tokens is None and ex.prompt_tokens is not None:
+                usage = replace(usage, input_tokens=ex.prompt_tokens)  # admission counted it
             self._set_usage(
-                ex, await with_prompt_count(usage, ex.info, self.counter, auth, client_left=left)
+                ex,
+                await with_prompt_count(
+                    usage, ex.info, self.counter, self._tokenize_auth(ex), client_left=left
+                ),
             )
         except Exception:
             log.exception("finishing request %s failed", ex.request_id)
@@ -582,7 +617,7 @@ class Proxy:
 
     async def _passthrough(self, request: web.Request, path: str) -> web.StreamResponse:
         """Routes that generate nothing: both bodies streamed, nothing recorded but failures."""
-        headers = request_headers(request.headers, peer=request.remote, scheme=request.scheme)
+        headers = self._upstream_headers(request)
         data = request.content if request.body_exists else None
         try:
             async with self.session.request(
@@ -612,6 +647,20 @@ class Proxy:
     def _too_large(self) -> web.Response:
         return error_response(
             413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+        )
+
+    def _tokenize_auth(self, ex: Exchange) -> dict[str, str]:
+        """The sidecar's own /tokenize calls authenticate as the proxied request did: the session
+        carries the upstream key when one is configured, else the client's key is passed on."""
+        client = ex.request_headers.get("Authorization")
+        return {"Authorization": client} if client and not self.s.authorization else {}
+
+    def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
+        return request_headers(
+            request.headers,
+            peer=request.remote,
+            scheme=request.scheme,
+            authorization=self.s.authorization,
         )
 
     def _url(self, path: str, request: web.Request) -> URL:

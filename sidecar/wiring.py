@@ -14,7 +14,7 @@ from .accesslog import AccessLog, access_log_context
 from .admission import Admission, UpstreamTokenizer
 from .app import Sidecar
 from .audit import Audit, audit_context
-from .budget import Spend
+from .budget import Budgets
 from .gpu import Attribution, GpuCollector, gpu_context
 from .ledger import Ledger, ledger_context
 
@@ -42,26 +42,27 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
-    spend = sc.spend = Spend(cfg.budgets, sc.metrics, sc.users)
-    if spend.enforcing:
-        sc.gates.append(spend.gate)
+    if cfg.admission.tokenize:  # first: budgets and admission both use the exact prompt size
+        tokenizer = UpstreamTokenizer(
+            lambda: sc.proxy.session if sc.proxy else None,
+            sc.upstream_base,
+            cfg.upstream.api,
+            sc.metrics,
+        )
+        sc.gates.append(tokenizer.gate)
+    budgets = sc.budgets = Budgets(cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices)
+    if budgets.enforcing:  # before the queue: a request over budget never waits in it
+        sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
         sc.admission = Admission(cfg.admission, sc.metrics)
-        if cfg.admission.tokenize:
-            sc.admission.counter = UpstreamTokenizer(
-                lambda: sc.proxy.session if sc.proxy else None,
-                sc.upstream_base,
-                cfg.upstream.api,
-                sc.metrics,
-            )
         sc.gates.append(sc.admission.gate)
-    sc.meter.add_sink("spend", spend.settle)
+    sc.meter.add_sink("spend", budgets.settle)
     if cfg.ledger.path:
         ledger = sc.ledger = Ledger(cfg.ledger, sc.metrics)
 
         async def restore(opened: Ledger) -> None:
-            since = spend.day_start(spend.clock())
-            spend.restore(await asyncio.to_thread(opened.spend_since, since))
+            since = budgets.day_start(budgets.clock())
+            await budgets.restore(*await asyncio.to_thread(opened.spend_since, since))
 
         sc.extra_contexts.append(ledger_context(ledger, on_open=restore))
         sc.meter.add_sink("ledger", ledger.append)

@@ -314,6 +314,7 @@ class FakeUpstream:
         return web.json_response({"model_id": "fake/tgi-model", "version": "3.3.7"})
 
     async def models(self, request: web.Request) -> web.Response:
+        self.seen.append({"path": request.path, "headers": dict(request.headers), "body": b""})
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def echo(self, request: web.Request) -> web.StreamResponse:

@@ -25,12 +25,13 @@ PRICES = {"models": {MODEL: {"input_per_1m": 10000.0, "output_per_1m": 10000.0}}
 async def test_user_over_budget_gets_429_without_reaching_upstream(
     start_sidecar: StartSidecar, oai: object
 ) -> None:
-    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 0.10}})
+    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 0.15}})
     client = oai(run)  # type: ignore[operator]
     hdr = {"X-Tollbooth-User": "carol"}
     await client.chat.completions.create(
         model=MODEL, messages=MSGS, max_tokens=5, extra_headers=hdr
-    )  # $0.10: exactly at the budget
+    )  # holds $0.11 (6 estimated prompt tokens + 5), spends $0.10
+    # no max_tokens: the hold is 6 + 4096 tokens, more than the $0.05 left
     sent_before = len(run.upstream.seen)
     with pytest.raises(openai.RateLimitError) as err:
         await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=hdr)
@@ -62,8 +63,9 @@ async def test_global_budget_and_per_user_override(start_sidecar: StartSidecar) 
                 headers={"X-Tollbooth-User": "vip"},
             ) as r:
                 statuses.append(r.status)
-    assert statuses == [200] * 5 + [429]  # 5 x $0.10 reaches the global $0.50
-    assert run.value("llm_budget_rejections_total", scope="global") == 1
+    # each holds $0.11 and spends $0.10: the 5th would hold $0.40 + $0.11 > $0.50
+    assert statuses == [200] * 4 + [429, 429]
+    assert run.value("llm_budget_rejections_total", scope="global") == 2
 
 
 def make_ledger(path: Path) -> None:

@@ -48,10 +48,13 @@ def test_defaults_without_a_file() -> None:
             "pricing:\n  models:\n    llama: {output_per_1m: 1}\n",
             "config 'pricing.models.llama.input_per_1m' is required",
         ),
-        ("upstream:\n  url: ftp://host\n", "config 'upstream.url' has value 'ftp://host'"),
+        (
+            "upstream:\n  url: ftp://host\n",
+            "config 'upstream.url' must be an http:// or https:// URL",
+        ),
         (
             "upstream:\n  url: http://host:99999\n",
-            "config 'upstream.url' has value 'http://host:99999'",
+            "config 'upstream.url': the port is not a number in 0-65535",
         ),
         (
             "server:\n  listen: nowhere\n",

@@ -13,10 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.budget import Spend
-from sidecar.config import BudgetConfig
 from sidecar.ledger import Ledger, connect
-from sidecar.metrics import LabelCap, Metrics
+from sidecar.metrics import Metrics
 from tests.fakes import MODEL
 from tests.procs import start_tollbooth
 
@@ -182,14 +180,3 @@ def test_writer_retries_rows_after_a_failure(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "l.db")
     assert conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 1
     assert metrics.registry.get_sample_value("llm_ledger_errors_total") == 1
-
-
-def test_spend_rolls_over_at_the_budget_day() -> None:
-    now = [86400.0 * 100 + 3600]
-    spend = Spend(BudgetConfig(), Metrics(), LabelCap(10), clock=lambda: now[0])
-    spend.restore({"alice": 2.0})
-    assert spend.total == 2.0
-    assert spend.seconds_to_reset() == pytest.approx(86400 - 3600)
-    now[0] += 86400
-    spend._roll()
-    assert spend.total == 0.0 and spend.by_user == {}

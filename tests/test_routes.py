@@ -205,23 +205,25 @@ async def test_an_unmetered_post_is_refused_by_default(
 async def test_a_forwarded_unmetered_post_is_counted_and_gated(
     start_sidecar: StartSidecar,
 ) -> None:
+    # An unmetered request's cost is unknown: with a default price its budget hold is the
+    # default output limit at that price, and, unmeasured, it is charged that hold.
+    pricing = {**PRICING, "default": {"input_per_1m": 1.0, "output_per_1m": 2.0}}
     run = await start_sidecar(
         {
             "metering": {"unknown_routes": "forward"},
-            "pricing": PRICING,
-            "budgets": {"user_daily_usd": 0.000001},
+            "pricing": pricing,
+            "budgets": {"user_daily_usd": 0.01, "default_max_output_tokens": 4096},
         }
-    )
+    )  # one hold is 4096 x $2/M = $0.0082: the second does not fit
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 5}
     async with aiohttp.ClientSession() as s:
         async with s.post(run.url + "/v1/messages", json=body, headers=_as("bob")) as r:
             assert r.status == 200  # served, its usage unknown
-        # alice spends her budget on a metered request, then tries the unmetered route
+        async with s.post(run.url + "/v1/messages", json=body, headers=_as("bob")) as r:
+            assert r.status == 429  # the budget gate applies to unmetered routes too
+            assert (await r.json())["error"]["type"] == "budget_exceeded"
         async with s.post(run.url + CHAT, json=body, headers=_as("alice")) as r:
             assert r.status == 200
-        async with s.post(run.url + "/v1/messages", json=body, headers=_as("alice")) as r:
-            assert r.status == 429
-            assert (await r.json())["error"]["type"] == "budget_exceeded"
     assert unmetered(run, "/v1/messages") == 2
     assert run.upstream is not None
     assert [x["path"] for x in run.upstream.seen] == ["/v1/messages", CHAT]
