@@ -23,11 +23,13 @@ from prometheus_client.openmetrics import exposition as om_exposition
 
 from . import exposition as held
 from .config import Config, parse_hostport
+from .finishers import Finishers, PromptCounter
 from .identity import Identity, upstream_authorization
 from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
 from .proxy import Gate, Proxy, ProxySettings, TgiModelName
+from .routes import routing_path
 from .usage import Endpoint
 
 log = logging.getLogger("tollbooth")
@@ -117,6 +119,7 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
     app.cleanup_ctx.append(_proxy_ctx)
     for ctx in sc.extra_contexts:
         app.cleanup_ctx.append(ctx)
+    app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
     app.router.add_route("*", "/{tail:.*}", _handle)
     return app
 
@@ -142,6 +145,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         headers=auth,
     )
     base = sc.upstream_base
+    metering = sc.config.metering
     settings = ProxySettings(
         upstream=base,
         inject_usage=sc.config.metering.inject_stream_usage,
@@ -155,8 +159,14 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
             if sc.config.audit.enabled and sc.config.audit.capture_text
             else 0
         ),
+        api=up.api,
+        continuous_usage=metering.continuous_usage and up.api == "vllm",
+        free_routes=frozenset(routing_path(r) for r in metering.free_routes),
+        refuse_unknown_routes=metering.unknown_routes == "refuse",
+        drain_s=metering.drain_after_disconnect_s,
     )
     tgi = TgiModelName(session, base, up.model_name)
+    counter = PromptCounter(lambda: session, base, up.api, sc.metrics)
     sc.proxy = Proxy(
         settings,
         session,
@@ -168,9 +178,21 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         sc.gates,
         sc.on_start,
         sc.identity,
+        counter=counter,
+        finishers=Finishers(),
     )
     yield
     await session.close()
+
+
+async def _finishers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Requests whose client left are finished in the background (bounded: the drain and
+    /tokenize deadlines); on shutdown they get that long to reach the meter."""
+    yield
+    proxy = app[SIDECAR].proxy
+    if proxy is not None:
+        cfg = app[SIDECAR].config.metering
+        await proxy.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
 
 
 # --- admin ----------------------------------------------------------------------------------------

@@ -59,6 +59,29 @@ class MeteringConfig:
     # A new counter series is published at 0 for this long before its value (docs/metrics.md):
     # keep it above the longest scrape_interval of every Prometheus scraping the sidecar.
     new_series_hold_s: float = 90.0
+    # Also ask vLLM for running totals on every chunk (continuous_usage_stats), cut back out of
+    # each chunk, so a client that leaves mid-stream is billed the exact tokens generated so far.
+    # Only sent when upstream.api is vllm (TGI has no such option).
+    continuous_usage: bool = True
+    # POSTs that generate nothing, served without metering. Any other unmetered POST is counted
+    # in llm_unmetered_requests_total and goes through the budget gate.
+    free_routes: tuple[str, ...] = (
+        "/tokenize",
+        "/detokenize",
+        "/chat_tokenize",
+        "/ping",
+        "/health",
+        "/version",
+        "/v1/models",
+        "/metrics",
+        "/load",
+        "/info",
+    )
+    # An unmetered POST that is not a free route: refused with 403 (refuse), or served with its
+    # usage unknown (forward). See docs/traffic.md.
+    unknown_routes: Literal["forward", "refuse"] = "refuse"
+    # A client that leaves after the last token: read the upstream this long for the usage.
+    drain_after_disconnect_s: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -323,6 +346,9 @@ def validate(config: Config) -> Config:
         _fail("budgets.day_start_hour_utc", config.budgets.day_start_hour_utc, "must be 0-23")
     if config.metering.max_tracked_users < 1:
         _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
+    for route in config.metering.free_routes:
+        if not route.startswith("/"):
+            _fail("metering.free_routes", route, "each route must start with '/'")
     if not config.metering.user_header.strip():
         _fail("metering.user_header", config.metering.user_header, "must not be empty")
     if config.identity.trust_user_header and config.identity.keys_file:

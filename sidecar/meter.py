@@ -8,6 +8,7 @@ Never: raises into the proxy. Any failure here is logged and counted in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -78,6 +79,10 @@ class Exchange:
     key_id: str | None = None  # "key-" + 12 hex of the key's sha256; never the key
     prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
     budget_hold: Any = None  # budget.Hold reserved by the budget gate
+    path: str = ""  # the normalised path: what was classified and forwarded
+    # Set when the client left and a background task settles the usage (drain, /tokenize);
+    # the exchange is recorded once it is done.
+    finisher: asyncio.Future[None] | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -172,11 +177,14 @@ class Meter:
 
 
 def consumed(ex: Exchange) -> bool:
-    """Did the request use the server? A refused one (4xx/5xx, no usage) consumed nothing."""
+    """Did the request use the server? A refused one (4xx/5xx, no usage) consumed nothing, nor
+    did one whose client left before it was sent upstream."""
     u = ex.usage
     if u.input_tokens is not None or u.output_tokens is not None:
         return True
-    return 200 <= ex.status < 300 or ex.status == STATUS_CLIENT_CLOSED
+    if ex.status == STATUS_CLIENT_CLOSED:
+        return ex.upstream_start is not None
+    return 200 <= ex.status < 300
 
 
 def priced_model(ex: Exchange) -> str | None:

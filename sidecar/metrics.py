@@ -185,6 +185,12 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.unmetered = Counter(
+            "llm_unmetered_requests",
+            "POSTs to routes that are neither metered nor free (served or refused).",
+            ["endpoint_class"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "tollbooth_upstream_errors",
             "Upstream failures answered by the sidecar.",

@@ -10,30 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
-from .identity import Identity, Unauthorized
+from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
+from .identity import Identity, Principal, Unauthorized
 from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, new_uid, price_cost
 from .metrics import LabelCap, Metrics, sanitize
-from .usage import (
-    Endpoint,
-    RequestInfo,
-    StreamMeter,
-    Usage,
-    classify,
-    inspect_request,
-    usage_from_body,
-)
+from .routes import AmbiguousPath, Endpoint, classify, endpoint_class, routing_path
+from .usage import RequestInfo, StreamMeter, Usage, inspect_request, usage_from_body
 
 log = logging.getLogger("tollbooth.proxy")
 
@@ -191,6 +189,11 @@ class ProxySettings:
     read_timeout: float
     capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
     authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
+    api: str = "vllm"
+    continuous_usage: bool = False  # ask vLLM for running totals on every chunk (cut back out)
+    free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
+    refuse_unknown_routes: bool = True
+    drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
 
 
 class Proxy:
@@ -206,6 +209,8 @@ class Proxy:
         gates: list[Gate],
         on_start: list[Callable[[Exchange], None]],
         identity: Identity,
+        counter: PromptCounter | None = None,
+        finishers: Finishers | None = None,
     ) -> None:
         self.s = settings
         self.identity = identity
@@ -217,21 +222,26 @@ class Proxy:
         self.tgi_name = tgi_name
         self.gates = gates  # budgets, admission: may refuse a request before the upstream
         self.on_start = on_start  # e.g. open a span, set the upstream's traceparent
+        self.counter = counter  # exact prompt size for requests whose usage the wire lacked
+        self.finishers = finishers or Finishers()  # work after the handler (client left)
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        endpoint = classify(request.method, request.path)
+        try:
+            path = routing_path(request.rel_url.raw_path)
+        except AmbiguousPath as exc:
+            return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
+        endpoint = classify(request.method, path)
         try:
             # Under verified keys the headers decide: an unknown client's body is never read.
             principal = (
                 None if self.identity.needs_body else self.identity.resolve(request.headers, None)
             )
-            if endpoint is None:
-                if principal is None:
-                    self.identity.resolve(request.headers, None)  # a required key is checked
-                return await self._passthrough(request)
+            if endpoint is None:  # a required key is checked, also here
+                principal = principal or self.identity.resolve(request.headers, None)
+                return await self._not_metered(request, path, principal)
             try:
                 body = await request.read()  # bounded by the app's client_max_size
             except web.HTTPRequestEntityTooLarge:
@@ -242,33 +252,77 @@ class Proxy:
         except Unauthorized as exc:
             self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
             return error_response(401, "invalid_api_key", str(exc))
+        if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
+            return await self._unmetered(request, path, info, principal)
+        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
+        ex = self._new_exchange(request, info, path, model, len(body), principal)
+        return await self._metered(request, ex)
+
+    async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
+        """Parse the request; a large body is parsed in a thread so the loop keeps serving."""
+        inspect = functools.partial(
+            inspect_request,
+            endpoint,
+            body,
+            inject_usage=self.s.inject_usage,
+            continuous_usage=self.s.continuous_usage,
+            api=self.s.api,
+        )
+        if len(body) < PARSE_IN_THREAD_BYTES:
+            return inspect()
+        return await asyncio.to_thread(inspect)
+
+    def _new_exchange(
+        self,
+        request: web.Request,
+        info: RequestInfo,
+        path: str,
+        model: str | None,
+        size: int,
+        principal: Principal,
+    ) -> Exchange:
+        """The record of one request, metered or not, billed to `principal`."""
         user_id = sanitize(principal.user, 128)
-        model = info.model or (await self.tgi_name.get() if endpoint.is_tgi_native else None)
         uid = new_uid()
-        ex = Exchange(
+        return Exchange(
             uid=uid,
             request_id=request_id(request.headers, uid),
-            endpoint=endpoint,
+            endpoint=info.endpoint,
             info=info,
             user=self.users(user_id),
             user_id=user_id,
             model=self.models(model or "unknown"),
-            bytes_in=len(body),
+            bytes_in=size,
             upstream=self.s.upstream,
             request_headers=request.headers,
             team=principal.team,
             end_user=sanitize(info.user, 128) if info.user else None,
             key_id=principal.key_id,
+            path=path,
         )
-        return await self._metered(request, ex)
 
-    async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
-        """Parse the request; a large body is parsed in a thread so the loop keeps serving."""
-        if len(body) < PARSE_IN_THREAD_BYTES:
-            return inspect_request(endpoint, body, inject_usage=self.s.inject_usage)
-        return await asyncio.to_thread(
-            inspect_request, endpoint, body, inject_usage=self.s.inject_usage
-        )
+    async def _not_metered(
+        self, request: web.Request, path: str, principal: Principal
+    ) -> web.StreamResponse:
+        """Not a metered route: forwarded as is, unless it is a POST that may generate."""
+        if request.method != "POST" or path in self.s.free_routes:
+            return await self._passthrough(request, path)
+        return await self._unmetered(request, path, None, principal)
+
+    async def _unmetered(
+        self,
+        request: web.Request,
+        path: str,
+        info: RequestInfo | None,
+        principal: Principal,
+    ) -> web.StreamResponse:
+        """A POST no metered route matches: counted, gated like any request, then refused or
+        forwarded with its usage unknown (`metering.unknown_routes`)."""
+        self.metrics.unmetered.labels(endpoint_class(path)).inc()
+        info = info or RequestInfo(endpoint=Endpoint.OTHER, body=b"", parsed=False)
+        size = len(info.body) or request.content_length or 0
+        ex = self._new_exchange(request, info, path, None, size, principal)
+        return await self._metered(request, ex)
 
     async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
@@ -282,6 +336,13 @@ class Proxy:
                 self.metrics.metering_errors.labels("start").inc()
         context = REQUEST_CONTEXT.set(_log_context(ex))
         try:
+            if ex.endpoint is Endpoint.OTHER and self.s.refuse_unknown_routes:
+                raise Refusal(
+                    403,
+                    "route_not_metered",
+                    f"POST {ex.path} is not a metered route; the operator can allow it with "
+                    "metering.free_routes or metering.unknown_routes: forward",
+                )
             for gate in self.gates:
                 release = await self._pass(gate, ex)
                 if release is not None:
@@ -291,16 +352,22 @@ class Proxy:
             ex.status, ex.error = r.status, r.err_type
             return error_response(r.status, r.err_type, str(r), r.retry_after)
         except asyncio.CancelledError:
-            ex.status = ex.status if ex.status >= 400 else STATUS_CLIENT_CLOSED
-            ex.error = ex.error or "client_disconnected"
+            _client_left(ex)
             raise
         finally:
-            for release in reversed(releases):
-                release()
-            in_flight.dec()
             ex.finish()
-            self.meter.record(ex)
+            done = functools.partial(self._complete, ex, releases, in_flight)
+            if ex.finisher is not None:  # the meter hears of it once the finisher is through
+                ex.finisher.add_done_callback(lambda _: done())
+            else:
+                done()
             REQUEST_CONTEXT.reset(context)
+
+    def _complete(self, ex: Exchange, releases: list[Callable[[], None]], in_flight: Any) -> None:
+        for release in reversed(releases):
+            release()
+        in_flight.dec()
+        self.meter.record(ex)
 
     async def _pass(self, gate: Gate, ex: Exchange) -> Callable[[], None] | None:
         """Run a gate. A Refusal is the gate's answer; any other failure is a bug in accounting:
@@ -318,23 +385,42 @@ class Proxy:
         headers = self._upstream_headers(request)
         headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
+        up: aiohttp.ClientResponse | None = None
         try:
-            async with self.session.request(
+            up = await self.session.request(
                 request.method,
-                self._url(request),
+                self._url(ex.path, request),
                 headers=headers,
-                data=ex.info.body,
+                data=self._request_body(request, ex),
                 allow_redirects=False,
                 timeout=self.timeout,
-            ) as up:
-                ex.status = up.status
-                if up.content_type == "text/event-stream":
-                    return await self._stream(request, ex, up)
-                return await self._buffered(request, ex, up)
+            )
+            ex.status = up.status
+            if ex.endpoint is Endpoint.OTHER:
+                ex.usage = Usage(unknown_reason="unmetered_route")
+                return await self._relay(request, up, ex)
+            if up.content_type == "text/event-stream":
+                return await self._stream(request, ex, up)
+            return await self._buffered(request, ex, up)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             return self._upstream_failed(ex, 504, "upstream_timeout", exc)
         except aiohttp.ClientError as exc:
             return self._upstream_failed(ex, 502, "upstream_unreachable", exc)
+        except asyncio.CancelledError:
+            # The client left while the upstream had the request (queued, prefilling, or
+            # generating a non-streamed answer): cancel it, and count the prompt it was sent.
+            if ex.finisher is None and ex.endpoint is not Endpoint.OTHER:
+                _client_left(ex)
+                self._finish_later(ex, up, None)
+            raise
+        finally:
+            if up is not None and ex.finisher is None:
+                up.release()  # closes the connection (cancelling the upstream) if unread
+
+    def _request_body(self, request: web.Request, ex: Exchange) -> Any:
+        if ex.info.body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
+            return ex.info.body
+        return request.content  # an unmetered route's body is streamed, never read whole
 
     async def _buffered(
         self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
@@ -353,6 +439,8 @@ class Proxy:
             log.exception("could not read usage of request %s", ex.request_id)
             self.metrics.metering_errors.labels("parse").inc()
             ex.usage = Usage(unknown_reason="parse_error")
+        if ex.endpoint is Endpoint.TGI_VERTEX and 200 <= up.status < 300:
+            self._finish_later(ex, up, None)  # /vertex reports no counts: ask for the prompt's
         headers = response_headers(up.headers, drop_length=True)
         cost = self._cost_now(ex)
         if cost is not None:
@@ -362,20 +450,32 @@ class Proxy:
     async def _stream(
         self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
     ) -> web.StreamResponse:
-        meter = StreamMeter(ex.endpoint, strip_usage=ex.info.injected_usage)
+        info = ex.info
+        meter = StreamMeter(
+            ex.endpoint,
+            strip_usage=info.injected_usage,
+            strip_chunk_usage=info.strip_chunk_usage,
+            choices=info.choices,
+        )
         resp = web.StreamResponse(
             status=up.status,
             reason=up.reason,
             headers=response_headers(up.headers, drop_length=True),
         )
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            _client_left(ex)
+            self._finish_later(ex, up, meter)
+            return resp
         try:
             async for chunk in up.content.iter_any():  # upstream failures raise here...
                 out = self._feed(meter, chunk, ex)
                 if self.s.capture_bytes:
                     _sample(ex, out, self.s.capture_bytes)
-                if out and not await self._write(resp, out, ex, meter):
-                    return resp  # the client left; leaving the block closes the upstream
+                if out and not await self._write(resp, out, ex):
+                    self._finish_later(ex, up, meter)  # the client left
+                    return resp
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ex.error = "upstream_reset"
             self.metrics.upstream_errors.labels("stream_interrupted").inc()
@@ -383,18 +483,20 @@ class Proxy:
             self._end_stream(ex, meter)
             _abort(request)  # the client must see a broken stream, not a clean end
             return resp
-        except asyncio.CancelledError:
-            self._end_stream(ex, meter)
+        except asyncio.CancelledError:  # the client left (the server cancels the handler)
+            _client_left(ex)
+            self._finish_later(ex, up, meter)
             raise
         tail = self._end_stream(ex, meter)
-        if tail and not await self._write(resp, tail, ex, None):
+        if tail and not await self._write(resp, tail, ex):
             return resp
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # usage is known; leaving now is a 499
+            await resp.write_eof()
+            return resp
+        _client_left(ex)
         return resp
 
-    async def _write(
-        self, resp: web.StreamResponse, data: bytes, ex: Exchange, meter: StreamMeter | None
-    ) -> bool:
+    async def _write(self, resp: web.StreamResponse, data: bytes, ex: Exchange) -> bool:
         """Write to the client. False when it went away: the request ends as 499.
 
         Caught here, where it happens, because aiohttp's ClientConnectionResetError is also a
@@ -403,12 +505,52 @@ class Proxy:
         try:
             await resp.write(data)
         except ConnectionResetError:
-            ex.status, ex.error = STATUS_CLIENT_CLOSED, "client_disconnected"
-            if meter is not None:
-                self._end_stream(ex, meter)
+            _client_left(ex)
             return False
         ex.bytes_out += len(data)
         return True
+
+    def _finish_later(
+        self, ex: Exchange, up: aiohttp.ClientResponse | None, meter: StreamMeter | None
+    ) -> None:
+        """Hand the exchange to a background finisher, which owns `up` from now on and ends
+        when the usage is settled; the meter records the exchange after it."""
+        ex.finisher = self.finishers.start(self._finish(ex, up, meter))
+        if ex.finisher is None:  # too many already: cancel now, record what was measured
+            log.warning("finishers at their limit; request %s recorded as is", ex.request_id)
+            self.metrics.metering_errors.labels("finisher_limit").inc()
+            if up is not None:
+                up.close()
+            if meter is not None:
+                usage = meter.usage_so_far()
+                if usage.input_tokens is None or usage.output_tokens is None:
+                    usage = replace(usage, unknown_reason="client_disconnected")
+                self._set_usage(ex, usage)
+
+    async def _finish(
+        self, ex: Exchange, up: aiohttp.ClientResponse | None, meter: StreamMeter | None
+    ) -> None:
+        left = ex.status == STATUS_CLIENT_CLOSED
+        try:
+            usage = ex.usage
+            if up is not None and meter is not None:
+                usage = await stream_usage(up, meter, self.s.drain_s)
+            if up is not None:
+                up.release()  # closes the connection, cancelling a generation still running
+            if usage.input_tokens is None and ex.prompt_tokens is not None:
+                usage = replace(usage, input_tokens=ex.prompt_tokens)  # admission counted it
+            self._set_usage(
+                ex,
+                await with_prompt_count(
+                    usage, ex.info, self.counter, self._tokenize_auth(ex), client_left=left
+                ),
+            )
+        except Exception:
+            log.exception("finishing request %s failed", ex.request_id)
+            self.metrics.metering_errors.labels("finish").inc()
+        finally:
+            if up is not None:
+                up.release()
 
     def _feed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
         try:
@@ -430,8 +572,11 @@ class Proxy:
             log.exception("stream finish failed for request %s", ex.request_id)
             self.metrics.metering_errors.labels("stream").inc()
             return b""
-        if not meter.done and ex.error is None and usage.unknown_reason:
-            usage = replace(usage, unknown_reason="stream_truncated")
+        if usage.unknown_reason and ex.error is None:
+            if not meter.done:
+                usage = replace(usage, unknown_reason="stream_truncated")
+            elif not ex.info.utf8:
+                usage = replace(usage, unknown_reason="body_not_utf8")  # never changed: no usage
         self._set_usage(ex, usage)
         return tail
 
@@ -458,22 +603,26 @@ class Proxy:
             reason=up.reason,
             headers=response_headers(up.headers, drop_length=False),
         )
-        await resp.prepare(request)
-        async for chunk in up.content.iter_any():
-            await resp.write(chunk)
+        try:
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+                if ex is not None:
+                    ex.bytes_out += len(chunk)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left: not an upstream failure
             if ex is not None:
-                ex.bytes_out += len(chunk)
-        await resp.write_eof()
+                _client_left(ex)
         return resp
 
-    async def _passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Unmetered routes: both bodies streamed, nothing recorded but failures."""
+    async def _passthrough(self, request: web.Request, path: str) -> web.StreamResponse:
+        """Routes that generate nothing: both bodies streamed, nothing recorded but failures."""
         headers = self._upstream_headers(request)
         data = request.content if request.body_exists else None
         try:
             async with self.session.request(
                 request.method,
-                self._url(request),
+                self._url(path, request),
                 headers=headers,
                 data=data,
                 allow_redirects=False,
@@ -500,6 +649,12 @@ class Proxy:
             413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
         )
 
+    def _tokenize_auth(self, ex: Exchange) -> dict[str, str]:
+        """The sidecar's own /tokenize calls authenticate as the proxied request did: the session
+        carries the upstream key when one is configured, else the client's key is passed on."""
+        client = ex.request_headers.get("Authorization")
+        return {"Authorization": client} if client and not self.s.authorization else {}
+
     def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
         return request_headers(
             request.headers,
@@ -508,8 +663,23 @@ class Proxy:
             authorization=self.s.authorization,
         )
 
-    def _url(self, request: web.Request) -> str:
-        return self.s.upstream + request.rel_url.raw_path_qs
+    def _url(self, path: str, request: web.Request) -> URL:
+        """The upstream URL for exactly the path that was classified (already normalised, so the
+        client library has nothing left to change), with the client's query string as sent."""
+        query = request.rel_url.raw_query_string
+        target = self.s.upstream + quote(path, safe=_PATH_SAFE) + ("?" + query if query else "")
+        return URL(target, encoded=True)
+
+
+# RFC 3986 pchar and "/": what may stand unencoded in a path.
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+
+
+def _client_left(ex: Exchange) -> None:
+    """The client went away before the response ended: 499, whatever the upstream did."""
+    if ex.status < 400 or ex.status == 0:
+        ex.status = STATUS_CLIENT_CLOSED
+    ex.error = ex.error or "client_disconnected"
 
 
 def _sample(ex: Exchange, data: bytes, limit: int) -> None:

@@ -1,8 +1,10 @@
 """Token usage, read exactly from the wire of vLLM and TGI.
 
-Owns: which routes are metered, what a request asks for (model, stream, user, max tokens), the one
-change we make to a request (`stream_options.include_usage` on streams that did not ask), reading
-`usage` from response bodies, headers and streams, and dropping the usage chunk we caused.
+Owns: what a request asks for (model, stream as each server reads it, user, max tokens), the one
+change we make to a request (`stream_options.include_usage`, and vLLM's running totals, spliced
+into UTF-8 JSON objects only), reading `usage` from response bodies, headers and streams, and
+removing from a stream exactly the usage we caused (the usage chunk, per-chunk running totals).
+Routes and paths are `routes.py`'s.
 Never: counts stream chunks as tokens on OpenAI routes, invents a count, or touches clocks, sockets
 and metrics. A count that cannot be read is None, with the reason in `Usage.unknown_reason`.
 """
@@ -10,48 +12,18 @@ and metrics. A count that cannot be read is None, with the reason in `Usage.unkn
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any
 
+from . import splice
+from .routes import Endpoint as Endpoint
+from .routes import classify as classify
+from .routes import invocation_endpoint
 from .sse import Event, SSEParser
 
-
-class Endpoint(StrEnum):
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
-    EMBEDDINGS = "/v1/embeddings"
-    RESPONSES = "/v1/responses"
-    TGI_GENERATE = "/generate"
-    TGI_GENERATE_STREAM = "/generate_stream"
-    TGI_COMPAT = "/"
-
-    @property
-    def is_tgi_native(self) -> bool:
-        return self in (Endpoint.TGI_GENERATE, Endpoint.TGI_GENERATE_STREAM, Endpoint.TGI_COMPAT)
-
-    @property
-    def operation(self) -> str:
-        """The GenAI `gen_ai.operation.name` for this route."""
-        if self in (Endpoint.CHAT, Endpoint.RESPONSES):
-            return "chat"
-        if self is Endpoint.EMBEDDINGS:
-            return "embeddings"
-        return "text_completion"
-
-
-_ROUTES = {e.value: e for e in Endpoint}
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
-
-
-def classify(method: str, path: str) -> Endpoint | None:
-    """The metered route for a request, or None for anything that is only forwarded."""
-    if method != "POST":
-        return None
-    if len(path) > 1:
-        path = path.rstrip("/")
-    return _ROUTES.get(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +53,41 @@ class RequestInfo:
     messages: int = 0
     prompt_chars: int = 0
     injected_usage: bool = False  # we added stream_options.include_usage; strip its chunk
+    # The server will put usage on every chunk although the client did not ask for it (we asked
+    # for continuous_usage_stats, or turned on include_usage under the client's own
+    # continuous_usage_stats): remove that member from each chunk.
+    strip_chunk_usage: bool = False
+    choices: int = 1  # choices the stream will carry (n, times the prompts of a completion)
+    utf8: bool = True  # the body is UTF-8 (only a UTF-8 JSON object is ever changed)
 
 
 # --- requests -------------------------------------------------------------------------------------
 
 
-def inspect_request(endpoint: Endpoint, body: bytes, *, inject_usage: bool) -> RequestInfo:
-    """Read what the request asks for. Malformed JSON is forwarded untouched, not rejected."""
-    try:
-        obj = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
-        obj = None
+def inspect_request(
+    endpoint: Endpoint,
+    body: bytes,
+    *,
+    inject_usage: bool,
+    continuous_usage: bool = False,
+    api: str = "vllm",
+) -> RequestInfo:
+    """Read what the request asks for. Malformed JSON is forwarded untouched, not rejected.
+
+    `/invocations` is resolved to the route its body is dispatched to (`Endpoint.OTHER` when
+    none). With `inject_usage`, a streaming chat/completions body that is a UTF-8 JSON object gets
+    `include_usage` (and, with `continuous_usage`, vLLM's running totals on every chunk).
+    """
+    text, obj = _parse(body)
+    if endpoint is Endpoint.INVOCATIONS:
+        endpoint = invocation_endpoint(obj, api) if isinstance(obj, dict) else Endpoint.OTHER
     if not isinstance(obj, dict):
-        return RequestInfo(endpoint=endpoint, body=body, parsed=False)
+        return RequestInfo(endpoint=endpoint, body=body, parsed=False, utf8=text is not None)
+    if endpoint is Endpoint.TGI_VERTEX:
+        return _vertex_info(body, obj)
     params = obj.get("parameters") if endpoint.is_tgi_native else obj
     params = params if isinstance(params, dict) else {}
+    n = _int(params.get("n")) if not endpoint.is_tgi_native else None
     info = RequestInfo(
         endpoint=endpoint,
         body=body,
@@ -105,22 +97,86 @@ def inspect_request(endpoint: Endpoint, body: bytes, *, inject_usage: bool) -> R
         user=_str(obj.get("user")),
         max_tokens=_max_tokens(endpoint, obj, params),
         temperature=_num(params.get("temperature")),
-        n=_int(params.get("n")) if not endpoint.is_tgi_native else None,
+        n=n,
         tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
         messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
         prompt_chars=prompt_chars(obj),
+        choices=max(1, n or 1) * _prompts(endpoint, obj),
+        utf8=text is not None,
     )
-    if inject_usage and info.stream and endpoint in _INJECTABLE and _wants_injection(obj):
-        info = replace(info, body=_inject_include_usage(body, obj), injected_usage=True)
+    if inject_usage and info.stream and endpoint in _INJECTABLE and text is not None:
+        info = _with_usage_requested(info, text, obj, continuous_usage)
     return info
+
+
+def _parse(body: bytes) -> tuple[str | None, object]:
+    """(the body as UTF-8 text or None, the parsed JSON or None).
+
+    A body in another encoding is still read (the server reads UTF-16 and UTF-32 JSON too), but
+    its text is None so it is never changed.
+    """
+    try:
+        text: str | None = body.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    try:
+        obj = json.loads(text if text is not None else body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    return text, obj
+
+
+def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
+    """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request."""
+    instances = [i for i in obj.get("instances") or () if isinstance(i, dict)]
+    limits = [_vertex_limit(i) for i in instances]
+    return RequestInfo(
+        endpoint=Endpoint.TGI_VERTEX,
+        body=body,
+        parsed=True,
+        max_tokens=sum(limits) if limits and None not in limits else None,  # type: ignore[arg-type]
+        messages=sum(len(i["messages"]) for i in instances if isinstance(i.get("messages"), list)),
+        prompt_chars=sum(prompt_chars(i) for i in instances),
+        choices=max(1, len(instances)),
+    )
+
+
+def _vertex_limit(instance: Mapping[str, Any]) -> int | None:
+    if isinstance(instance.get("inputs"), str):
+        params = instance.get("parameters")
+        return _int(params.get("max_new_tokens")) if isinstance(params, dict) else None
+    return _int(instance.get("max_tokens"))
+
+
+def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
+    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one."""
+    prompt = obj.get("prompt")
+    if endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and prompt:
+        return 1 if isinstance(prompt[0], int) else len(prompt)
+    return 1
+
+
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def lax_true(value: object) -> bool:
+    """True as vLLM's request models read a boolean (pydantic's lax mode): `true`, `1`, `1.0`, or
+    one of "1", "on", "t", "true", "y", "yes" in any case. Anything else is false or refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.lower() in _TRUE_STRINGS
 
 
 def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
     if endpoint is Endpoint.TGI_GENERATE_STREAM:
         return True
-    if endpoint is Endpoint.TGI_GENERATE or endpoint is Endpoint.EMBEDDINGS:
+    if endpoint in (Endpoint.TGI_GENERATE, Endpoint.EMBEDDINGS, Endpoint.TGI_VERTEX):
         return False
-    return obj.get("stream") is True
+    if endpoint.is_tgi_native:
+        return obj.get("stream") is True  # TGI (serde) takes only a JSON boolean
+    return lax_true(obj.get("stream"))
 
 
 def _max_tokens(
@@ -134,25 +190,61 @@ def _max_tokens(
     return None
 
 
-def _wants_injection(obj: Mapping[str, Any]) -> bool:
+def _with_usage_requested(
+    info: RequestInfo, text: str, obj: Mapping[str, Any], continuous: bool
+) -> RequestInfo:
+    """Ask for the usage the client did not, by splicing bytes; never by re-serialising."""
     opts = obj.get("stream_options")
-    return not (isinstance(opts, dict) and opts.get("include_usage") is True)
+    if opts is not None and not isinstance(opts, dict):
+        return info  # the server refuses it anyway: forward untouched
+    opts = opts or {}
+    asked_usage = lax_true(opts.get("include_usage"))
+    asked_running = lax_true(opts.get("continuous_usage_stats"))
+    want_running = continuous or asked_running
+    if asked_usage and (asked_running or not continuous):
+        return info  # the client asked for everything we would add
+    body = _splice_stream_options(text, obj, want_running)
+    if body is None:
+        return info
+    return replace(
+        info,
+        body=body.encode("utf-8"),
+        injected_usage=not asked_usage,
+        # the server now sends per-chunk usage; the client would have seen it only if it asked
+        # for both (vLLM sends running totals only together with include_usage)
+        strip_chunk_usage=want_running and not (asked_usage and asked_running),
+    )
 
 
-def _inject_include_usage(body: bytes, obj: dict[str, Any]) -> bytes:
-    """Add include_usage, changing as few bytes as possible.
-
-    Without an existing `stream_options` the member is spliced in after the opening brace, so every
-    other byte of the client's body is preserved. Otherwise the object is re-serialised.
-    """
-    if "stream_options" not in obj:
-        start = body.index(b"{") + 1
-        rest = body[start:].lstrip()
-        sep = b"" if rest.startswith(b"}") else b","
-        return body[:start] + b'"stream_options":{"include_usage":true}' + sep + body[start:]
-    opts = obj["stream_options"] if isinstance(obj["stream_options"], dict) else {}
-    merged = {**obj, "stream_options": {**opts, "include_usage": True}}
-    return json.dumps(merged, ensure_ascii=False, separators=(",", ":")).encode()
+def _splice_stream_options(text: str, obj: Mapping[str, Any], running: bool) -> str | None:
+    """`text` with stream_options.include_usage (and continuous_usage_stats) set to true."""
+    wanted = '"include_usage":true' + (',"continuous_usage_stats":true' if running else "")
+    top = splice.members(text)
+    if top is None:
+        return None
+    current = splice.last(top, "stream_options")
+    if current is None:
+        brace = text.index("{")
+        return splice.insert_first(text, brace, '"stream_options":{' + wanted + "}")
+    if obj["stream_options"] is None:
+        span = (current.value_start, current.value_end, "{" + wanted + "}")
+        return splice.apply(text, [span])
+    inner = splice.members(text, current.value_start)
+    if inner is None:
+        return None
+    edits: list[tuple[int, int, str]] = []
+    added: list[str] = []
+    keys = ("include_usage", "continuous_usage_stats") if running else ("include_usage",)
+    for key in keys:
+        m = splice.last(inner, key)
+        if m is None:
+            added.append(f'"{key}":true')
+        elif not lax_true(obj["stream_options"].get(key)):
+            edits.append((m.value_start, m.value_end, "true"))
+    text = splice.apply(text, edits)  # value edits lie after the object's `{`: it does not move
+    if added:
+        text = splice.insert_first(text, current.value_start, ",".join(added))
+    return text
 
 
 def prompt_chars(obj: Mapping[str, Any]) -> int:
@@ -185,11 +277,13 @@ def usage_from_body(endpoint: Endpoint, body: bytes, headers: Mapping[str, str])
         obj = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
         obj = None
+    if endpoint is Endpoint.TGI_VERTEX:
+        return _vertex_body_usage(obj)
     if endpoint.is_tgi_native:
         return _tgi_body_usage(obj, headers)
     if not isinstance(obj, dict):
         return Usage(unknown_reason="unparseable_response")
-    if "error" in obj and "choices" not in obj:
+    if obj.get("error") is not None and "choices" not in obj:  # Responses bodies carry error: null
         return Usage(error=error_type(obj), unknown_reason="error_response")
     usage = obj.get("usage")
     model = _str(obj.get("model"))
@@ -226,6 +320,13 @@ def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
         finish_reasons=(reason,) if reason else (),
         unknown_reason=None if inp is not None and out is not None else "no_usage",
     )
+
+
+def _vertex_body_usage(obj: object) -> Usage:
+    """TGI's /vertex answers `{"predictions": [text, ...]}`: no token counts, no count headers."""
+    if isinstance(obj, dict) and obj.get("error") is not None:
+        return Usage(error=error_type(obj), unknown_reason="error_response")
+    return Usage(unknown_reason="no_usage")
 
 
 def read_usage(usage: Mapping[str, Any], endpoint: Endpoint) -> Usage:
@@ -279,13 +380,27 @@ class StreamMeter:
     """Feed the upstream's bytes; get back the bytes for the client and the count of token events.
 
     When `strip_usage` is set (we injected include_usage), whole events are forwarded except the
-    usage-only chunk (`choices: []`); otherwise the bytes pass through unchanged as they arrive.
+    usage-only chunk (`choices: []`); with `strip_chunk_usage` (we caused per-chunk usage), each
+    chunk's `usage` member is cut out of its bytes; otherwise the bytes pass through unchanged as
+    they arrive. `choices` is how many choices the stream carries (to know when it is finished).
     """
 
-    def __init__(self, endpoint: Endpoint, *, strip_usage: bool = False) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        strip_usage: bool = False,
+        strip_chunk_usage: bool = False,
+        choices: int = 1,
+    ) -> None:
         self.endpoint = endpoint
         self._strip = strip_usage
-        self._parser = SSEParser(keep_raw=strip_usage)  # raw bytes only needed to strip
+        self._strip_chunk = strip_chunk_usage
+        self._rewrite = strip_usage or strip_chunk_usage
+        self._cut = False  # the event just parsed carries a usage member to cut
+        self._choices = choices
+        self._responses_idle = False  # Responses: the last output item is done, no delta since
+        self._parser = SSEParser(keep_raw=self._rewrite)  # raw bytes only needed to rewrite
         self._s = _StreamState()
         self._final_usage: list[Mapping[str, Any]] = []  # usage-only chunks: request totals
         self._choice_usage: dict[int, Mapping[str, Any]] = {}  # usage riding on a choice (TGI)
@@ -302,20 +417,53 @@ class StreamMeter:
         if self.passthrough:
             return chunk
         events = self._parser.feed(chunk)
-        if not self._strip:
+        if not self._rewrite:
             for ev in events:
                 self._on_event(ev)
             return chunk
         out = bytearray()
         for ev in events:
-            if not self._on_event(ev):
+            if self._on_event(ev):
+                continue
+            if self._cut:
+                self._cut = False
+                out += _without_usage(ev)
+            else:
                 out += ev.raw
         return bytes(out)
 
     def finish(self) -> tuple[bytes, Usage]:
         """The upstream stream ended. Returns bytes still held (an unterminated event) and usage."""
         tail = self._parser.finish()
-        return (tail if self._strip else b""), self._usage()
+        return (tail if self._rewrite else b""), self._usage()
+
+    @property
+    def finished(self) -> bool:
+        """Generation is over: every choice has its finish reason (or the stream its terminal
+        event). Only the usage may still be on its way."""
+        if self.done:
+            return True
+        if self.endpoint is Endpoint.RESPONSES:
+            return self._responses_idle
+        return len(self._s.finish) >= self._choices
+
+    def usage_so_far(self) -> Usage:
+        """Usage of a stream the client cut short: the totals if they came; else vLLM's running
+        totals (exact up to the last chunk received) or TGI's token events; else unknown."""
+        running = self._choice_usage
+        if self._final_usage or len(running) < 2 or self.endpoint.is_tgi_native:
+            return self._usage()
+        parts = [read_usage(u, self.endpoint) for u in running.values()]
+        inputs = [p.input_tokens for p in parts]
+        # a chat's choices share one prompt; a completion's may each have their own
+        same_prompt = self.endpoint is Endpoint.CHAT and None not in inputs
+        return replace(
+            self._usage(),
+            input_tokens=max(inputs) if same_prompt else None,  # type: ignore[type-var]
+            output_tokens=_sum(p.output_tokens for p in parts),
+            cached_input_tokens=None,
+            unknown_reason=None if same_prompt else "incomplete_usage",
+        )
 
     # Returns True when the event must not reach the client.
     def _on_event(self, ev: Event) -> bool:
@@ -355,6 +503,7 @@ class StreamMeter:
             if isinstance(usage, dict):
                 first = choices[0] if isinstance(choices[0], dict) else {}
                 self._choice_usage[_int(first.get("index")) or 0] = usage
+                self._cut = self._strip_chunk
             return False
         if isinstance(usage, dict) and isinstance(choices, list):
             self._final_usage.append(usage)
@@ -365,6 +514,9 @@ class StreamMeter:
         kind = _str(obj.get("type")) or ""
         if kind.endswith(".delta"):
             self._s.token_events += 1
+            self._responses_idle = False
+        elif kind == "response.output_item.done":
+            self._responses_idle = True
         response = obj.get("response")
         if not isinstance(response, dict):
             return
@@ -436,6 +588,31 @@ _DELTA_OUTPUT = (
     "function_call",
     "refusal",
 )
+
+
+# vLLM's chunk ends `,"usage":{...}}` (compact JSON, usage last; its values are numbers and one
+# nested object). A raw newline cannot be inside a JSON string, nor an unescaped quote, so this
+# can only match the top-level object's last member, right before the end of the data line.
+_USAGE_LAST = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}(?=\}[ \t]*[\r\n])')
+
+
+def _without_usage(ev: Event) -> bytes:
+    """The event's bytes with its JSON's `usage` member cut out, every other byte kept.
+
+    Only a single-line `data:` event is cut (vLLM's shape); any other is forwarded as it came.
+    """
+    raw = ev.raw
+    if raw.count(b"\ndata:") + raw.startswith(b"data:") != 1:
+        return raw
+    if (m := _USAGE_LAST.search(raw)) is not None:
+        return raw[: m.start()] + raw[m.end() :]
+    data = ev.data or ""
+    cut = splice.without(data, "usage")
+    encoded = data.encode("utf-8")
+    at = raw.find(encoded)
+    if cut is None or at < 0:
+        return raw
+    return raw[:at] + cut.encode("utf-8") + raw[at + len(encoded) :]
 
 
 def _carries_output(choice: object) -> bool:

@@ -1,8 +1,12 @@
 """The in-test upstream: the one boundary where a fake stands in for vLLM/TGI.
 
-It speaks their wire formats (chunk shapes, usage chunks, error events, TGI's `data:` without a
-space and its token headers) and can replay the recorded TGI responses in ../shared/fixtures/tgi.
-Behaviour is chosen per request with the `X-Fake` header; every request it sees is kept in `seen`.
+It speaks their wire formats (chunk shapes, usage chunks, running usage on every chunk when asked
+for `continuous_usage_stats`, error events, TGI's `data:` without a space and its token headers)
+and can replay the recorded TGI responses in ../shared/fixtures/tgi. It reads `stream` and
+`stream_options` as vLLM does (pydantic's lax booleans) and routes `/invocations` and `/vertex` by
+the body's shape as vLLM and TGI do. Behaviour is chosen per request with the `X-Fake` header;
+every generation request it sees is kept in `seen`, every tokenizer call in `tokenized`, and every
+request whose client (the sidecar) went away mid-answer in `cancelled`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pydantic
 from aiohttp import web
 
 FIXTURES = Path(
@@ -21,6 +26,20 @@ FIXTURES = Path(
 TGI_FIXTURES = FIXTURES / "tgi"
 MODEL = "fake/llama-3-8b"
 TOKENS_PER_CHUNK = 2  # like vLLM's --stream-interval: a chunk is not a token
+_LAX_BOOL = pydantic.TypeAdapter(bool | None)  # how vLLM's request models read a boolean
+
+
+def vllm_bool(value: Any) -> bool:
+    """vLLM's reading of a boolean field (a value pydantic refuses would be a 400 there)."""
+    try:
+        return bool(_LAX_BOOL.validate_python(value))
+    except pydantic.ValidationError:
+        return False
+
+
+def _compact(obj: dict[str, Any]) -> bytes:
+    """One SSE event in vLLM's serialisation (pydantic's compact JSON)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 def load_fixture(name: str) -> Any:
@@ -39,10 +58,20 @@ def prompt_tokens(body: dict[str, Any]) -> int:
 class FakeUpstream:
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
+        self.tokenized: list[dict[str, Any]] = []
+        self.cancelled: list[str] = []
+        self.tokenize_fails = False
+        self.sent_tokens = 0  # completion tokens in the last chunk written (running totals)
         self.app = web.Application()
         r = self.app.router
         r.add_post("/v1/chat/completions", self.openai)
         r.add_post("/v1/completions", self.openai)
+        r.add_post("/invocations", self.invocations)
+        r.add_post("/vertex", self.vertex)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/chat_tokenize", self.tokenize)
+        r.add_post("/v1/messages", self.echo)
+        r.add_post("/pooling", self.echo)
         r.add_post("/v1/embeddings", self.embeddings)
         r.add_post("/v1/responses", self.responses)
         r.add_post("/generate", self.tgi_generate)
@@ -78,11 +107,19 @@ class FakeUpstream:
 
     # --- OpenAI-compatible (vLLM shapes) -------------------------------------------------------
 
-    async def openai(self, request: web.Request) -> web.StreamResponse:
+    async def openai(self, request: web.Request, chat: bool | None = None) -> web.StreamResponse:
+        try:
+            return await self._openai(request, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled.append(request.path)  # the sidecar closed the connection mid-answer
+            raise
+
+    async def _openai(self, request: web.Request, chat: bool | None) -> web.StreamResponse:
         body, mode = await self._record(request)
         if fixture := request.headers.get("X-Fake-Fixture"):
             return await self._replay(request, fixture)
-        chat = request.path.endswith("chat/completions")
+        if chat is None:
+            chat = request.path.endswith("chat/completions")
         n_out = int(body.get("max_tokens") or 6)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens(body),
@@ -104,7 +141,7 @@ class FakeUpstream:
                 },
                 status=400,
             )
-        if not body.get("stream"):
+        if not vllm_bool(body.get("stream")):
             text = " ".join(["tok"] * n_out)
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
             choice.update(
@@ -122,7 +159,9 @@ class FakeUpstream:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        include = (body.get("stream_options") or {}).get("include_usage") is True
+        opts = body.get("stream_options") or {}
+        include = vllm_bool(opts.get("include_usage"))
+        running = include and vllm_bool(opts.get("continuous_usage_stats"))
         chunks = max(1, n_out // TOKENS_PER_CHUNK)
         for i in range(chunks):
             if mode == "error-midstream" and i == 1:
@@ -152,9 +191,21 @@ class FakeUpstream:
                 "model": model,
                 "choices": [c],
             }
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if running:  # vLLM: running totals on every chunk, as the last member
+                done = (i + 1) * TOKENS_PER_CHUNK
+                chunk["usage"] = {
+                    "prompt_tokens": usage["prompt_tokens"],
+                    "total_tokens": usage["prompt_tokens"] + done,
+                    "completion_tokens": done,
+                }
+            await resp.write(_compact(chunk))
+            self.sent_tokens = (i + 1) * TOKENS_PER_CHUNK
             if mode == "slow-stream":
                 await asyncio.sleep(0.05)
+            elif mode.startswith("slow-stream:"):
+                await asyncio.sleep(float(mode.split(":")[1]))
+        if mode.startswith("slow-usage:"):  # generation over; the usage chunk comes later
+            await asyncio.sleep(float(mode.split(":")[1]))
         if mode == "truncate":
             return resp  # ends without [DONE] and without usage
         if include and mode != "nousage":
@@ -166,9 +217,34 @@ class FakeUpstream:
                 "choices": [],
                 "usage": usage,
             }
-            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            await resp.write(_compact(final))
         await resp.write(b"data: [DONE]\n\n")
+        if mode.startswith("slow-eof:"):  # the stream is complete; the response ends later
+            await asyncio.sleep(float(mode.split(":")[1]))
         return resp
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /invocations: a chat request if it has messages, else a completion."""
+        body = json.loads(await request.read())  # read() keeps the bytes for the handler
+        return await self.openai(request, chat=isinstance(body.get("messages"), list))
+
+    async def vertex(self, request: web.Request) -> web.Response:
+        """TGI's /vertex: one generated text per instance, and no token counts anywhere."""
+        body, _ = await self._record(request)
+        return web.json_response({"predictions": [" x" * 3 for _ in body["instances"]]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize ({"count"}), TGI's /tokenize (a token list) and /chat_tokenize."""
+        body = json.loads(await request.read())
+        self.tokenized.append({"path": request.path, "body": body})
+        if self.tokenize_fails:
+            raise web.HTTPInternalServerError()
+        n = prompt_tokens(body)
+        if request.path == "/chat_tokenize":
+            return web.json_response({"tokenize_response": [{"id": i} for i in range(n)]})
+        if "inputs" in body:
+            return web.json_response([{"id": i, "text": "t"} for i in range(n)])
+        return web.json_response({"count": n, "max_model_len": 4096, "tokens": list(range(n))})
 
     async def _replay(self, request: web.Request, name: str) -> web.StreamResponse:
         data = load_fixture(name)
@@ -206,6 +282,8 @@ class FakeUpstream:
             "object": "response",
             "model": body.get("model") or MODEL,
             "status": "completed",
+            "error": None,
+            "incomplete_details": None,
             "output": [],
             "usage": usage,
         }
@@ -290,6 +368,11 @@ class FakeUpstream:
         raw = await request.read()
         body = json.loads(raw)
         request._read_bytes = raw  # let the routed handler read the body again
+        if not isinstance(body.get("stream", False), bool):  # serde takes only a JSON boolean
+            return web.json_response(
+                {"error": "invalid type: expected a boolean", "error_type": "validation"},
+                status=422,
+            )
         if body.get("stream"):
             return await self.tgi_stream(request)
         return await self.tgi_generate(request)

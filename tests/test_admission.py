@@ -238,7 +238,8 @@ async def test_exact_prompt_size_from_upstream_tokenize(
 async def test_tokenize_failure_falls_back_to_the_estimate(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar(
         {"admission": {"strategy": "token-budget", "tokenize": True, "chars_per_token": 1.0}}
-    )  # the fake has no /tokenize
+    )
+    run.upstream.tokenize_fails = True
     async with (
         aiohttp.ClientSession() as s,
         s.post(

@@ -65,6 +65,11 @@ def test_defaults_without_a_file() -> None:
             "expected one of none, serial, fixed-batch, token-budget",
         ),
         ("gpu:\n  enabled: 'yes'\n", "config 'gpu.enabled' has value 'yes': not a boolean"),
+        (
+            "metering:\n  free_routes: [tokenize]\n",
+            "config 'metering.free_routes' has value 'tokenize': each route must start with '/'",
+        ),
+        ("metering:\n  unknown_routes: allow\n", "expected one of forward, refuse"),
         ("- a list\n", "must hold a mapping"),
         ("upstream: [\n", "is not valid YAML"),
     ],

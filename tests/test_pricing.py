@@ -108,7 +108,8 @@ async def test_default_price_applies(start_sidecar: StartSidecar) -> None:
 
 
 async def test_unknown_usage_means_unknown_cost(start_sidecar: StartSidecar) -> None:
-    run = await start_sidecar({"pricing": PRICES})
+    # without vLLM's running totals a truncated stream has no usage at all
+    run = await start_sidecar({"pricing": PRICES, "metering": {"continuous_usage": False}})
     await post(run, {"model": MODEL, "messages": MSGS, "stream": True}, **{"X-Fake": "truncate"})
     assert run.value("llm_cost_unknown_total", model=MODEL, reason="usage_unknown") == 1
     assert run.value("llm_request_cost_usd_count", model=MODEL, api_endpoint=CHAT) == 0

@@ -78,7 +78,8 @@ async def test_async_streaming_injects_usage_and_strips_its_chunk(
     assert len(chunks) == 4
     assert all(c.choices and c.usage is None for c in chunks)
     sent = json.loads(run.upstream.seen[-1]["body"])
-    assert sent["stream_options"] == {"include_usage": True}
+    # usage, and vLLM's running totals on every chunk (cut out again: the client saw none)
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     # 8 tokens in 4 chunks: counted from usage, not chunks
     user = "key-" + __import__("hashlib").sha256(b"sk-test").hexdigest()[:12]
     assert tokens(run, "output", user=user) == 8
@@ -140,7 +141,7 @@ async def test_injection_keeps_every_other_byte_of_the_body(start_sidecar: Start
     ):
         await r.read()
     sent = run.upstream.seen[-1]["body"]
-    spliced = b'{"stream_options":{"include_usage":true},'
+    spliced = b'{"stream_options":{"include_usage":true,"continuous_usage_stats":true},'
     assert sent == spliced + b'  "model": "m", "stream": true,\n "prompt": "x y"}'
 
 
@@ -180,7 +181,8 @@ async def test_stream_chunks_are_forwarded_as_they_arrive(start_sidecar: StartSi
 
 
 async def test_midstream_error_marks_failure(start_sidecar: StartSidecar, oai: Any) -> None:
-    run = await start_sidecar()
+    # without running totals (TGI, or continuous_usage off) the stream's usage is unknown
+    run = await start_sidecar({"metering": {"continuous_usage": False}})
     client = oai(run)
     seen = []
     with contextlib.suppress(openai.APIError):  # the SDK may or may not raise on an error event
@@ -216,7 +218,7 @@ async def test_midstream_error_marks_failure(start_sidecar: StartSidecar, oai: A
 
 
 async def test_truncated_stream_is_unknown_not_invented(start_sidecar: StartSidecar) -> None:
-    run = await start_sidecar()
+    run = await start_sidecar({"metering": {"continuous_usage": False}})
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 6, "stream": True}
     async with (
         aiohttp.ClientSession() as s,
@@ -357,7 +359,7 @@ async def test_oversized_body_is_413(start_sidecar: StartSidecar) -> None:
 
 
 async def test_hop_by_hop_dropped_and_forwarded_for_added(start_sidecar: StartSidecar) -> None:
-    run = await start_sidecar()
+    run = await start_sidecar({"metering": {"unknown_routes": "forward"}})  # /echo is unmetered
     headers = {
         "Connection": "keep-alive, X-Secret-Hop",
         "X-Secret-Hop": "1",

@@ -4,6 +4,7 @@ memory, and output that does not depend on batching."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from typing import Any
 
@@ -22,6 +23,8 @@ from sidecar.metrics import (
     VLLM_WAITING,
 )
 from sidecar.simulator import EngineParams, create_simulator
+from sidecar.simulator.engine import Engine, chat_prompt, tokenize
+from sidecar.simulator.server import ENGINE
 from tests.conftest import StartSidecar
 
 FAST = EngineParams(step_base_s=0.0005, prefill_s_per_token=0.0, decode_s_per_seq=0.00001)
@@ -279,3 +282,67 @@ async def test_scheduler_metrics_use_the_servers_names_marked_simulated(
     )
     for name in names:
         assert samples[name]["simulated"] == "true", name
+async def test_vllm_sim_reads_lax_booleans_and_sends_running_usage(vllm_sim: Any) -> None:
+    """vLLM's own behaviour, which the sidecar relies on: `"stream": "true"` streams, and
+    continuous_usage_stats (with include_usage) puts running totals on every chunk."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 6,
+        "stream": "true",
+        "stream_options": {"include_usage": "yes", "continuous_usage_stats": 1},
+    }
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base(vllm_sim) + "/tokenize", json={"messages": body["messages"]}) as r:
+            prompt = (await r.json())["count"]
+        async with s.post(base(vllm_sim) + "/v1/chat/completions", json=body) as r:
+            assert r.content_type == "text/event-stream"
+            events = [
+                json.loads(line[6:])
+                for line in (await r.read()).split(b"\n\n")
+                if line.startswith(b"data: {")
+            ]
+    running = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert running == sorted(running) and running[0] == 0  # the role chunk: nothing generated
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == running[-1]
+
+
+async def test_a_client_leaving_mid_stream_is_billed_exactly_through_the_sim(
+    aiohttp_server: Any, start_sidecar: StartSidecar
+) -> None:
+    params = EngineParams(step_base_s=0.01, prefill_s_per_token=0.0, decode_s_per_seq=0.0)
+    server = await aiohttp_server(create_simulator("vllm", params))
+    engine = server.app[ENGINE]
+    run = await start_sidecar(upstream_url=base(server))
+    messages = [{"role": "user", "content": "tell me a long story"}]
+    seed = next(
+        s for s in range(100) if Engine(FAST).submit(chat_prompt(messages), 300, s).stop_at == 300
+    )
+    async with openai.AsyncOpenAI(base_url=run.url + "/v1", api_key="k", max_retries=0) as c:
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=300, seed=seed, stream=True
+        )
+        n = 0
+        async for chunk in stream:
+            assert chunk.usage is None  # the running totals never reach the client
+            n += bool(chunk.choices and chunk.choices[0].delta.content)
+            if n == 5:
+                break
+        await stream.close()
+    key = {"model": MODEL, "api_endpoint": "/v1/chat/completions"}
+    for _ in range(250):
+        if run.value("llm_requests_total", status_code="499", **key):
+            break
+        await asyncio.sleep(0.02)
+    user = {"user_id": "key-" + hashlib.sha256(b"k").hexdigest()[:12], **key}
+    out = run.value("llm_tokens_total", token_type="output", **user)
+    assert run.value("llm_tokens_total", token_type="input", **user) == len(
+        tokenize(chat_prompt(messages))
+    )
+    assert out is not None and 5 <= out <= engine.generation_tokens_total < 300
+    for _ in range(100):  # the sequence was cancelled: the engine stops generating it
+        if not engine.running and not engine.waiting:
+            break
+        await asyncio.sleep(0.02)
+    assert not engine.running and engine.generation_tokens_total < 300

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sidecar.finishers import tokenize_requests
+from sidecar.routes import AmbiguousPath, routing_path
 from sidecar.usage import Endpoint, StreamMeter, classify, inspect_request, usage_from_body
 from tests.fakes import load_fixture
 
@@ -204,3 +209,339 @@ def test_role_only_first_chunk_is_not_a_token() -> None:
     assert m.token_events == 0
     m.feed(f"data: {json.dumps(token)}\n\n".encode())
     assert m.token_events == 1
+
+
+# --- billing integrity (issue 10) and bodies that must never be corrupted (issue 13) -------------
+
+_PYDANTIC_BOOL = pydantic.TypeAdapter(bool | None)  # what vLLM's request models do with `stream`
+
+json_scalars = st.one_of(
+    st.booleans(),
+    st.none(),
+    st.integers(-3, 3),
+    st.sampled_from([0.0, 1.0, 1.5, -1.0]),
+    st.sampled_from(["true", "TRUE", "True", "1", "yes", "Yes", "on", "ON", "t", "T", "y", "Y"]),
+    st.sampled_from(["false", "0", "no", "off", "f", "n", "", " true", "true ", "2", "tru"]),
+    st.text(max_size=5),
+)
+
+
+def _vllm_reads_true(value: object) -> bool:
+    try:
+        return _PYDANTIC_BOOL.validate_python(value) is True
+    except pydantic.ValidationError:
+        return False
+
+
+@settings(max_examples=300)
+@given(json_scalars)
+def test_stream_flag_is_read_as_vllm_reads_it(value: object) -> None:
+    body = json.dumps({"model": "m", "stream": value}).encode()
+    for endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES):
+        info = inspect_request(endpoint, body, inject_usage=True)
+        assert info.stream is _vllm_reads_true(value), (endpoint, value)
+        if endpoint is not Endpoint.RESPONSES:
+            assert info.injected_usage is info.stream
+    # TGI's native routes take only a JSON boolean (serde), whatever the string says
+    tgi = inspect_request(Endpoint.TGI_COMPAT, body, inject_usage=True)
+    assert tgi.stream is (value is True)
+
+
+@pytest.mark.parametrize("value", ["true", "1", "yes", "on", "t", "y", "TRUE", 1, 1.0])
+def test_lax_stream_gets_usage_injected_and_metered(value: object) -> None:
+    body = json.dumps({"model": "m", "stream": value}).encode()
+    info = inspect_request(Endpoint.CHAT, body, inject_usage=True)
+    assert info.stream and info.injected_usage
+    assert json.loads(info.body)["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/chat/completions/", "/v1/chat/completions"),
+        ("/v1/./chat/completions", "/v1/chat/completions"),
+        ("/v1/x/../chat/completions", "/v1/chat/completions"),
+        ("//v1//chat///completions", "/v1/chat/completions"),
+        ("/v1/%2e/chat/completions", "/v1/chat/completions"),
+        ("/v1/%2E%2E/v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/%63hat/completions", "/v1/chat/completions"),
+        ("/../../../v1/completions", "/v1/completions"),
+        ("/invocations/.", "/invocations"),
+        ("/", "/"),
+        ("/a%20b", "/a b"),
+        ("/%252F", "/%2F"),  # decoded once, as the servers do: a literal '%2F', not a slash
+    ],
+)
+def test_routing_path_normalises(raw: str, expected: str) -> None:
+    assert routing_path(raw) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["/v1/chat%2Fcompletions", "/v1%2fchat/completions", "/v1/%5Cchat", "/a%00", "/%0a", "/%ff"],
+)
+def test_ambiguous_paths_are_refused(raw: str) -> None:
+    with pytest.raises(AmbiguousPath):
+        routing_path(raw)
+
+
+def test_classify_new_routes() -> None:
+    assert classify("POST", "/invocations") is Endpoint.INVOCATIONS
+    assert classify("POST", "/vertex") is Endpoint.TGI_VERTEX
+    assert classify("POST", "/v1/messages") is None
+
+
+@pytest.mark.parametrize(
+    "body,api,expected",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "vllm", Endpoint.CHAT),
+        ({"messages": [], "prompt": "x"}, "vllm", Endpoint.CHAT),  # chat is tried first
+        ({"messages": "not a list", "prompt": "x"}, "vllm", Endpoint.COMPLETIONS),
+        ({"prompt": "x"}, "vllm", Endpoint.COMPLETIONS),
+        ({"prompt": [1, 2, 3]}, "vllm", Endpoint.COMPLETIONS),
+        ({"input": "x"}, "vllm", Endpoint.EMBEDDINGS),
+        ({"inputs": "x", "messages": []}, "vllm", Endpoint.CHAT),
+        ({"inputs": "x", "messages": []}, "tgi", Endpoint.TGI_COMPAT),  # TGI tries generate first
+        ({"messages": []}, "tgi", Endpoint.CHAT),
+        ({"query": "x", "documents": []}, "vllm", Endpoint.OTHER),
+    ],
+)
+def test_invocations_dispatch_by_body_shape(body: dict, api: str, expected: Endpoint) -> None:
+    info = inspect_request(
+        Endpoint.INVOCATIONS, json.dumps(body).encode(), inject_usage=True, api=api
+    )
+    assert info.endpoint is expected
+
+
+def test_invocations_stream_is_injected_like_its_route() -> None:
+    body = b'{"messages":[{"role":"user","content":"a b"}],"stream":"true"}'
+    info = inspect_request(Endpoint.INVOCATIONS, body, inject_usage=True)
+    assert (info.endpoint, info.stream, info.injected_usage) == (Endpoint.CHAT, True, True)
+    unknown = inspect_request(Endpoint.INVOCATIONS, b"not json", inject_usage=True)
+    assert unknown.endpoint is Endpoint.OTHER and unknown.body == b"not json"
+
+
+def test_vertex_request_and_response() -> None:
+    body = json.dumps(
+        {
+            "instances": [
+                {"inputs": "a b c", "parameters": {"max_new_tokens": 3}},
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            ]
+        }
+    ).encode()
+    info = inspect_request(Endpoint.TGI_VERTEX, body, inject_usage=True)
+    assert (info.stream, info.max_tokens, info.choices, info.body) == (False, 7, 2, body)
+    usage = usage_from_body(Endpoint.TGI_VERTEX, b'{"predictions":["x","y"]}', {})
+    assert usage.input_tokens is None and usage.unknown_reason == "no_usage"
+    calls = tokenize_requests(info, "tgi")
+    assert calls is not None and [p for p, _ in calls] == ["/tokenize", "/chat_tokenize"]
+
+
+def test_injection_never_reserialises_the_body() -> None:
+    body = (
+        b'{"model": "m", "stream": true,  "temperature": 1e999, "x": "caf\\u00e9 \xc3\xa9",\n'
+        b' "stream_options": {"include_usage": false, "other": [1, 2.50]}}'
+    )
+    info = inspect_request(Endpoint.CHAT, body, inject_usage=True)
+    assert info.body == body.replace(b'"include_usage": false', b'"include_usage": true'), (
+        "only the value changes: 1e999, the escapes, spacing and key order survive"
+    )
+    null_opts = b'{"stream":true,"stream_options":null,"n":1E400}'
+    assert (
+        inspect_request(Endpoint.CHAT, null_opts, inject_usage=True).body
+        == b'{"stream":true,"stream_options":{"include_usage":true},"n":1E400}'
+    )
+    dup = b'{"stream":true,"stream_options":{"x":1},"stream_options":{}}'
+    assert (  # the server keeps the last of a repeated key: that is the one edited
+        inspect_request(Endpoint.CHAT, dup, inject_usage=True).body
+        == b'{"stream":true,"stream_options":{"x":1},"stream_options":{"include_usage":true}}'
+    )
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "latin-1"])
+def test_only_utf8_json_objects_are_changed(encoding: str) -> None:
+    body = '{"model":"m","stream":true,"prompt":"caf\u00e9"}'.encode(encoding)
+    info = inspect_request(Endpoint.COMPLETIONS, body, inject_usage=True, continuous_usage=True)
+    assert info.body == body and not info.injected_usage and not info.utf8
+
+
+def test_continuous_usage_requested_without_changing_what_was_asked() -> None:
+    def opts(body: bytes) -> tuple[dict, bool, bool]:
+        info = inspect_request(Endpoint.CHAT, body, inject_usage=True, continuous_usage=True)
+        return (
+            json.loads(info.body).get("stream_options"),
+            info.injected_usage,
+            info.strip_chunk_usage,
+        )
+
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert opts(b'{"stream":true}') == (both, True, True)
+    # asked for the final usage only: keep that chunk, cut the running totals
+    assert opts(b'{"stream":true,"stream_options":{"include_usage":true}}') == (
+        {"continuous_usage_stats": True, "include_usage": True},
+        False,
+        True,
+    )
+    # asked for running totals but include_usage false: vLLM would send no usage at all
+    assert opts(
+        b'{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":true}}'
+    ) == (both, True, True)
+    # asked for everything: nothing changes
+    asked = b'{"stream":true,"stream_options":{"include_usage":"yes","continuous_usage_stats":1}}'
+    info = inspect_request(Endpoint.CHAT, asked, inject_usage=True, continuous_usage=True)
+    assert info.body == asked and not info.injected_usage and not info.strip_chunk_usage
+    # without continuous_usage, a client's own continuous_usage_stats under include_usage:false
+    # still makes vLLM send per-chunk usage once we ask for usage: it is cut out again
+    info = inspect_request(
+        Endpoint.CHAT,
+        b'{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":true}}',
+        inject_usage=True,
+    )
+    assert info.injected_usage and info.strip_chunk_usage
+
+
+def _chunk(i: int, usage: dict | None, finish: str | None = None) -> dict:
+    c: dict = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": finish}],
+    }
+    if usage is not None:
+        c["usage"] = usage
+    return c
+
+
+def _running(i: int) -> dict:
+    return {"prompt_tokens": 7, "total_tokens": 7 + i, "completion_tokens": i}
+
+
+def _compact_sse(events: list[dict]) -> bytes:
+    return b"".join(
+        b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events
+    )
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 40))
+def test_running_usage_is_cut_out_byte_for_byte(step: int) -> None:
+    n = 5
+    final = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [],
+    }
+    with_usage = [_chunk(i, _running(i + 1), "length" if i == n - 1 else None) for i in range(n)]
+    wire = _compact_sse([*with_usage, {**final, "usage": _running(n)}]) + b"data: [DONE]\n\n"
+    plain = _compact_sse([_chunk(i, None, "length" if i == n - 1 else None) for i in range(n)])
+    m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    out = b"".join(m.feed(wire[i : i + step]) for i in range(0, len(wire), step))
+    tail, usage = m.finish()
+    assert out + tail == plain + b"data: [DONE]\n\n"  # what vLLM sends when nobody asked
+    assert (usage.input_tokens, usage.output_tokens) == (7, 5)
+    # a client that asked for the final usage keeps that chunk, and only that
+    keep = StreamMeter(Endpoint.CHAT, strip_chunk_usage=True)
+    out = b"".join(keep.feed(wire[i : i + step]) for i in range(0, len(wire), step))
+    assert out + keep.finish()[0] == (
+        plain + _compact_sse([{**final, "usage": _running(n)}]) + b"data: [DONE]\n\n"
+    )
+
+
+def test_usage_so_far_and_finished() -> None:
+    m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    m.feed(_compact_sse([_chunk(0, _running(2)), _chunk(1, _running(4))]))
+    assert not m.finished
+    usage = m.usage_so_far()
+    assert (usage.input_tokens, usage.output_tokens) == (7, 4)  # exact up to the last chunk
+    m.feed(_compact_sse([_chunk(2, _running(5), "stop")]))
+    assert m.finished and not m.done  # generation over, the usage chunk still to come
+    plain = StreamMeter(Endpoint.CHAT, choices=2)
+    plain.feed(_compact_sse([_chunk(0, None, "stop")]))
+    assert not plain.finished  # n=2: the other choice is still generating
+    assert plain.usage_so_far().output_tokens is None
+
+
+def test_responses_body_with_null_error_is_not_a_failure() -> None:
+    body = {
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "model": "m",
+        "error": None,
+        "incomplete_details": None,
+        "output": [],
+        "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+    }
+    usage = usage_from_body(Endpoint.RESPONSES, json.dumps(body).encode(), {})
+    assert usage.error is None and (usage.input_tokens, usage.output_tokens) == (3, 2)
+    failed = {**body, "status": "failed", "error": {"code": "server_error", "message": "x"}}
+    assert usage_from_body(Endpoint.RESPONSES, json.dumps(failed).encode(), {}).error
+
+
+def test_tokenize_requests_carry_the_template_inputs() -> None:
+    chat = json.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "a"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "max_tokens": 3,
+            "stream": True,
+        }
+    ).encode()
+    info = inspect_request(Endpoint.CHAT, chat, inject_usage=True)
+    ((path, body),) = tokenize_requests(info, "vllm") or []
+    assert path == "/tokenize"
+    assert set(json.loads(body)) == {"model", "messages", "tools", "chat_template_kwargs"}
+    completion = inspect_request(
+        Endpoint.COMPLETIONS, b'{"model":"m","prompt":["a b"]}', inject_usage=True
+    )
+    ((path, body),) = tokenize_requests(completion, "vllm") or []
+    assert json.loads(body) == {"model": "m", "prompt": "a b"}
+    batch = inspect_request(Endpoint.COMPLETIONS, b'{"prompt":["a","b"]}', inject_usage=True)
+    assert tokenize_requests(batch, "vllm") is None  # not one prompt: not counted
+
+
+def test_running_usage_is_cut_whatever_the_content_or_spacing() -> None:
+    tricky = _chunk(0, _running(1))
+    tricky["choices"][0]["delta"]["content"] = 'data: ,"usage":{"x":1}}\n}'
+    spaced = json.dumps(_chunk(1, _running(2)))  # not vLLM's compact form: the slow path
+    wire = _compact_sse([tricky]) + f"data: {spaced}\r\n\r\n".encode()
+    m = StreamMeter(Endpoint.CHAT, strip_chunk_usage=True)
+    out = m.feed(wire)
+    first, second = out.split(b"\n\n", 1)
+    assert first + b"\n\n" == _compact_sse([{k: v for k, v in tricky.items() if k != "usage"}])
+    assert second == b"data: " + json.dumps(_chunk(1, None)).encode() + b"\r\n\r\n"
+    assert m.usage_so_far().output_tokens == 2
+
+
+def test_tgi_tokenize_requests() -> None:
+    chat = inspect_request(
+        Endpoint.CHAT, b'{"messages":[{"role":"user","content":"a"}]}', inject_usage=False
+    )
+    assert tokenize_requests(chat, "tgi") == [("/chat_tokenize", chat.body)]
+    comp = inspect_request(Endpoint.COMPLETIONS, b'{"prompt":"a b"}', inject_usage=False)
+    assert tokenize_requests(comp, "tgi") == [("/tokenize", b'{"inputs": "a b"}')]
+    native = inspect_request(
+        Endpoint.TGI_GENERATE_STREAM,
+        b'{"inputs":"a b","parameters":{"truncate":8,"max_new_tokens":3}}',
+        inject_usage=False,
+    )
+    ((path, body),) = tokenize_requests(native, "tgi") or []
+    assert path == "/tokenize" and json.loads(body)["parameters"]["truncate"] == 8
+
+
+def test_responses_stream_is_finished_between_output_items() -> None:
+    def ev(kind: str) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind})}\n\n".encode()
+
+    m = StreamMeter(Endpoint.RESPONSES)
+    m.feed(ev("response.created") + ev("response.output_text.delta"))
+    assert not m.finished
+    m.feed(ev("response.output_text.done") + ev("response.output_item.done"))
+    assert m.finished and not m.done  # the usage rides on response.completed, still to come

@@ -24,6 +24,7 @@ from ..metrics import (
     VLLM_RUNNING,
     VLLM_WAITING,
 )
+from ..usage import lax_true
 from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
 
 Api = Literal["vllm", "tgi"]
@@ -52,6 +53,7 @@ class Gen:
     include_usage: bool
     model: str
     details: bool = False
+    continuous_usage: bool = False  # vLLM: running totals on every chunk (with include_usage)
 
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -76,7 +78,7 @@ def _int(body: dict[str, Any], key: str, default: int) -> int:
     return v
 
 
-def openai_gen(body: dict[str, Any], chat: bool, model: str) -> Gen:
+def openai_gen(body: dict[str, Any], chat: bool, model: str, api: Api = "vllm") -> Gen:
     prompt: Any
     if chat:
         msgs = body.get("messages")
@@ -93,13 +95,20 @@ def openai_gen(body: dict[str, Any], chat: bool, model: str) -> Gen:
         raise BadRequest("the simulator supports n=1 only")
     opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # vLLM's request models read booleans as pydantic does ("true", 1, "yes" ...); TGI's take
+    # only JSON booleans.
+    flag = lax_true if api == "vllm" else (lambda v: v is True)
+    include_usage = flag((opts or {}).get("include_usage"))
     return Gen(
         prompt=prompt,
         max_tokens=_int({"m": max_tokens}, "m", 16),
         seed=_int(body, "seed", 0),
-        stream=body.get("stream") is True,
-        include_usage=bool(opts and opts.get("include_usage") is True),
+        stream=flag(body.get("stream")),
+        include_usage=include_usage,
         model=body.get("model") or model,
+        continuous_usage=include_usage
+        and api == "vllm"
+        and flag((opts or {}).get("continuous_usage_stats")),
     )
 
 
@@ -139,11 +148,23 @@ def vllm_error(status: int, message: str, err_type: str) -> web.Response:
 
 
 async def openai_route(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, request.path.endswith("/chat/completions"))
+
+
+async def vllm_invocations(request: web.Request) -> web.StreamResponse:
+    """vLLM's /invocations: a chat request when it has messages, else a completion."""
+    try:
+        body = await _json(request)
+    except BadRequest as exc:
+        return vllm_error(400, str(exc), "BadRequestError")
+    return await _openai(request, isinstance(body.get("messages"), list))
+
+
+async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
     engine, s = request.app[ENGINE], request.app[SETTINGS]
-    chat = request.path.endswith("/chat/completions")
     tgi = s.api == "tgi"
     try:
-        gen = openai_gen(await _json(request), chat, s.model)
+        gen = openai_gen(await _json(request), chat, s.model, s.api)
         n_prompt = _check_len(engine, gen)
     except BadRequest as exc:
         return (
@@ -186,6 +207,17 @@ async def openai_route(request: web.Request) -> web.StreamResponse:
     chunk_obj = obj + ".chunk" if chat else obj
 
     def chunk(delta: str | None, finish: str | None) -> bytes:
+        return event(_chunk_payload(delta, finish))
+
+    sent = [0]  # tokens in the chunks written so far: what vLLM's running totals count
+
+    def event(payload: dict[str, Any]) -> bytes:
+        if gen.continuous_usage:  # running totals, the chunk's last member
+            payload["usage"] = _usage(n_prompt, sent[0])
+            del payload["usage"]["prompt_tokens_details"]
+        return f"data{sep}{json.dumps(payload)}\n\n".encode()
+
+    def _chunk_payload(delta: str | None, finish: str | None) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if chat:
             c["delta"] = {"content": delta or ""} if delta is not None else {}
@@ -200,7 +232,7 @@ async def openai_route(request: web.Request) -> web.StreamResponse:
         }
         if tgi:
             payload["usage"] = None
-        return f"data{sep}{json.dumps(payload)}\n\n".encode()
+        return payload
 
     try:
         if chat:
@@ -218,8 +250,9 @@ async def openai_route(request: web.Request) -> web.StreamResponse:
                     }
                 ],
             }
-            await resp.write(f"data{sep}{json.dumps(first)}\n\n".encode())
+            await resp.write(event(first))
         async for t in tokens:
+            sent[0] += 1
             await resp.write(chunk(t, None))
         await resp.write(chunk(None, seq.finish_reason))
         if gen.include_usage:
@@ -484,6 +517,7 @@ def create_simulator(
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     if api == "vllm":
+        r.add_post("/invocations", vllm_invocations)
         r.add_post("/tokenize", vllm_tokenize)
         r.add_get("/v1/models", vllm_models)
     else:
