@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from .config import AdmissionConfig
 from .meter import Exchange
 from .metrics import Metrics
 from .proxy import Refusal
-from .usage import RequestInfo
 
 
 @dataclass(eq=False)
@@ -267,59 +263,3 @@ class Admission:
             "limit": self.limit,
             "running": self.running,
         }
-
-
-class UpstreamTokenizer:
-    """The prompt's exact size from the upstream's own /tokenize, for admission only.
-
-    vLLM takes {"model", "prompt"} or {"model", "messages"} (chat template applied) and answers
-    {"count": N}; TGI takes {"inputs"} and answers a list of tokens. Any failure returns None
-    (the caller falls back to the estimate) and is counted.
-    """
-
-    def __init__(
-        self,
-        session: Callable[[], aiohttp.ClientSession | None],
-        base: str,
-        api: str,
-        metrics: Metrics,
-    ) -> None:
-        self.session, self.base, self.api, self.metrics = session, base, api, metrics
-        self.timeout = aiohttp.ClientTimeout(total=2.0)
-
-    async def gate(self, ex: Exchange) -> None:
-        """A gate that only measures: the prompt's exact size, for budgets and admission."""
-        ex.prompt_tokens = await self.count(ex.info)
-
-    async def count(self, info: RequestInfo) -> int | None:
-        body = self._body(info)
-        session = self.session()
-        if body is None or session is None:
-            return None
-        try:
-            async with session.post(self.base + "/tokenize", json=body, timeout=self.timeout) as r:
-                data = await r.json(content_type=None) if r.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            data = None
-        if isinstance(data, dict) and isinstance(data.get("count"), int):
-            return int(data["count"])
-        if isinstance(data, list):
-            return len(data)
-        self.metrics.upstream_errors.labels("tokenize").inc()
-        return None
-
-    def _body(self, info: RequestInfo) -> dict[str, Any] | None:
-        try:
-            obj = json.loads(info.body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        if self.api == "tgi" or info.endpoint.is_tgi_native:
-            text = obj.get("inputs") if info.endpoint.is_tgi_native else obj.get("prompt")
-            return {"inputs": text} if isinstance(text, str) else None
-        if isinstance(obj.get("messages"), list):
-            return {"model": obj.get("model"), "messages": obj["messages"]}
-        if isinstance(obj.get("prompt"), str):
-            return {"model": obj.get("model"), "prompt": obj["prompt"]}
-        return None

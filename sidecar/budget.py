@@ -119,8 +119,9 @@ class LocalStore:
             return Verdict(
                 False, next(s for s in hold.scopes if s.key not in self.spent), "capacity"
             )
+        need = max(hold.amount, 1)  # a spent budget admits nothing, not even a $0 hold
         for s in hold.scopes:
-            if self.spent.get(s.key, 0) + self.held.get(s.key, 0) + hold.amount > s.limit:
+            if self.spent.get(s.key, 0) + self.held.get(s.key, 0) + need > s.limit:
                 return Verdict(False, s, "budget")
         for s in hold.scopes:
             self.spent.setdefault(s.key, 0)
@@ -203,21 +204,20 @@ class Budgets:
         return tuple(out)
 
     def worst_case_usd(self, ex: Exchange) -> float:
-        """The prompt (exact when sized by the upstream, else the admission estimate) at the input
-        price plus every output token the request may generate at the output price. $0 for a
-        model without a price: its cost is unknown and is not spend."""
+        """The prompt (exact when sized by the upstream, else every character of the body's text
+        over chars_per_token plus any token ids) at the input price, plus every output token the
+        request may generate (its limit, or the default, times its choices: n x prompts) at the
+        output price. $0 for a model without a price: its cost is unknown and is not spend."""
         price = self.prices.price(priced_model(ex))
         if price is None:
             return 0.0
         info = ex.info
         prompt = ex.prompt_tokens
         if prompt is None:
-            chars = info.prompt_chars if info.parsed else len(info.body)
-            prompt = math.ceil(chars / self.chars_per_token)
-        limit = info.max_tokens
-        if limit is None:
-            limit = self.config.default_max_output_tokens
-        out = min(limit, MAX_TOKENS) * min(max(1, info.n or 1), MAX_TOKENS)
+            chars = info.text_chars if info.parsed else len(info.body)
+            prompt = math.ceil(chars / self.chars_per_token) + info.prompt_ids
+        limit = info.max_tokens or self.config.default_max_output_tokens
+        out = min(limit, MAX_TOKENS) * min(info.choices, MAX_TOKENS)
         return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
 
     # --- the gate and the sink
@@ -227,6 +227,12 @@ class Budgets:
         scopes = self.scopes(ex.user_id, ex.team)
         if not scopes:
             return None
+        if ex.info.unreadable:  # the server may read it; the hold could not: never guess low
+            raise Refusal(
+                400,
+                "invalid_request_error",
+                f"'{ex.info.unreadable[0]}' must be a non-negative integer",
+            )
         hold = Hold(
             ex.uid, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
         )

@@ -146,8 +146,8 @@ class AdmissionConfig:
     default_max_tokens: int = 256
     # Let a small request pass a large one waiting at the head. Off: strict FIFO, no starvation.
     allow_overtake: bool = False
-    # Ask the upstream's /tokenize for the prompt size instead of the chars estimate (exact, but one
-    # more upstream call before admission; falls back to the estimate if it fails).
+    # Ask the upstream's /tokenize for the prompt size instead of the chars estimate, for admission
+    # and budget holds (exact, but one more upstream call first; the estimate if it fails).
     tokenize: bool = False
 
 

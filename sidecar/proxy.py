@@ -194,6 +194,7 @@ class ProxySettings:
     free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
     refuse_unknown_routes: bool = True
     drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
+    size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
 
 
 class Proxy:
@@ -343,6 +344,9 @@ class Proxy:
                     f"POST {ex.path} is not a metered route; the operator can allow it with "
                     "metering.free_routes or metering.unknown_routes: forward",
                 )
+            if self.s.size_prompts and self.counter is not None and ex.info.parsed:
+                # budgets and admission both use it; the finisher reuses it for a client that left
+                ex.prompt_tokens = await self.counter.count(ex.info, self._tokenize_auth(ex))
             for gate in self.gates:
                 release = await self._pass(gate, ex)
                 if release is not None:

@@ -59,6 +59,12 @@ class RequestInfo:
     strip_chunk_usage: bool = False
     choices: int = 1  # choices the stream will carry (n, times the prompts of a completion)
     utf8: bool = True  # the body is UTF-8 (only a UTF-8 JSON object is ever changed)
+    # For the budget's worst case: characters of every string in the body (tools, instructions,
+    # input items too; base64 media left out), token ids sent as a prompt, and the limits that
+    # were present but are no integer the server would read.
+    text_chars: int = 0
+    prompt_ids: int = 0
+    unreadable: tuple[str, ...] = ()
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -87,7 +93,8 @@ def inspect_request(
         return _vertex_info(body, obj)
     params = obj.get("parameters") if endpoint.is_tgi_native else obj
     params = params if isinstance(params, dict) else {}
-    n = _int(params.get("n")) if not endpoint.is_tgi_native else None
+    n = _positive(lax_int(params.get("n"))) if not endpoint.is_tgi_native else None
+    text_chars, prompt_ids = body_size(obj)
     info = RequestInfo(
         endpoint=endpoint,
         body=body,
@@ -103,6 +110,9 @@ def inspect_request(
         prompt_chars=prompt_chars(obj),
         choices=max(1, n or 1) * _prompts(endpoint, obj),
         utf8=text is not None,
+        text_chars=text_chars,
+        prompt_ids=prompt_ids,
+        unreadable=_unreadable(params if endpoint.is_tgi_native else obj, endpoint),
     )
     if inject_usage and info.stream and endpoint in _INJECTABLE and text is not None:
         info = _with_usage_requested(info, text, obj, continuous_usage)
@@ -121,7 +131,7 @@ def _parse(body: bytes) -> tuple[str | None, object]:
         text = None
     try:
         obj = json.loads(text if text is not None else body) if body else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         obj = None
     return text, obj
 
@@ -179,15 +189,71 @@ def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
     return lax_true(obj.get("stream"))
 
 
+_OPENAI_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n")
+
+
 def _max_tokens(
     endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any]
 ) -> int | None:
+    """The output limit as the server resolves it: vLLM takes `max_completion_tokens or
+    max_tokens`, so a 0 (or a missing one) falls through to the next."""
     if endpoint.is_tgi_native:
-        return _int(params.get("max_new_tokens"))
-    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        if (v := _int(obj.get(key))) is not None:
+        return _positive(lax_int(params.get("max_new_tokens")))
+    for key in _OPENAI_LIMITS[:3]:
+        if v := _positive(lax_int(obj.get(key))):
             return v
     return None
+
+
+def _unreadable(obj: Mapping[str, Any], endpoint: Endpoint) -> tuple[str, ...]:
+    keys = ("max_new_tokens",) if endpoint.is_tgi_native else _OPENAI_LIMITS
+    return tuple(k for k in keys if obj.get(k) is not None and lax_int(obj[k]) is None)
+
+
+_LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
+_BIG = 2**62  # any longer number of digits reads as this (a hold that large is refused)
+
+
+def lax_int(value: object) -> int | None:
+    """An integer as vLLM's request models read one (pydantic's lax mode): an int, a bool, a float
+    without a fraction, or a string of one ("+8", " 30_000 ", "30000.0"). None otherwise."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str) and len(value) < 64:
+        text = value.strip().removeprefix("+")
+        if _LAX_INT.fullmatch(text):
+            digits = text.partition(".")[0].replace("_", "")
+            return int(digits) if len(digits) < 19 else _BIG
+    return None
+
+
+def _positive(v: int | None) -> int | None:
+    return v if v is not None and v > 0 else None
+
+
+_NOT_TEXT = frozenset({"model", "user"})
+
+
+def body_size(obj: object) -> tuple[int, int]:
+    """(characters of every string value, integers inside a `prompt` list): what the prompt can
+    be made of, for the budget's worst case. Data URLs (base64 media) and the top-level `model`
+    and `user` are not prompt text. Iterative: a deeply nested body cannot exhaust the stack."""
+    chars = ids = 0
+    top = obj.items() if isinstance(obj, dict) else ()
+    stack: list[tuple[object, bool]] = [(v, k == "prompt") for k, v in top if k not in _NOT_TEXT]
+    while stack:
+        value, in_prompt = stack.pop()
+        if isinstance(value, str):
+            chars += 0 if value.startswith("data:") else len(value)
+        elif isinstance(value, dict):
+            stack.extend((v, k == "prompt") for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, in_prompt) for v in value)
+        elif in_prompt and type(value) is int:
+            ids += 1
+    return chars, ids
 
 
 def _with_usage_requested(
@@ -634,7 +700,7 @@ def _int(v: object) -> int | None:
         return None
     if isinstance(v, int):
         return v if v >= 0 else None
-    if isinstance(v, str) and v.isdigit():
+    if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) < 19:
         return int(v)
     return None
 

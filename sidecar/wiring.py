@@ -11,7 +11,7 @@ from typing import Any
 
 from . import thresholds, tracing
 from .accesslog import AccessLog, access_log_context
-from .admission import Admission, UpstreamTokenizer
+from .admission import Admission
 from .app import Sidecar
 from .audit import Audit, audit_context
 from .budget import Budgets
@@ -42,14 +42,6 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
-    if cfg.admission.tokenize:  # first: budgets and admission both use the exact prompt size
-        tokenizer = UpstreamTokenizer(
-            lambda: sc.proxy.session if sc.proxy else None,
-            sc.upstream_base,
-            cfg.upstream.api,
-            sc.metrics,
-        )
-        sc.gates.append(tokenizer.gate)
     budgets = sc.budgets = Budgets(cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices)
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)

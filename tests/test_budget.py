@@ -6,8 +6,10 @@ The store's rules in isolation, then bursts of real openai SDK streams against a
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -15,7 +17,8 @@ from sidecar.budget import Hold, LocalStore, Scope, money, to_micros
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
-MSGS = [{"role": "user", "content": "one two three four five"}]  # 5 tokens upstream, 6 estimated
+# 5 tokens upstream; 7 estimated: the body's text ("user" and the content) over 4 chars per token
+MSGS = [{"role": "user", "content": "one two three four five"}]
 # $0.001 per token in both directions
 PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}}
 USER = Scope("user", "u", to_micros(1.0))
@@ -101,12 +104,12 @@ def spent(run: Running) -> float:
 
 async def test_a_concurrent_burst_cannot_overspend(start_sidecar: StartSidecar, oai: Any) -> None:
     run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 0.2}})
-    # each stream holds (6 + 10) x $0.001 = $0.016 and spends (5 + 10) x $0.001 = $0.015
+    # each stream holds (7 + 10) x $0.001 = $0.017 and spends (5 + 10) x $0.001 = $0.015
     statuses = await burst(run, oai, 20, max_tokens=10)
-    # all at once: 12 x $0.016 = $0.192 and a 13th would hold $0.208; one more fits only if the
-    # first streams ended (spending $0.015 each) before the last were reserved.
+    # all at once: 11 x $0.017 = $0.187 and a 12th would hold $0.204; more fit only if the first
+    # streams ended (spending $0.015 each) before the last were reserved.
     admitted = statuses.count(200)
-    assert admitted in (12, 13)
+    assert 11 <= admitted <= 13
     assert spent(run) == pytest.approx(admitted * 0.015)
     assert spent(run) <= 0.2
     assert run.sc.budgets.store.held == {"user:eve": 0}  # every hold settled
@@ -125,8 +128,8 @@ async def test_without_an_output_limit_overshoot_stays_within_the_documented_bou
     )
     statuses = await burst(run, oai, 20)
     admitted = statuses.count(200)
-    hold_usd, actual_usd = (6 + 4) * 0.001, (5 + 6) * 0.001
-    assert 9 <= admitted <= 10  # 10 x $0.010 = the budget, when all are in flight at once
+    hold_usd, actual_usd = (7 + 4) * 0.001, (5 + 6) * 0.001
+    assert 9 <= admitted <= 10  # 9 x $0.011 = $0.099, when all are in flight at once
     bound = admitted * max(0.0, actual_usd - hold_usd)
     assert spent(run) == pytest.approx(admitted * actual_usd)
     assert spent(run) <= 0.1 + bound + 1e-9
@@ -143,7 +146,7 @@ async def test_a_stream_without_usage_is_charged_its_hold(
         }
     )
     client = oai(run)
-    for _ in range(3):  # each holds $0.016; nothing is measured, so each is charged $0.016
+    for _ in range(2):  # each holds $0.017; nothing is measured, so each is charged $0.017
         stream = await client.chat.completions.create(
             model=MODEL,
             messages=MSGS,
@@ -157,7 +160,7 @@ async def test_a_stream_without_usage_is_charged_its_hold(
         await client.chat.completions.create(
             model=MODEL, messages=MSGS, max_tokens=10, extra_headers={"X-Tollbooth-User": "eve"}
         )
-    assert run.value("llm_budget_unmeasured_charges_total") == 3
+    assert run.value("llm_budget_unmeasured_charges_total") == 2
     assert spent(run) == 0.0  # a hold is never exported as spend
 
 
@@ -180,3 +183,117 @@ async def test_a_tiny_budget_is_named_exactly_in_the_refusal(
     with pytest.raises(openai.RateLimitError) as err:
         await oai(run).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5)
     assert "daily budget of $0.001 " in err.value.body["message"]
+
+
+def worst_case(
+    body: dict[str, Any], endpoint: str = "/v1/chat/completions", **budgets: Any
+) -> float:
+    """The hold, in dollars at $1 per token, for a request body."""
+    from sidecar.budget import Budgets
+    from sidecar.config import AdmissionConfig, BudgetConfig, ModelPrice, PricingConfig
+    from sidecar.meter import Exchange
+    from sidecar.metrics import LabelCap, Metrics
+    from sidecar.pricing import PriceBook
+    from sidecar.usage import Endpoint, inspect_request
+
+    info = inspect_request(Endpoint(endpoint), json.dumps(body).encode(), inject_usage=False)
+    price = ModelPrice(input_per_1m=1e6, output_per_1m=1e6)
+    b = Budgets(
+        BudgetConfig(user_daily_usd=1.0, **budgets),
+        AdmissionConfig(chars_per_token=1.0),
+        Metrics(),
+        LabelCap(10),
+        PriceBook(PricingConfig(default=price)),
+    )
+    ex = Exchange(
+        request_id="r", endpoint=info.endpoint, info=info, user="u", user_id="u", model="m"
+    )
+    return b.worst_case_usd(ex)
+
+
+@pytest.mark.parametrize(
+    ("limits", "output"),
+    [
+        ({"max_completion_tokens": 0, "max_tokens": 30000}, 30000),  # vLLM: `mct or mt`
+        ({"max_tokens": 30000.0}, 30000),
+        ({"max_tokens": " 30000"}, 30000),
+        ({"max_tokens": "+30_000"}, 30000),
+        ({"max_tokens": "30000.0"}, 30000),
+        ({"max_tokens": 10, "n": 8.0}, 80),
+        ({"max_tokens": 10, "n": "+8"}, 80),
+        ({"max_tokens": 10**400}, 2**31),
+        ({}, 4096),
+    ],
+)
+def test_the_hold_reads_limits_as_the_server_does(limits: dict[str, Any], output: int) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "ab"}], **limits}
+    text = len("user" + "ab") + sum(len(v) for v in limits.values() if isinstance(v, str))
+    assert worst_case(body) == pytest.approx(text + output)
+
+
+def test_the_hold_covers_every_prompt_and_all_the_text() -> None:
+    batch = {"model": "m", "prompt": ["hi"] * 50, "max_tokens": 1000}
+    assert worst_case(batch, "/v1/completions") == 50 * 2 + 50 * 1000
+    ids = {"model": "m", "prompt": [[1, 2, 3]] * 4, "max_tokens": 1}
+    assert worst_case(ids, "/v1/completions") == 12 + 4
+    tools = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "d" * 4000}}],
+        "max_tokens": 1,
+    }
+    assert worst_case(tools) >= 4000
+    image = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + "A" * 9000},
+                    }
+                ],
+            }
+        ],
+        "max_tokens": 1,
+    }
+    assert worst_case(image) < 100  # base64 media is not text
+
+
+async def test_a_limit_the_hold_cannot_read_is_refused(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
+    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 1.0}})
+    async with aiohttp.ClientSession() as s:
+        for bad in ({"max_tokens": "lots"}, {"n": [2]}, {"max_tokens": "²"}):
+            body = {"model": MODEL, "messages": MSGS, **bad}
+            async with s.post(run.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 400, bad
+                assert "must be a non-negative integer" in (await r.json())["error"]["message"]
+        deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        async with s.post(run.url + "/v1/chat/completions", data=deep) as r:
+            await r.read()  # what the server answers; the sidecar forwarded it, unharmed
+    assert run.upstream is not None and run.upstream.seen[-1]["body"] == deep
+    assert run.value("tollbooth_metering_errors_total", stage="gate") is None
+
+
+async def test_a_spent_budget_admits_no_free_route(start_sidecar: StartSidecar) -> None:
+    run = await start_sidecar(
+        {
+            "pricing": PRICES,
+            "budgets": {"user_daily_usd": 0.05},
+            "metering": {"unknown_routes": "forward"},
+        }
+    )
+    budgets = run.sc.budgets
+    await budgets.store.seed(budgets.day_start(budgets.clock()), {"user:eve": to_micros(0.05)})
+    # no model, so no price: its hold is $0, and still nothing is left to admit it
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/rerank", json={"query": "q"}, headers={"X-Tollbooth-User": "eve"}
+        ) as r,
+    ):
+        assert r.status == 429
+    assert run.upstream is not None and run.upstream.seen == []
