@@ -285,13 +285,14 @@ class Budgets:
 
     def charge(self, ex: Exchange, measured: float) -> int:
         """What the budget is charged: the measured cost; for a request that reached the server
-        and whose usage was not measured at all, its hold (a budget is never spent for free)."""
+        and whose usage was not measured in full (either direction unknown), at least its hold:
+        a client cannot make output free by hiding it from the meter."""
         hold: Hold = ex.budget_hold
         u = ex.usage
-        unmeasured = u.input_tokens is None and u.output_tokens is None
-        if unmeasured and ex.upstream_start is not None and consumed(ex):
+        partial = u.input_tokens is None or u.output_tokens is None
+        if partial and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
-            return hold.amount
+            return max(hold.amount, to_micros(measured))
         return to_micros(measured)
 
     def _gauge(self, user: str, amount: float) -> None:

@@ -337,6 +337,8 @@ class Proxy:
                 self.metrics.metering_errors.labels("start").inc()
         context = REQUEST_CONTEXT.set(_log_context(ex))
         try:
+            if ex.info.ambiguous:
+                raise Refusal(400, "ambiguous_request", ex.info.ambiguous)
             if ex.endpoint is Endpoint.OTHER and self.s.refuse_unknown_routes:
                 raise Refusal(
                     403,
@@ -460,6 +462,7 @@ class Proxy:
             strip_usage=info.injected_usage,
             strip_chunk_usage=info.strip_chunk_usage,
             choices=info.choices,
+            per_prompt=info.n or 1,
         )
         resp = web.StreamResponse(
             status=up.status,

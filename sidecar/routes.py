@@ -51,6 +51,14 @@ _TGI_NATIVE = frozenset(
 _ROUTES = {e.value: e for e in Endpoint if e is not Endpoint.OTHER}
 
 
+class AmbiguousBody(ValueError):
+    """An /invocations body more than one route could serve; refused with 400."""
+
+
+def _names(order: tuple[tuple[str, Any, Endpoint], ...]) -> str:
+    return ", ".join(f"'{key}'" for key, _, _ in order)
+
+
 class AmbiguousPath(ValueError):
     """A request path whose meaning depends on which server reads it; refused with 400."""
 
@@ -105,6 +113,10 @@ def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
     completion. Text generation is metered; anything else is OTHER.
     """
     order = _TGI_INVOCATIONS if api == "tgi" else _VLLM_INVOCATIONS
+    if sum(key in obj for key, _, _ in order) > 1:
+        # Which route serves it then depends on which request model fails to validate first
+        # (TGI serves {"inputs", "parameters": {"seed": -1}, "messages"} as chat): not guessed.
+        raise AmbiguousBody("an /invocations body names more than one of " + _names(order))
     for key, kinds, endpoint in order:
         if isinstance(obj.get(key), kinds):
             return endpoint

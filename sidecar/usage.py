@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import splice
+from .routes import AmbiguousBody, invocation_endpoint
 from .routes import Endpoint as Endpoint
 from .routes import classify as classify
-from .routes import invocation_endpoint
 from .sse import Event, SSEParser
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
@@ -65,6 +65,7 @@ class RequestInfo:
     text_chars: int = 0
     prompt_ids: int = 0
     unreadable: tuple[str, ...] = ()
+    ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -86,7 +87,10 @@ def inspect_request(
     """
     text, obj = _parse(body)
     if endpoint is Endpoint.INVOCATIONS:
-        endpoint = invocation_endpoint(obj, api) if isinstance(obj, dict) else Endpoint.OTHER
+        try:
+            endpoint = invocation_endpoint(obj, api) if isinstance(obj, dict) else Endpoint.OTHER
+        except AmbiguousBody as exc:
+            return RequestInfo(endpoint=Endpoint.OTHER, body=body, parsed=False, ambiguous=str(exc))
     if not isinstance(obj, dict):
         return RequestInfo(endpoint=endpoint, body=body, parsed=False, utf8=text is not None)
     if endpoint is Endpoint.TGI_VERTEX:
@@ -129,8 +133,10 @@ def _parse(body: bytes) -> tuple[str | None, object]:
         text: str | None = body.decode("utf-8")
     except UnicodeDecodeError:
         text = None
+    if body.startswith(b"\xef\xbb\xbf"):
+        text = None  # the server reads past a BOM (json.loads of bytes); we never edit such a body
     try:
-        obj = json.loads(text if text is not None else body) if body else None
+        obj = json.loads(body) if body else None  # bytes, as the server parses them
     except (ValueError, UnicodeDecodeError, RecursionError):
         obj = None
     return text, obj
@@ -140,22 +146,31 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request."""
     instances = [i for i in obj.get("instances") or () if isinstance(i, dict)]
     limits = [_vertex_limit(i) for i in instances]
+    text_chars, prompt_ids = body_size(obj)
     return RequestInfo(
         endpoint=Endpoint.TGI_VERTEX,
         body=body,
         parsed=True,
-        max_tokens=sum(limits) if limits and None not in limits else None,  # type: ignore[arg-type]
+        # one limit for every instance (the largest): the hold multiplies it by the instances
+        max_tokens=max(limits) if limits and None not in limits else None,  # type: ignore[type-var]
         messages=sum(len(i["messages"]) for i in instances if isinstance(i.get("messages"), list)),
         prompt_chars=sum(prompt_chars(i) for i in instances),
+        n=max(1, len(instances)),  # estimates multiply the limit by n, as for n choices
         choices=max(1, len(instances)),
+        text_chars=text_chars,
+        prompt_ids=prompt_ids,
     )
 
 
 def _vertex_limit(instance: Mapping[str, Any]) -> int | None:
     if isinstance(instance.get("inputs"), str):
         params = instance.get("parameters")
-        return _int(params.get("max_new_tokens")) if isinstance(params, dict) else None
-    return _int(instance.get("max_tokens"))
+        return (
+            _positive(lax_int(params.get("max_new_tokens"))) if isinstance(params, dict) else None
+        )
+    return _positive(lax_int(instance.get("max_completion_tokens"))) or _positive(
+        lax_int(instance.get("max_tokens"))
+    )
 
 
 def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
@@ -458,8 +473,10 @@ class StreamMeter:
         strip_usage: bool = False,
         strip_chunk_usage: bool = False,
         choices: int = 1,
+        per_prompt: int = 1,
     ) -> None:
         self.endpoint = endpoint
+        self._per_prompt = max(1, per_prompt)  # n: choices of one prompt have adjacent indexes
         self._strip = strip_usage
         self._strip_chunk = strip_chunk_usage
         self._rewrite = strip_usage or strip_chunk_usage
@@ -519,17 +536,30 @@ class StreamMeter:
         running = self._choice_usage
         if self._final_usage or len(running) < 2 or self.endpoint.is_tgi_native:
             return self._usage()
-        parts = [read_usage(u, self.endpoint) for u in running.values()]
-        inputs = [p.input_tokens for p in parts]
-        # a chat's choices share one prompt; a completion's may each have their own
-        same_prompt = self.endpoint is Endpoint.CHAT and None not in inputs
+        parts = {i: read_usage(u, self.endpoint) for i, u in running.items()}
+        inp = self._running_input(parts)
         return replace(
             self._usage(),
-            input_tokens=max(inputs) if same_prompt else None,  # type: ignore[type-var]
-            output_tokens=_sum(p.output_tokens for p in parts),
+            input_tokens=inp,
+            output_tokens=_sum(p.output_tokens for p in parts.values()),
             cached_input_tokens=None,
-            unknown_reason=None if same_prompt else "incomplete_usage",
+            unknown_reason=None if inp is not None else "incomplete_usage",
         )
+
+    def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
+        """A chat's choices share one prompt. A batched completion's choice `i` belongs to prompt
+        `i // n`, and each choice's running usage carries its own prompt's size: one per prompt,
+        and only when every prompt was seen."""
+        if None in (p.input_tokens for p in parts.values()):
+            return None
+        if self.endpoint is Endpoint.CHAT:
+            return max(p.input_tokens or 0 for p in parts.values())
+        prompts: dict[int, int] = {}
+        for i, p in parts.items():
+            prompts[i // self._per_prompt] = p.input_tokens or 0
+        if len(prompts) * self._per_prompt < self._choices:
+            return None
+        return sum(prompts.values())
 
     # Returns True when the event must not reach the client.
     def _on_event(self, ev: Event) -> bool:
@@ -634,16 +664,15 @@ class StreamMeter:
     def _tgi_usage(self, base: Usage) -> Usage:
         details = self._tgi_details or {}
         out = _int(details.get("generated_tokens"))
-        if out is None:
+        if out is None and self._tgi_tokens:
             # TGI's /generate_stream sends exactly one event per generated token.
             out = self._tgi_tokens
         inp = _int(details.get("input_length"))
-        return replace(
-            base,
-            input_tokens=inp,
-            output_tokens=out,
-            unknown_reason=None if inp is not None else "no_input_length",
-        )
+        if out is None:  # no token event at all: not a stream of the shape we count
+            reason: str | None = "no_token_events"
+        else:
+            reason = None if inp is not None else "no_input_length"
+        return replace(base, input_tokens=inp, output_tokens=out, unknown_reason=reason)
 
 
 _DELTA_OUTPUT = (

@@ -297,3 +297,80 @@ async def test_a_spent_budget_admits_no_free_route(start_sidecar: StartSidecar) 
     ):
         assert r.status == 429
     assert run.upstream is not None and run.upstream.seen == []
+
+
+async def test_output_hidden_from_the_meter_is_charged_the_hold(
+    start_sidecar: StartSidecar,
+) -> None:
+    # TGI's /vertex answers with no counts: the prompt is counted, the output cannot be. Charging
+    # the measured input alone made long outputs on short prompts nearly free.
+    run = await start_sidecar(
+        {
+            "upstream": {"api": "tgi"},
+            "pricing": {"default": {"input_per_1m": 1000.0, "output_per_1m": 1000.0}},
+            "budgets": {"user_daily_usd": 0.05},
+        }
+    )
+    body = {"instances": [{"inputs": "one two three", "parameters": {"max_new_tokens": 20}}]}
+    statuses = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):  # each holds (ceil(13 / 4) + 20) x $0.001 = $0.024
+            async with s.post(run.url + "/vertex", json=body) as r:
+                statuses.append(r.status)
+            for _ in range(100):  # the prompt is counted after the answer went out
+                if not run.sc.budgets.store.holds:
+                    break
+                await asyncio.sleep(0.02)
+    assert statuses == [200, 200, 429, 429, 429, 429]
+    assert run.sc.budgets.store.spent["user:anonymous"] == 2 * 24_000
+    assert run.value("llm_budget_unmeasured_charges_total") == 2
+    # what is exported stays what was measured: the input only
+    assert run.value("llm_spend_today_usd", user_id="anonymous") == pytest.approx(2 * 0.003)
+
+
+async def test_an_invocations_body_with_two_shapes_is_refused(start_sidecar: StartSidecar) -> None:
+    run = await start_sidecar({"upstream": {"api": "tgi"}})
+    body = {
+        "inputs": "x",
+        "parameters": {"max_new_tokens": 1, "seed": -1},
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 50,
+    }
+    async with aiohttp.ClientSession() as s, s.post(run.url + "/invocations", json=body) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["type"] == "ambiguous_request"
+    assert run.upstream is not None and run.upstream.seen == []
+
+
+def test_a_body_behind_a_bom_is_read_for_the_hold_and_never_edited() -> None:
+    from sidecar.usage import Endpoint, inspect_request
+
+    body = b'\xef\xbb\xbf{"model":"m","messages":[],"stream":true,"max_tokens":30000}'
+    info = inspect_request(Endpoint.CHAT, body, inject_usage=True)
+    assert (info.max_tokens, info.stream, info.body) == (30000, True, body)
+    assert not info.injected_usage
+
+
+def test_running_totals_of_a_batched_completion_give_every_prompts_size() -> None:
+    from sidecar.usage import Endpoint, StreamMeter
+
+    meter = StreamMeter(Endpoint.COMPLETIONS, choices=4, per_prompt=2)  # 2 prompts, n = 2
+    for index, prompt in ((0, 3), (1, 3), (2, 5), (3, 5)):
+        chunk = {
+            "choices": [{"index": index, "text": "t", "finish_reason": None}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4},
+        }
+        meter.feed(f"data: {json.dumps(chunk)}\n\n".encode())
+    usage = meter.usage_so_far()
+    assert (usage.input_tokens, usage.output_tokens) == (3 + 5, 16)
+
+
+def test_a_tgi_stream_without_token_events_has_no_output_count() -> None:
+    from sidecar.usage import Endpoint, StreamMeter
+
+    meter = StreamMeter(Endpoint.TGI_COMPAT)
+    chat = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    meter.feed(f"data:{json.dumps(chat)}\n\n".encode())
+    _, usage = meter.finish()
+    assert usage.output_tokens is None and usage.unknown_reason == "no_token_events"
