@@ -3,7 +3,6 @@ on this GPU-less machine, and the device-time/energy attribution with a fake clo
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -16,73 +15,7 @@ from sidecar.metrics import Metrics
 from sidecar.pricing import PriceBook
 from sidecar.usage import Endpoint, RequestInfo
 from tests.conftest import StartSidecar
-from tests.fakes import MODEL
-
-
-class NVMLError(Exception):
-    pass
-
-
-class NVMLError_NotSupported(NVMLError):
-    pass
-
-
-class NVMLError_LibraryNotFound(NVMLError):
-    pass
-
-
-class FakeNVML:
-    """Reproduces what the sidecar reads: mW, mJ, bytes, percent, and per-GPU NotSupported."""
-
-    NVML_TEMPERATURE_GPU = 0
-    NVMLError = NVMLError
-    NVMLError_NotSupported = NVMLError_NotSupported
-
-    def __init__(self, gpus: int = 2, no_energy_on: int | None = 1) -> None:
-        self.gpus, self.no_energy_on = gpus, no_energy_on
-        self.energy_mj = [1_000_000] * gpus
-        self.inited = False
-
-    def nvmlInit(self) -> None:
-        self.inited = True
-
-    def nvmlShutdown(self) -> None:
-        self.inited = False
-
-    def nvmlDeviceGetCount(self) -> int:
-        return self.gpus
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetUUID(self, h: int) -> str:
-        return f"GPU-0000-{h}"
-
-    def nvmlDeviceGetName(self, h: int) -> bytes:
-        return b"NVIDIA H200"
-
-    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-        return SimpleNamespace(gpu=87, memory=40)
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        return SimpleNamespace(total=150_000_000_000, used=120_000_000_000, free=30_000_000_000)
-
-    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
-        return 612_500  # mW
-
-    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
-        return 61
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
-        if h == self.no_energy_on:
-            raise NVMLError_NotSupported("Not Supported")
-        self.energy_mj[h] += 500_000  # +500 J per read
-        return self.energy_mj[h]
-
-
-class NoLibrary:
-    def nvmlInit(self) -> None:
-        raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+from tests.fakes import MODEL, FakeNVML, NoLibrary
 
 
 def value(m: Metrics, metric: str, **labels: str) -> float | None:
