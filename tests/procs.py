@@ -30,8 +30,20 @@ class Tollbooth:
             self._handle.close()
 
 
-async def start_tollbooth(tmp: Path, config: dict[str, Any], *args: str) -> Tollbooth:
+async def start_tollbooth(
+    tmp: Path, config: dict[str, Any], *args: str, ready_path: str = "/readyz"
+) -> Tollbooth:
+    """Start `tollbooth serve` and wait until `ready_path` on the admin port answers 200.
+
+    Like the in-process sidecars, it writes its audit file under `tmp` and sees no GPU unless
+    `config` says otherwise: a test's outcome never depends on the machine's GPU or working tree.
+    """
     port, admin = free_port(), free_port()
+    config = {
+        **config,
+        "audit": {"path": str(tmp / f"audit-{port}.jsonl"), **config.get("audit", {})},
+        "gpu": {"enabled": False, **config.get("gpu", {})},
+    }
     cfg = tmp / f"tollbooth-{port}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = tmp / f"tollbooth-{port}.log"
@@ -58,7 +70,7 @@ async def start_tollbooth(tmp: Path, config: dict[str, Any], *args: str) -> Toll
                 handle.close()
                 raise RuntimeError("tollbooth exited: " + log.read_text()[-2000:])
             try:
-                async with s.get(tb.admin + "/readyz") as r:
+                async with s.get(tb.admin + ready_path) as r:
                     if r.status == 200:
                         return tb
             except aiohttp.ClientError:
