@@ -1,5 +1,6 @@
 """GPU telemetry through a fake NVML module (NVML's units and error classes), the real loading path
-on this GPU-less machine, and the device-time/energy attribution with a fake clock."""
+where there is no GPU driver, and the device-time/energy attribution with a fake clock. The suite
+passes on a machine with a GPU too: no test sidecar reaches the real NVML."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sidecar import gpu
 from sidecar.config import GpuConfig, PricingConfig
 from sidecar.gpu import Attribution, GpuCollector
 from sidecar.meter import Exchange
@@ -156,8 +158,12 @@ async def test_sidecar_with_fake_gpu_exports_attribution(
     ) == pytest.approx(seconds / 3600 * 2.0)
 
 
-async def test_gpu_series_absent_when_telemetry_is_off(start_sidecar: StartSidecar) -> None:
-    run = await start_sidecar()  # real NVML path: no driver here
+async def test_gpu_series_absent_when_telemetry_is_off(
+    start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a machine with a GPU (the real loader would find NVML): a test sidecar sees none."""
+    monkeypatch.setattr(gpu, "load_nvml", FakeNVML)
+    run = await start_sidecar()  # NVML absent by default: the machine's GPU never leaks in
     async with (
         aiohttp.ClientSession() as s,
         s.post(
@@ -166,5 +172,7 @@ async def test_gpu_series_absent_when_telemetry_is_off(start_sidecar: StartSidec
         ) as r,
     ):
         await r.read()
+    assert run.value("llm_gpu_telemetry_up") == 0
     names = {fam.name for fam in run.sc.metrics.registry.collect() if fam.samples}
     assert "llm_device_seconds" not in names and "llm_energy_joules" not in names
+    assert not any(n.startswith("llm_gpu_") and n != "llm_gpu_telemetry_up" for n in names)
