@@ -236,3 +236,28 @@ def test_rotation_is_bounded(tmp_path: Path) -> None:
     kept = read_records(0, path=str(path))
     assert [r["i"] for r in kept] == sorted(r["i"] for r in kept)
     assert kept[-1]["i"] == 199
+
+
+async def test_refused_requests_are_not_unmeasured_in_the_log_either(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    """A 4xx/5xx without usage consumed nothing: the access log agrees with the metric."""
+    log_file = tmp_path / "access.log"
+    run = await start_sidecar({"logging": {"access_log": str(log_file)}})
+    await post(run, mode="status-400")
+    await post(run, stream=True, mode="nousage")  # a 200 whose usage is really unknown
+    _flush_access(run)
+    refused, unmeasured = lines(log_file)
+    assert refused["status"] == "400" and refused["usage_unknown"] is None
+    assert unmeasured["status"] == "200" and unmeasured["usage_unknown"] == "stream_without_usage"
+    ep = "/v1/chat/completions"
+    assert (
+        run.value("llm_usage_unknown_total", model=MODEL, api_endpoint=ep, reason="error_response")
+        is None
+    )
+    assert (
+        run.value(
+            "llm_usage_unknown_total", model=MODEL, api_endpoint=ep, reason="stream_without_usage"
+        )
+        == 1
+    )
