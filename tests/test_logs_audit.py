@@ -261,3 +261,39 @@ async def test_refused_requests_are_not_unmeasured_in_the_log_either(
         )
         == 1
     )
+
+
+async def test_audit_records_only_allow_listed_header_values(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    secrets = {
+        "X-Auth-Token": "tok-secret-1",
+        "Api-Key": "api-secret-2",
+        "X-Goog-Api-Key": "goog-secret-3",
+        "OpenAI-Api-Key": "oai-secret-4",
+        "Authorization": f"Bearer {API_KEY}",
+    }
+    run = await start_sidecar({"pricing": AT_LIMIT})
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "one two three four five six"}],
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json=body,
+            headers={**secrets, "User-Agent": "audit-test/1.0", "X-Request-Id": "req-42"},
+        ) as r,
+    ):
+        assert r.status == 200
+    run.sc.audit.stop()
+    text = (tmp_path / "audit.jsonl").read_text()
+    for value in secrets.values():
+        assert value.split()[-1] not in text
+    (record,) = lines(tmp_path / "audit.jsonl")
+    headers = {k.lower(): v for k, v in record["request_headers"].items()}
+    for name in ("x-auth-token", "api-key", "x-goog-api-key", "openai-api-key"):
+        assert headers[name] == "[redacted]"
+    assert headers["authorization"].startswith("[redacted] key-")
+    assert headers["user-agent"] == "audit-test/1.0" and headers["x-request-id"] == "req-42"
