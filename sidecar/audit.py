@@ -94,6 +94,8 @@ class Audit:
         self.config = config
         self.prices = prices
         self.metrics = metrics
+        if config.sink == "ledger" and ledger is None:  # config.validate refuses it first
+            raise ValueError("audit.sink is 'ledger' but there is no ledger")
         self.ledger = ledger
         self.input_limit = (
             config.input_cost_usd
@@ -153,7 +155,7 @@ class Audit:
         line = json.dumps(record, default=str, separators=(",", ":"))
         reason = ",".join(reasons)
         self.metrics.audit_captures.labels(ex.model, reason).inc()
-        if self.config.sink == "ledger" and self.ledger is not None:
+        if self.config.sink == "ledger":
             self.ledger.append_audit(
                 (ex.started_at, ex.request_id, ex.trace_id, ex.model, ex.user_id, reason, line)
             )

@@ -291,6 +291,8 @@ def validate(config: Config) -> Config:
         _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
     if not config.metering.user_header.strip():
         _fail("metering.user_header", config.metering.user_header, "must not be empty")
+    if config.audit.enabled and config.audit.sink == "ledger" and not config.ledger.path:
+        _fail("audit.sink", "ledger", "there is no ledger (set ledger.path or --ledger)")
     return config
 
 

@@ -91,3 +91,15 @@ def test_cli_stops_with_one_clear_line(tmp_path: Path) -> None:
     assert proc.stderr.strip() == (
         "tollbooth: config 'metering.max_tracked_users' has value 'lots': not an integer"
     )
+
+
+def test_audit_into_a_ledger_needs_a_ledger(tmp_path: Path) -> None:
+    path = write(tmp_path, "audit:\n  sink: ledger\n")
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == (
+        "config 'audit.sink' has value 'ledger': there is no ledger (set ledger.path or --ledger)"
+    )
+    assert load(path, {"ledger.path": str(tmp_path / "l.db")}).audit.sink == "ledger"
+    off = write(tmp_path, "audit:\n  sink: ledger\n  enabled: false\n")
+    assert load(off).audit.enabled is False
