@@ -44,6 +44,7 @@ def engine_params(args: argparse.Namespace) -> EngineParams:
         step_base_s=0.004 / speed,
         prefill_s_per_token=0.00002 / speed,
         decode_s_per_seq=0.0002 / speed,
+        batch_dependent_output=args.batch_dependent_output,
     )
 
 
@@ -56,6 +57,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="what the simulated engine does when its KV cache is full",
     )
     p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 = twice as fast")
+    p.add_argument(
+        "--batch-dependent-output",
+        action="store_true",
+        help="tokens depend on the batch they were decoded in, as on a GPU (default: they do not)",
+    )
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from sidecar.bench import Arrival, BenchOptions, Distribution, generate, read, run, write
-from sidecar.bench.output import write_all
+from sidecar.bench.output import markdown, write_all
 from sidecar.simulator import EngineParams
 
 FAST = EngineParams(step_base_s=0.0005, prefill_s_per_token=0.0, decode_s_per_seq=0.00002)
@@ -53,6 +54,25 @@ async def test_three_strategies_agree_and_report(tmp_path: Path) -> None:
         > doc["strategies"]["token-budget"]["queue_s"]["p90"]
     )
     assert "| serial | 12 | 0 |" in paths[1].read_text()
+
+
+async def test_outputs_agree_fails_when_batching_changes_the_text(tmp_path: Path) -> None:
+    """The comparison can fail: with batch-dependent output, batched strategies diverge from
+    serial (on the default simulator the column is true by construction)."""
+    reqs = generate(Distribution(n=10, seed=5, prompt_words_median=20, max_tokens_max=16))
+    opts = BenchOptions(
+        strategies=["serial", "token-budget"],
+        out_dir=tmp_path,
+        arrival=Arrival("concurrency", 4),
+        sim_params=replace(FAST, batch_dependent_output=True),
+        warmup=0,
+    )
+    result = await run(opts, reqs, {})
+    batched = result["strategies"]["token-budget"]
+    assert batched["failures"] == 0 and batched["outputs_consistent"] is False
+    assert result["strategies"]["serial"]["outputs_consistent"] is False
+    assert {m["strategy"] for m in result["output_mismatches"]} == {"token-budget"}
+    assert "outputs differ from the reference" in markdown(result)
 
 
 async def test_out_of_memory_saves_decisions_and_retries_smaller(tmp_path: Path) -> None:
