@@ -274,4 +274,32 @@ def add_audit(sub: Sub) -> None:
     p.set_defaults(func=cmd_audit)
 
 
-ADDERS: list[Adder] = [add_report, add_simulate, add_make_requests, add_bench, add_demo, add_audit]
+def cmd_config(args: argparse.Namespace) -> int:
+    from . import configdoc
+    from .config import load
+
+    config = load(args.config) if args.config and not args.print_defaults else None
+    print(configdoc.render(config), end="")
+    return 0
+
+
+def add_config(sub: Sub) -> None:
+    p = sub.add_parser("config", help="print every config key with its default, or a file's")
+    p.add_argument(
+        "--print-defaults",
+        action="store_true",
+        help="every key with its default: what tollbooth.example.yaml holds (the default)",
+    )
+    p.add_argument("--config", help="print this file's effective config (checked) instead")
+    p.set_defaults(func=cmd_config)
+
+
+ADDERS: list[Adder] = [
+    add_report,
+    add_simulate,
+    add_make_requests,
+    add_bench,
+    add_demo,
+    add_audit,
+    add_config,
+]
