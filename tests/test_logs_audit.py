@@ -297,3 +297,33 @@ async def test_audit_records_only_allow_listed_header_values(
         assert headers[name] == "[redacted]"
     assert headers["authorization"].startswith("[redacted] key-")
     assert headers["user-agent"] == "audit-test/1.0" and headers["x-request-id"] == "req-42"
+
+
+async def test_user_id_lengths_are_what_the_docs_say(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    """docs/metrics.md: the label is cut to 64 characters, the logged and billed id to 128."""
+    log_file = tmp_path / "access.log"
+    run = await start_sidecar({"logging": {"access_log": str(log_file)}})
+    user = "u" * 100 + "!" + "v" * 99  # 200 characters, one of them not allowed
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-Tollbooth-User": user},
+        ) as r,
+    ):
+        assert r.status == 200
+    _flush_access(run)
+    (line,) = lines(log_file)
+    assert line["user"] == ("u" * 100 + "_" + "v" * 99)[:128]
+    ep = "/v1/chat/completions"
+    assert (
+        run.value(
+            "llm_tokens_total", model=MODEL, token_type="input", api_endpoint=ep, user_id="u" * 64
+        )
+        == 1
+    )
+    docs = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    assert "cut to 128 characters; the `user_id` label cuts it to 64" in " ".join(docs.split())
