@@ -22,6 +22,7 @@ from prometheus_client import exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
 from .config import Config, parse_hostport
+from .edge import ConnectionGuard, listen
 from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
@@ -187,10 +188,21 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
     """Run the proxy and admin listeners until SIGTERM/SIGINT; drain, then close resources."""
     cfg = sc.config.server
     grace = cfg.shutdown_grace_s
+    proxy_app, admin_app = create_app(sc), create_admin_app(sc)
+    proxy_guard = ConnectionGuard(cfg, sc.metrics, "proxy")  # slow and idle clients are cut off
+    admin_guard = ConnectionGuard(cfg, sc.metrics, "admin")
+    proxy_guard.install(proxy_app)
+    admin_guard.install(admin_app)
     proxy_runner = web.AppRunner(
-        create_app(sc), handler_cancellation=True, shutdown_timeout=grace, access_log=None
+        proxy_app,
+        handler_cancellation=True,
+        shutdown_timeout=grace,
+        access_log=None,
+        keepalive_timeout=proxy_guard.backstop_s,
     )
-    admin_runner = web.AppRunner(create_admin_app(sc), access_log=None)
+    admin_runner = web.AppRunner(
+        admin_app, access_log=None, keepalive_timeout=admin_guard.backstop_s
+    )
     await proxy_runner.setup()
     await admin_runner.setup()
     stop = asyncio.Event()
@@ -199,11 +211,12 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
         loop.add_signal_handler(sig, stop.set)
     with contextlib.suppress(NotImplementedError, AttributeError):
         loop.add_signal_handler(signal.SIGHUP, sc.reload_prices)
+    listeners: list[asyncio.AbstractServer] = []
     try:
         host, port = parse_hostport("server.listen", cfg.listen)
-        await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()
+        listeners.append(await listen(proxy_runner, proxy_guard, host, port))
         ahost, aport = parse_hostport("server.admin_listen", cfg.admin_listen)
-        await web.TCPSite(admin_runner, ahost, aport, reuse_address=True).start()
+        listeners.append(await listen(admin_runner, admin_guard, ahost, aport))
         log.info(
             "tollbooth listening on %s, admin on %s, upstream %s",
             cfg.listen,
@@ -216,6 +229,8 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
         log.info("shutting down: draining in-flight requests (grace %.0fs)", grace)
         sc.draining = True
     finally:
-        await proxy_runner.cleanup()  # stops accepting, waits for handlers up to the grace period
+        for listener in listeners:
+            listener.close()  # stop accepting; the runners drain what is in flight
+        await proxy_runner.cleanup()  # waits for handlers up to the grace period
         await admin_runner.cleanup()
         log.info("stopped")

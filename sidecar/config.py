@@ -43,6 +43,11 @@ class ServerConfig:
     admin_listen: str = "127.0.0.1:9464"
     max_request_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 30.0
+    # A client that has not sent a request's complete headers this long after connecting (or
+    # after starting its next request on a kept-alive connection) is cut off.
+    header_timeout_s: float = 15.0
+    # A kept-alive connection with no request for this long is closed.
+    keepalive_timeout_s: float = 75.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -279,6 +284,12 @@ def validate(config: Config) -> Config:
     _check_url("upstream.url", config.upstream.url)
     parse_hostport("server.listen", config.server.listen)
     parse_hostport("server.admin_listen", config.server.admin_listen)
+    for key, seconds in (
+        ("server.header_timeout_s", config.server.header_timeout_s),
+        ("server.keepalive_timeout_s", config.server.keepalive_timeout_s),
+    ):
+        if seconds <= 0:
+            _fail(key, seconds, "must be > 0")
     if config.admission.chars_per_token <= 0:
         _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
     if config.admission.max_batch < 1:

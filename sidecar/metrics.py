@@ -191,6 +191,19 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.connections_cut = Counter(
+            "tollbooth_connections_cut",
+            "Client connections closed by the sidecar: no complete request headers in time "
+            "(header_timeout) or kept alive without a request (idle_timeout).",
+            ["listener", "reason"],
+            registry=r,
+        )
+        self.client_connections = Gauge(
+            "tollbooth_client_connections",
+            "Client connections open now.",
+            ["listener"],
+            registry=r,
+        )
         # --- cost
         self.cost = Counter(
             "llm_cost_usd",
