@@ -1,7 +1,8 @@
 """The aiohttp applications and the process around them.
 
 Owns: `create_app(config)` (the proxy) and `create_admin_app()` (/metrics, /healthz, /readyz),
-one cleanup context per resource (upstream session, ledger, tracer, NVML poller, audit writer),
+one cleanup context per resource (upstream session and its probe, ledger, tracer, NVML poller,
+audit writer),
 signal handling (SIGTERM drains in-flight requests within a grace period, SIGHUP re-reads prices).
 Never: pairs on_startup with on_cleanup; every resource is created before `yield`, closed after.
 """
@@ -23,6 +24,7 @@ from prometheus_client.openmetrics import exposition as om_exposition
 
 from .config import Config, parse_hostport
 from .edge import ConnectionGuard, listen
+from .health import UpstreamProbe, probe_context, readiness
 from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
@@ -47,6 +49,7 @@ class Sidecar:
     gates: list[Gate] = field(default_factory=list)  # may refuse a request before the upstream
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
 
+    probe: Any = None  # health.UpstreamProbe, set by create_app
     spend: Any = None  # budget.Spend, set by wiring
     ledger: Any = None  # ledger.Ledger when a ledger path is configured
     admission: Any = None  # admission.Admission unless the strategy is "none"
@@ -100,6 +103,10 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
     app = web.Application(client_max_size=sc.config.server.max_request_body_bytes)
     app[SIDECAR] = sc
     app.cleanup_ctx.append(_proxy_ctx)
+    sc.probe = UpstreamProbe(  # readiness: the upstream probed in the background
+        sc.config.upstream, sc.metrics, lambda: sc.proxy.session if sc.proxy else None
+    )
+    app.cleanup_ctx.append(probe_context(sc.probe))
     for ctx in sc.extra_contexts:
         app.cleanup_ctx.append(ctx)
     app.router.add_route("*", "/{tail:.*}", _handle)
@@ -175,10 +182,15 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
+    """Ready: serving, the upstream answered its last background probe, the ledger is writable."""
     sc = request.app[SIDECAR]
-    if sc.draining or sc.proxy is None:
-        return web.json_response({"status": "draining" if sc.draining else "starting"}, status=503)
-    return web.json_response({"status": "ready"})
+    status, body = readiness(
+        starting=sc.proxy is None,
+        draining=sc.draining,
+        probe=sc.probe,
+        ledger=sc.ledger,
+    )
+    return web.json_response(body, status=status)
 
 
 # --- the process ----------------------------------------------------------------------------------

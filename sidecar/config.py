@@ -35,6 +35,11 @@ class UpstreamConfig:
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
     read_timeout_s: float = 600.0
     max_connections: int = 1000
+    # Readiness: a background probe of this path (any answer below 500 is up), never on a
+    # request's path; /readyz is 503 while the last probe failed or is stale.
+    probe_path: str = "/health"
+    probe_interval_s: float = 5.0
+    probe_timeout_s: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -287,9 +292,13 @@ def validate(config: Config) -> Config:
     for key, seconds in (
         ("server.header_timeout_s", config.server.header_timeout_s),
         ("server.keepalive_timeout_s", config.server.keepalive_timeout_s),
+        ("upstream.probe_interval_s", config.upstream.probe_interval_s),
+        ("upstream.probe_timeout_s", config.upstream.probe_timeout_s),
     ):
         if seconds <= 0:
             _fail(key, seconds, "must be > 0")
+    if not config.upstream.probe_path.startswith("/"):
+        _fail("upstream.probe_path", config.upstream.probe_path, "must start with /")
     if config.admission.chars_per_token <= 0:
         _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
     if config.admission.max_batch < 1:

@@ -191,6 +191,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.upstream_up = Gauge(
+            "tollbooth_upstream_up",
+            "1 when the last background probe of the upstream got an answer below 500.",
+            registry=r,
+        )
         self.connections_cut = Counter(
             "tollbooth_connections_cut",
             "Client connections closed by the sidecar: no complete request headers in time "
@@ -229,6 +234,11 @@ class Metrics:
         )
         self.ledger_errors = Counter(
             "llm_ledger_errors", "Usage-ledger write failures.", registry=r
+        )
+        self.ledger_reopens = Counter(
+            "llm_ledger_reopens",
+            "Ledger file found deleted or replaced while open, and opened again at its path.",
+            registry=r,
         )
         self.ledger_dropped = Counter(
             "llm_ledger_dropped_rows",
