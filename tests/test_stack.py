@@ -63,8 +63,10 @@ def published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 def test_ports() -> None:
     services = compose()["services"]
-    ports = {port for s in services.values() for _, port, _ in published(s)}
-    assert {"8080", "9090", "9093", "3000", "16686"} <= ports
+    ports = {port: address for s in services.values() for address, port, _ in published(s)}
+    assert {"8080", "9090", "9093", "3000", "16686"} <= set(ports)
+    for unauthenticated in ("9090", "9093", "16686"):  # Prometheus, Alertmanager, Jaeger
+        assert ports[unauthenticated] == "127.0.0.1"
 
 
 def test_the_admin_listener_is_published_nowhere() -> None:
