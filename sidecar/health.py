@@ -34,8 +34,7 @@ class UpstreamProbe:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = config.url.rstrip("/") + config.probe_path
-        self.interval = config.probe_interval_s
-        self.timeout = aiohttp.ClientTimeout(total=config.probe_timeout_s)
+        self.interval, self.timeout_s = config.probe_interval_s, config.probe_timeout_s
         self.metrics, self.session, self.clock = metrics, session, clock
         self.up = False
         self.detail = "not probed yet"
@@ -46,7 +45,7 @@ class UpstreamProbe:
         if self.checked_at is None:
             return False, self.detail
         age = self.clock() - self.checked_at
-        if age > 3 * self.interval + self.timeout.total:  # type: ignore[operator]
+        if age > 3 * self.interval + self.timeout_s:
             return False, f"no probe for {age:.0f}s"
         return self.up, self.detail
 
@@ -61,12 +60,16 @@ class UpstreamProbe:
         session = self.session()
         if session is None:
             return False, "no upstream session"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with session.get(self.url, timeout=self.timeout, allow_redirects=False) as r:
+            async with session.get(self.url, timeout=timeout, allow_redirects=False) as r:
                 await r.read()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             return False, f"unreachable: {type(exc).__name__}: {exc}"[:200]
+        except Exception as exc:  # a bug here must not stop the probing: down, and logged
+            log.exception("upstream probe failed")
+            return False, f"probe failed: {type(exc).__name__}"
         if status >= 500:
             return False, f"answered {status}"
         return True, f"answered {status}"
