@@ -24,9 +24,12 @@ async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]
     return await asyncio.open_connection(host, int(port))
 
 
-async def closed_after(reader: asyncio.StreamReader, limit: float) -> float | None:
-    """Seconds until the server closed the connection (None: still open after `limit`)."""
-    start = time.monotonic()
+async def closed_after(
+    reader: asyncio.StreamReader, limit: float, start: float | None = None
+) -> float | None:
+    """Seconds from `start` (default: now) until the server closed the connection (None: still
+    open after `limit`)."""
+    start = time.monotonic() if start is None else start
     try:
         while await asyncio.wait_for(reader.read(4096), limit - (time.monotonic() - start)):
             pass  # a response (keep-alive test); read on until the close
@@ -38,17 +41,20 @@ async def closed_after(reader: asyncio.StreamReader, limit: float) -> float | No
 
 
 async def silent(url: str) -> float | None:
+    start = time.monotonic()  # before connecting: the server's deadline starts later
     reader, writer = await connect(url)
     try:
-        return await closed_after(reader, 5)
+        return await closed_after(reader, 5, start)
     finally:
         writer.close()
 
 
-async def drip_until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> float:
-    """Send a request's headers one byte every 50 ms, never completing them; seconds until the
-    server closed the connection (5 or more: it did not)."""
-    start = time.monotonic()
+async def drip_until_closed(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, start: float | None = None
+) -> float:
+    """Send a request's headers one byte every 50 ms, never completing them; seconds from `start`
+    (default: now) until the server closed the connection (5 or more: it did not)."""
+    start = time.monotonic() if start is None else start
 
     async def drip() -> None:
         for i in range(10_000):
@@ -67,7 +73,8 @@ async def drip_until_closed(reader: asyncio.StreamReader, writer: asyncio.Stream
 
 
 async def trickle(url: str) -> float | None:
-    elapsed = await drip_until_closed(*await connect(url))
+    start = time.monotonic()
+    elapsed = await drip_until_closed(*await connect(url), start)
     return None if elapsed >= 5 else elapsed
 
 
@@ -150,12 +157,13 @@ async def test_slow_and_idle_clients_are_cut_off_and_counted(upstream: Any, tmp_
             results[51],
         )
         assert status == 200  # a request being handled is never cut
+        # Upper bounds: before aiohttp's own backstop (3.5 s) and the 5 s the clients wait.
         for t in [*silents, *trickles, admin]:
-            assert t is not None and HEADER_TIMEOUT * 0.9 <= t < HEADER_TIMEOUT + 1.5
+            assert t is not None and HEADER_TIMEOUT * 0.9 <= t < 3.0, (silents, trickles, admin)
         for t in idle:
-            assert t is not None and KEEPALIVE_TIMEOUT * 0.9 <= t < KEEPALIVE_TIMEOUT + 1.5
+            assert t is not None and KEEPALIVE_TIMEOUT * 0.9 <= t < 3.0, idle
         for t in next_trickles:  # cut by the header deadline, not the later idle one
-            assert t is not None and HEADER_TIMEOUT * 0.9 <= t < KEEPALIVE_TIMEOUT - 0.5
+            assert t is not None and HEADER_TIMEOUT * 0.9 <= t < KEEPALIVE_TIMEOUT - 0.5, t
         cut = "tollbooth_connections_cut_total"
         assert await metric(tb, cut, listener="proxy", reason="header_timeout") == 45
         assert await metric(tb, cut, listener="proxy", reason="idle_timeout") >= 5
