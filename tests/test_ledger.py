@@ -4,6 +4,7 @@ restarts, and a broken ledger file never breaks traffic. These run tollbooth as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sqlite3
 import time
@@ -218,8 +219,9 @@ async def test_a_deleted_or_replaced_ledger_file_is_reopened(upstream: Any, tmp_
 
 async def wait_for_rows(db: Path, n: int) -> None:
     for _ in range(100):
-        if db.is_file() and len(rows(db)) == n:
-            return
+        with contextlib.suppress(sqlite3.OperationalError):  # created, schema not there yet
+            if db.is_file() and len(rows(db)) == n:
+                return
         await asyncio.sleep(0.1)
     assert db.is_file() and len(rows(db)) == n
 
