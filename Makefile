@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := prometheus prometheus-alertmanager
 
-.PHONY: demo test venv venv-test debs lint bench dashboards alerts clean
+.PHONY: demo test venv venv-test debs lint bench dashboards alerts example-config clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ dashboards: venv
 
 alerts: venv
 	$(BIN)/python -m alerts.build
+
+# tollbooth.example.yaml is generated from sidecar/config.py; tests/test_config.py checks it.
+example-config: venv
+	$(BIN)/tollbooth config --print-defaults > tollbooth.example.yaml
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from .config import LoggingConfig
 from .logs import formatter, queued
-from .meter import Exchange
+from .meter import Exchange, consumed
 
 
 def fields(ex: Exchange) -> dict[str, Any]:
@@ -45,10 +45,16 @@ def fields(ex: Exchange) -> dict[str, Any]:
         "bytes_out": ex.bytes_out,
         "upstream": ex.upstream,
         "error": ex.error,
-        "usage_unknown": u.unknown_reason
-        if (u.input_tokens is None or u.output_tokens is None)
-        else None,
+        "usage_unknown": _unknown_reason(ex),
     }
+
+
+def _unknown_reason(ex: Exchange) -> str | None:
+    """Why usage is unmeasured, by the metric's rule: a refused request consumed nothing."""
+    u = ex.usage
+    if not consumed(ex) or (u.input_tokens is not None and u.output_tokens is not None):
+        return None
+    return u.unknown_reason or "unknown"
 
 
 def _round(v: float | None) -> float | None:

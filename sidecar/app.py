@@ -1,7 +1,8 @@
 """The aiohttp applications and the process around them.
 
 Owns: `create_app(config)` (the proxy) and `create_admin_app()` (/metrics, /healthz, /readyz),
-one cleanup context per resource (upstream session, ledger, tracer, NVML poller, audit writer),
+one cleanup context per resource (upstream session and its probe, ledger, tracer, NVML poller,
+audit writer),
 signal handling (SIGTERM drains in-flight requests within a grace period, SIGHUP re-reads prices).
 Never: pairs on_startup with on_cleanup; every resource is created before `yield`, closed after.
 """
@@ -23,7 +24,9 @@ from prometheus_client.openmetrics import exposition as om_exposition
 
 from . import exposition as held
 from .config import Config, parse_hostport
+from .edge import ConnectionGuard, listen
 from .finishers import Finishers, PromptCounter
+from .health import UpstreamProbe, probe_context, readiness
 from .identity import Identity, upstream_authorization
 from .meter import Exchange, Meter
 from .metrics import LabelCap, Metrics
@@ -51,6 +54,7 @@ class Sidecar:
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
 
     budgets: Any = None  # budget.Budgets, set by wiring
+    probe: Any = None  # health.UpstreamProbe, set by create_app
     ledger: Any = None  # ledger.Ledger when a ledger path is configured
     admission: Any = None  # admission.Admission unless the strategy is "none"
     attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
@@ -117,6 +121,10 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
     app = web.Application(client_max_size=sc.config.server.max_request_body_bytes)
     app[SIDECAR] = sc
     app.cleanup_ctx.append(_proxy_ctx)
+    sc.probe = UpstreamProbe(  # readiness: the upstream probed in the background
+        sc.config.upstream, sc.metrics, lambda: sc.proxy.session if sc.proxy else None
+    )
+    app.cleanup_ctx.append(probe_context(sc.probe))
     for ctx in sc.extra_contexts:
         app.cleanup_ctx.append(ctx)
     app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
@@ -232,10 +240,15 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
+    """Ready: serving, the upstream answered its last background probe, the ledger is writable."""
     sc = request.app[SIDECAR]
-    if sc.draining or sc.proxy is None:
-        return web.json_response({"status": "draining" if sc.draining else "starting"}, status=503)
-    return web.json_response({"status": "ready"})
+    status, body = readiness(
+        starting=sc.proxy is None,
+        draining=sc.draining,
+        probe=sc.probe,
+        ledger=sc.ledger,
+    )
+    return web.json_response(body, status=status)
 
 
 # --- the process ----------------------------------------------------------------------------------
@@ -245,10 +258,21 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
     """Run the proxy and admin listeners until SIGTERM/SIGINT; drain, then close resources."""
     cfg = sc.config.server
     grace = cfg.shutdown_grace_s
+    proxy_app, admin_app = create_app(sc), create_admin_app(sc)
+    proxy_guard = ConnectionGuard(cfg, sc.metrics, "proxy")  # slow and idle clients are cut off
+    admin_guard = ConnectionGuard(cfg, sc.metrics, "admin")
+    proxy_guard.install(proxy_app)
+    admin_guard.install(admin_app)
     proxy_runner = web.AppRunner(
-        create_app(sc), handler_cancellation=True, shutdown_timeout=grace, access_log=None
+        proxy_app,
+        handler_cancellation=True,
+        shutdown_timeout=grace,
+        access_log=None,
+        keepalive_timeout=proxy_guard.backstop_s,
     )
-    admin_runner = web.AppRunner(create_admin_app(sc), access_log=None)
+    admin_runner = web.AppRunner(
+        admin_app, access_log=None, keepalive_timeout=admin_guard.backstop_s
+    )
     await proxy_runner.setup()
     await admin_runner.setup()
     stop = asyncio.Event()
@@ -257,11 +281,12 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
         loop.add_signal_handler(sig, stop.set)
     with contextlib.suppress(NotImplementedError, AttributeError):
         loop.add_signal_handler(signal.SIGHUP, sc.reload)
+    listeners: list[asyncio.AbstractServer] = []
     try:
         host, port = parse_hostport("server.listen", cfg.listen)
-        await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()
+        listeners.append(await listen(proxy_runner, proxy_guard, host, port))
         ahost, aport = parse_hostport("server.admin_listen", cfg.admin_listen)
-        await web.TCPSite(admin_runner, ahost, aport, reuse_address=True).start()
+        listeners.append(await listen(admin_runner, admin_guard, ahost, aport))
         log.info(
             "tollbooth listening on %s, admin on %s, upstream %s",
             cfg.listen,
@@ -274,6 +299,8 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
         log.info("shutting down: draining in-flight requests (grace %.0fs)", grace)
         sc.draining = True
     finally:
-        await proxy_runner.cleanup()  # stops accepting, waits for handlers up to the grace period
+        for listener in listeners:
+            listener.close()  # stop accepting; the runners drain what is in flight
+        await proxy_runner.cleanup()  # waits for handlers up to the grace period
         await admin_runner.cleanup()
         log.info("stopped")

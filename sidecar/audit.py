@@ -2,7 +2,7 @@
 over the limit (by default the per-request alert threshold, $0.10).
 
 Owns: the decision (strictly above the limit), the record (access-log fields, request parameters,
-prompt size, redacted headers, finish reasons, trace id; text only when `capture_text` is on,
+prompt size, allow-listed headers, finish reasons, trace id; text only when `capture_text` is on,
 truncated), the sinks (rotating JSONL, or the ledger's `audit` table), and `tollbooth audit`.
 Never: delays or fails a request (records are written by a background thread, errors counted),
 or captures text unless explicitly enabled.
@@ -33,20 +33,41 @@ from .sse import SSEParser
 from .thresholds import Thresholds
 
 log = logging.getLogger("tollbooth.audit")
-REDACT = frozenset(
-    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"}
+# Request headers whose values a record keeps. Any other header keeps its name only: a deny-list
+# cannot know every credential header (X-Auth-Token, X-Goog-Api-Key, OpenAI-Api-Key, ...).
+RECORDED_HEADERS = frozenset(
+    {
+        "accept",
+        "accept-encoding",
+        "content-encoding",
+        "content-length",
+        "content-type",
+        "host",
+        "traceparent",
+        "user-agent",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-real-ip",
+        "x-request-id",
+    }
 )
+REDACTED = "[redacted]"
+MAX_HEADERS = 64  # names recorded per request; values are capped at 256 characters
 
 
 def redact(headers: Mapping[str, str]) -> dict[str, str]:
-    out = {}
+    """The allow-listed headers' values; the API key as its id; every other value redacted."""
+    out: dict[str, str] = {}
     for k, v in headers.items():
-        if k.lower() in ("authorization", "proxy-authorization"):
-            out[k] = f"[redacted] {api_key_id(v) or ''}".strip()
-        elif k.lower() in REDACT:
-            out[k] = "[redacted]"
+        if len(out) >= MAX_HEADERS:
+            break
+        name = k.lower()
+        if name in RECORDED_HEADERS:
+            out[k[:64]] = v[:256]
+        elif name == "authorization":
+            out[k] = f"{REDACTED} {api_key_id(v) or ''}".strip()
         else:
-            out[k] = v[:256]
+            out[k[:64]] = REDACTED
     return out
 
 
@@ -73,6 +94,8 @@ class Audit:
         self.config = config
         self.prices = prices
         self.metrics = metrics
+        if config.sink == "ledger" and ledger is None:  # config.validate refuses it first
+            raise ValueError("audit.sink is 'ledger' but there is no ledger")
         self.ledger = ledger
         self.input_limit = (
             config.input_cost_usd
@@ -132,7 +155,7 @@ class Audit:
         line = json.dumps(record, default=str, separators=(",", ":"))
         reason = ",".join(reasons)
         self.metrics.audit_captures.labels(ex.model, reason).inc()
-        if self.config.sink == "ledger" and self.ledger is not None:
+        if self.config.sink == "ledger":
             self.ledger.append_audit(
                 (ex.started_at, ex.request_id, ex.trace_id, ex.model, ex.user_id, reason, line)
             )

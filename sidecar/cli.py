@@ -1,4 +1,4 @@
-"""The `tollbooth` command: serve, report, audit, simulate, make-requests, bench, demo.
+"""The `tollbooth` command: serve, report, audit, simulate, make-requests, bench, demo, config.
 
 Owns: argument parsing and turning flags into config overrides. Each subcommand's work lives in
 the module that owns it; this file only wires.

@@ -44,6 +44,7 @@ def engine_params(args: argparse.Namespace) -> EngineParams:
         step_base_s=0.004 / speed,
         prefill_s_per_token=0.00002 / speed,
         decode_s_per_seq=0.0002 / speed,
+        batch_dependent_output=args.batch_dependent_output,
     )
 
 
@@ -56,6 +57,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="what the simulated engine does when its KV cache is full",
     )
     p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 = twice as fast")
+    p.add_argument(
+        "--batch-dependent-output",
+        action="store_true",
+        help="tokens depend on the batch they were decoded in, as on a GPU (default: they do not)",
+    )
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -286,6 +292,26 @@ def add_keys(sub: Sub) -> None:
     a.set_defaults(func=cmd_keys_add)
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from . import configdoc
+    from .config import load
+
+    config = load(args.config) if args.config and not args.print_defaults else None
+    print(configdoc.render(config), end="")
+    return 0
+
+
+def add_config(sub: Sub) -> None:
+    p = sub.add_parser("config", help="print every config key with its default, or a file's")
+    p.add_argument(
+        "--print-defaults",
+        action="store_true",
+        help="every key with its default: what tollbooth.example.yaml holds (the default)",
+    )
+    p.add_argument("--config", help="print this file's effective config (checked) instead")
+    p.set_defaults(func=cmd_config)
+
+
 ADDERS: list[Adder] = [
     add_report,
     add_simulate,
@@ -294,4 +320,5 @@ ADDERS: list[Adder] = [
     add_demo,
     add_audit,
     add_keys,
+    add_config,
 ]

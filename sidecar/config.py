@@ -38,6 +38,11 @@ class UpstreamConfig:
     # Name of an environment variable holding the upstream's API key (vLLM's --api-key). When set,
     # the sidecar sends `Authorization: Bearer <key>` upstream in place of the client's header.
     api_key_env: str | None = None
+    # Readiness: a background probe of this path (any answer below 500 is up), never on a
+    # request's path; /readyz is 503 while the last probe failed or is stale.
+    probe_path: str = "/health"
+    probe_interval_s: float = 5.0
+    probe_timeout_s: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +51,11 @@ class ServerConfig:
     admin_listen: str = "127.0.0.1:9464"
     max_request_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 30.0
+    # A client that has not sent a request's complete headers this long after connecting (or
+    # after starting its next request on a kept-alive connection) is cut off.
+    header_timeout_s: float = 15.0
+    # A kept-alive connection with no request for this long is closed.
+    keepalive_timeout_s: float = 75.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -336,6 +346,16 @@ def validate(config: Config) -> Config:
     _check_url("upstream.url", config.upstream.url)
     parse_hostport("server.listen", config.server.listen)
     parse_hostport("server.admin_listen", config.server.admin_listen)
+    for key, seconds in (
+        ("server.header_timeout_s", config.server.header_timeout_s),
+        ("server.keepalive_timeout_s", config.server.keepalive_timeout_s),
+        ("upstream.probe_interval_s", config.upstream.probe_interval_s),
+        ("upstream.probe_timeout_s", config.upstream.probe_timeout_s),
+    ):
+        if seconds <= 0:
+            _fail(key, seconds, "must be > 0")
+    if not config.upstream.probe_path.startswith("/"):
+        _fail("upstream.probe_path", config.upstream.probe_path, "must start with /")
     if config.admission.chars_per_token <= 0:
         _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
     if config.admission.max_batch < 1:
@@ -360,6 +380,8 @@ def validate(config: Config) -> Config:
         )
     if config.identity.unknown_key == "reject" and not config.identity.keys_file:
         _fail("identity.unknown_key", "reject", "needs identity.keys_file")
+    if config.audit.enabled and config.audit.sink == "ledger" and not config.ledger.path:
+        _fail("audit.sink", "ledger", "there is no ledger (set ledger.path or --ledger)")
     return config
 
 

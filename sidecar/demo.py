@@ -23,7 +23,9 @@ from aiohttp import web
 from .app import Sidecar, create_admin_app, create_app
 from .config import (
     AdmissionConfig,
+    AuditConfig,
     Config,
+    GpuConfig,
     LedgerConfig,
     LoggingConfig,
     ModelPrice,
@@ -81,6 +83,8 @@ async def run_demo(
         ledger=LedgerConfig(path=str(ledger)),
         admission=AdmissionConfig(strategy="token-budget", token_budget=6000),
         logging=LoggingConfig(level="WARNING", access_log="off"),
+        audit=AuditConfig(path=str(workdir / "audit.jsonl")),  # never into the working directory
+        gpu=GpuConfig(enabled=False),  # the simulator runs on no GPU: nothing to attribute
     )
     sc = wire(Sidecar(cfg))
     done: list[Exchange] = []

@@ -6,19 +6,23 @@ itself off with one log line when there is no library, driver or GPU, and splitt
 GPUs' time and energy among the requests in flight.
 Never: exports a GPU value it did not read. With telemetry off, no GPU or attribution series exist.
 
-Attribution rule (documented in docs/metrics.md): between two changes of the in-flight set, the
-served GPUs' time (GPUs x seconds) is divided among the requests in flight in proportion to their
-*estimated* peak tokens (prompt chars / 4 + max tokens). The estimate only sets the split; the
-totals are measured time and measured energy, and they add up: the requests' device-seconds sum
-to the GPU-seconds elapsed while any request was in flight, and the same holds for energy at
-each poll. Time with nothing in flight is attributed to no one.
+Attribution rule (documented in docs/metrics.md): between two changes of the set of admitted
+requests in flight, the served GPUs' time (GPUs x seconds) is divided among them in proportion to
+their *estimated* peak tokens (the admission estimate: prompt chars / `chars_per_token` + `n` x
+max tokens, `default_max_tokens` when unset). A request takes part from its admission (time in the
+admission queue uses no GPU) to its end. The estimate only sets the split; the totals are measured
+time and measured energy, and they add up: the requests' device-seconds sum to the GPU-seconds
+elapsed while any admitted request was in flight, and the same holds for energy at each poll. Time
+with nothing in flight is attributed to no one. A request's energy is final at the first poll
+after it ends (`Exchange.energy_j` is set then); it stays None if a poll in its lifetime could not
+read the energy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +31,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import GpuConfig
+from .admission import estimate_tokens
+from .config import AdmissionConfig, GpuConfig
 from .meter import Exchange
 from .metrics import Metrics
 from .pricing import PriceBook
@@ -101,6 +106,7 @@ class GpuCollector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self.poll()  # a last reading: the energy of requests that ended is complete
         if self.up:
             try:
                 self.nvml.nvmlShutdown()
@@ -187,11 +193,14 @@ def _describe(exc: BaseException) -> str:
 
 @dataclass(eq=False)
 class Share:
+    exchange: Exchange
     model: str
     user: str
     weight: float
     device_s: float = 0.0
     energy_j: float = 0.0
+    energy_known: bool = True  # False once a poll in its lifetime could not read energy
+    pending: int = 0  # segments it took part in whose energy is not read yet
     ended: bool = False
 
 
@@ -203,12 +212,14 @@ class Attribution:
         self,
         metrics: Metrics,
         prices: PriceBook,
+        estimate: AdmissionConfig | None = None,
         n_gpus: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.n_gpus = n_gpus  # 0 until telemetry is up: then begin/end do nothing
         self.metrics = metrics
         self.prices = prices
+        self.estimate = estimate or AdmissionConfig()  # chars_per_token, default_max_tokens
         self.clock = clock
         self.active: dict[int, Share] = {}
         self._since = clock()  # start of the current segment
@@ -216,10 +227,10 @@ class Attribution:
         self._segments: list[tuple[float, list[tuple[Share, float]]]] = []
         self._lock = threading.Lock()
 
-    @staticmethod
-    def weight(ex: Exchange) -> float:
+    def weight(self, ex: Exchange) -> float:
         info = ex.info
-        return math.ceil(info.prompt_chars / 4) + (info.max_tokens or 256) + 1
+        chars = info.prompt_chars if info.parsed else len(info.body)
+        return max(1, estimate_tokens(self.estimate, chars, info.max_tokens, info.n))
 
     def enable(self, n_gpus: int) -> None:
         with self._lock:
@@ -231,7 +242,11 @@ class Attribution:
             return
         with self._lock:
             self._close_segment()
-            self.active[id(ex)] = Share(ex.model, ex.user, self.weight(ex))
+            self.active[id(ex)] = Share(ex, ex.model, ex.user, self.weight(ex))
+
+    async def admitted(self, ex: Exchange) -> None:
+        """The last gate: a request takes GPU time from its admission, not from its arrival."""
+        self.begin(ex)
 
     def end(self, ex: Exchange) -> None:
         """A sink: the request's device-seconds are final now; energy follows at the next poll."""
@@ -240,9 +255,11 @@ class Attribution:
         with self._lock:
             self._close_segment()
             share = self.active.pop(id(ex), None)
-        if share is None:
-            return
-        share.ended = True
+            if share is None:
+                return
+            share.ended = True
+            if not share.pending:  # every segment it took part in is polled already
+                self._settle(share)
         share.model = ex.model  # the served model is known now
         ex.device_seconds = share.device_s
         m = self.metrics
@@ -257,13 +274,26 @@ class Attribution:
             self._close_segment()
             now, segments = self.clock(), self._segments
             span, self._segments, self._last_poll = now - self._last_poll, [], now
-        if energy_j is None or span <= 0:
-            return
-        for duration, parts in segments:
+        polled = collections.Counter(share for _, parts in segments for share, _ in parts)
+        for duration, parts in segments:  # outside the lock: the event loop never waits on it
             for share, fraction in parts:
+                if energy_j is None or span <= 0:
+                    share.energy_known = False
+                    continue
                 joules = energy_j * duration / span * fraction
                 share.energy_j += joules
                 self.metrics.energy.labels(share.model).inc(joules)
+        with self._lock:
+            for share, n in polled.items():
+                share.pending -= n
+                if share.ended and not share.pending:
+                    self._settle(share)
+
+    @staticmethod
+    def _settle(share: Share) -> None:
+        """No segment can add to its energy any more: put it on the exchange, if measured."""
+        if share.energy_known:
+            share.exchange.energy_j = share.energy_j
 
     def _close_segment(self) -> None:
         now = self.clock()
@@ -275,6 +305,7 @@ class Attribution:
         parts = [(s, s.weight / total) for s in self.active.values()]
         for share, fraction in parts:
             share.device_s += duration * self.n_gpus * fraction
+            share.pending += 1
         self._segments.append((duration, parts))
 
 

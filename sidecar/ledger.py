@@ -1,7 +1,8 @@
 """The usage ledger: one SQLite row per request, written off the event loop in batches.
 
 Owns: the schema, a writer thread that commits every `flush_interval_s` (so a hard kill loses at
-most that much), retrying rows after a failed write, retention, and the reads that restore today's
+most that much), retrying rows after a failed write, reopening the file when it was deleted or
+replaced under it (checked before each write), retention, and the reads that restore today's
 spend and feed `tollbooth report`.
 Never: blocks the event loop (the proxy only appends to an in-memory queue), or fails a request.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -157,6 +160,8 @@ class Ledger:
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
         self._retry_at = 0.0
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the file we opened
+        self.problem: str | None = "not open yet"  # why rows cannot be written now (readiness)
 
     # --- event-loop side (never blocks on disk)
 
@@ -199,9 +204,26 @@ class Ledger:
             if conn is not None:
                 conn.close()
             self._retry_at = time.monotonic() + RECONNECT_S
+            self.problem = f"cannot be opened: {exc}"
             return False
-        self._conn = conn
+        self._conn, self._file_id, self.problem = conn, _file_id(self.config.path), None
         return True
+
+    def _reopen_if_replaced(self) -> None:
+        """Deleted or replaced under us, the open file is an unlinked inode: rows written there
+        are lost. Close it and open the path again (a new file, or the replacement)."""
+        if self._conn is None or _file_id(self.config.path) == self._file_id:
+            return
+        log.warning("ledger %s was deleted or replaced: opening it again", self.config.path)
+        self.metrics.ledger_reopens.inc()
+        with contextlib.suppress(sqlite3.Error):
+            # Move the old file's WAL into it and empty the WAL: SQLite finds a WAL by name, so a
+            # WAL left behind would be replayed into the file that now has the path.
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.close()
+        self._conn = None
+        self._try_connect()
 
     def spend_since(self, since: float) -> tuple[dict[str, float], dict[str, float]]:
         """Known spend since `since`, by billed user and by team."""
@@ -249,6 +271,7 @@ class Ledger:
             if self._conn is not None:
                 log.error("ledger write of %d rows failed (will retry): %s", len(batch), exc)
                 self.metrics.ledger_errors.inc()
+                self.problem = f"write failed: {exc}"
             with self._lock:  # put the batch back in front of what arrived meanwhile
                 batch.extend(self._pending)
                 while len(batch) > self.config.max_pending_rows:
@@ -257,6 +280,7 @@ class Ledger:
                 self._pending = batch
 
     def _write(self, batch: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+        self._reopen_if_replaced()
         reconnect_due = time.monotonic() >= self._retry_at
         if self._conn is None and not (reconnect_due and self._try_connect()):
             raise sqlite3.OperationalError("ledger not open")
@@ -264,6 +288,15 @@ class Ledger:
         with self._conn:
             for sql, values in batch:
                 self._conn.execute(sql, values)
+        self.problem = None
+
+
+def _file_id(path: str | Path | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)  # type: ignore[arg-type]
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def ledger_context(

@@ -139,10 +139,8 @@ class Meter:
             c(m.duration, ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
         if (ttft := ex.ttft_s) is not None:
             c(m.ttft, ex.model, ep).observe(ttft)
-            out = u.output_tokens
-            if out and out > 1 and ex.duration_s is not None:
-                decode = ex.t0 + ex.duration_s - ex.first_token_at  # type: ignore[operator]
-                c(m.tpot, ex.model, ep).observe(max(decode, 0.0) / (out - 1))
+            if (tpot := time_per_output_token(ex)) is not None:
+                c(m.tpot, ex.model, ep).observe(tpot)
         if not consumed(ex):
             return
         if u.input_tokens is not None:
@@ -174,6 +172,21 @@ class Meter:
     @staticmethod
     def _exemplar(ex: Exchange) -> dict[str, str] | None:
         return {"trace_id": ex.trace_id} if ex.trace_id and ex.trace_sampled else None
+
+
+def time_per_output_token(ex: Exchange) -> float | None:
+    """Decode time per token after the first, per choice: the choices of one request (`n`, or
+    several prompts) are decoded side by side, so the time is divided by the tokens of one choice
+    (all output tokens / choices, the mean when their lengths differ), not by all choices' tokens.
+    The choices are those that reported a finish reason, at least the `n` asked for."""
+    out, first = ex.usage.output_tokens, ex.first_token_at
+    if not out or first is None or ex.duration_s is None:
+        return None
+    choices = max(len(ex.usage.finish_reasons), ex.info.n or 1)
+    per_choice = out / choices
+    if per_choice <= 1:
+        return None
+    return max(ex.t0 + ex.duration_s - first, 0.0) / (per_choice - 1)
 
 
 def consumed(ex: Exchange) -> bool:

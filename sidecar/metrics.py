@@ -197,6 +197,24 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.upstream_up = Gauge(
+            "tollbooth_upstream_up",
+            "1 when the last background probe of the upstream got an answer below 500.",
+            registry=r,
+        )
+        self.connections_cut = Counter(
+            "tollbooth_connections_cut",
+            "Client connections closed by the sidecar: no complete request headers in time "
+            "(header_timeout) or kept alive without a request (idle_timeout).",
+            ["listener", "reason"],
+            registry=r,
+        )
+        self.client_connections = Gauge(
+            "tollbooth_client_connections",
+            "Client connections open now.",
+            ["listener"],
+            registry=r,
+        )
         # --- cost
         self.cost = Counter(
             "llm_cost_usd",
@@ -222,6 +240,11 @@ class Metrics:
         )
         self.ledger_errors = Counter(
             "llm_ledger_errors", "Usage-ledger write failures.", registry=r
+        )
+        self.ledger_reopens = Counter(
+            "llm_ledger_reopens",
+            "Ledger file found deleted or replaced while open, and opened again at its path.",
+            registry=r,
         )
         self.ledger_dropped = Counter(
             "llm_ledger_dropped_rows",

@@ -7,6 +7,7 @@ says how many requests were unknown.
 
 from __future__ import annotations
 
+import calendar
 import csv
 import io
 import json
@@ -29,7 +30,8 @@ def parse_since(value: str, now: float | None = None) -> float:
         return now - float(m.group(1)) * _UNITS[m.group(2)]
     for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"):
         try:
-            return float(time.mktime(time.strptime(value, fmt)) - time.timezone)
+            # timegm reads the fields as UTC; mktime would apply the local zone and its summer time
+            return float(calendar.timegm(time.strptime(value, fmt)))
         except ValueError:
             continue
     raise ValueError(f"--since '{value}': expected e.g. 24h, 7d, 30m or 2026-11-01")

@@ -1,7 +1,8 @@
 """Plugs the optional components into a Sidecar: each one a gate, a sink or a cleanup context.
 
-Owns: the order in which components see a request (gates: budgets, then admission; sinks: spend,
-ledger, then logs). Never: holds state of its own.
+Owns: the order in which components see a request (gates: budgets, then admission, then the start
+of GPU attribution; sinks: GPU attribution, spend, ledger, then logs). Never: holds state of its
+own.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
     """
     cfg = sc.config
     if cfg.gpu.enabled:
-        attribution = sc.attribution = Attribution(sc.metrics, sc.prices)
+        attribution = sc.attribution = Attribution(sc.metrics, sc.prices, cfg.admission)
         collector = GpuCollector(cfg.gpu, sc.metrics, nvml)
 
         def up(c: GpuCollector) -> None:
@@ -35,8 +36,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
             c.on_poll = attribution.poll_energy
 
         sc.extra_contexts.append(gpu_context(collector, up))
-        sc.on_start.append(attribution.begin)
-        sc.meter.add_sink("gpu", attribution.end)
+        sc.meter.add_sink("gpu", attribution.end)  # first sink: device_seconds for the others
     if tracing.enabled(cfg) or span_exporter is not None:
         t = sc.tracing = tracing.Tracing(cfg, sc.metrics, span_exporter)
         sc.on_start.append(t.start)
@@ -66,4 +66,6 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         access = sc.access_log = AccessLog(cfg.logging)
         sc.extra_contexts.append(access_log_context(access))
         sc.meter.add_sink("access_log", access.write)
+    if sc.attribution is not None:  # the last gate: GPU time counts from admission, not arrival
+        sc.gates.append(sc.attribution.admitted)
     return sc

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +12,45 @@ from aiohttp.test_utils import TestServer
 from sidecar.app import Sidecar, create_admin_app, create_app
 from sidecar.config import Config, build, validate
 from sidecar.wiring import wire
-from tests.fakes import FakeUpstream
+from tests.fakes import FakeUpstream, NoLibrary
+
+ROOT = Path(__file__).parents[1]
+WORK_TREE = pytest.StashKey[frozenset[str] | None]()
+
+
+def git_status() -> frozenset[str] | None:
+    """`git status` of the work tree (ignored files excluded); None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return frozenset(out.splitlines())
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.stash[WORK_TREE] = git_status()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a test (or a command it ran) left a file in the work tree."""
+    before, after = session.stash.get(WORK_TREE, None), git_status()
+    if before is None or after is None or not (left := sorted(after - before)):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep(
+            "=", "the tests left files in the work tree (write under tmp_path)", red=True
+        )
+        for line in left:
+            reporter.write_line("  " + line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @dataclass
@@ -40,7 +80,8 @@ async def start_sidecar(
 ) -> StartSidecar:
     """Start a sidecar (proxy and admin apps) in front of the fake upstream or `upstream_url`.
 
-    Test sidecars write their audit file under tmp_path, never into the working tree.
+    Test sidecars write their audit file under tmp_path, never into the working tree, and see no
+    GPU (NVML absent) unless `wire_kwargs` passes a fake: the machine's own GPU never leaks in.
     """
     fake, up_server = upstream
 
@@ -58,7 +99,8 @@ async def start_sidecar(
             **data.get("upstream", {}),
         }
         cfg = validate(build(Config, data))
-        sc = wire(Sidecar(cfg, **sidecar_kwargs), **(wire_kwargs or {}))
+        wired = {"nvml": NoLibrary(), **(wire_kwargs or {})}
+        sc = wire(Sidecar(cfg, **sidecar_kwargs), **wired)
         # TestServer cancels handlers on client disconnect, as serve() does.
         server = await aiohttp_server(create_app(sc))
         admin = await aiohttp_server(create_admin_app(sc))

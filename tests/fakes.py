@@ -1,29 +1,28 @@
-"""The in-test upstream: the one boundary where a fake stands in for vLLM/TGI.
+"""The two boundaries where a fake stands in: the inference server (vLLM/TGI) and NVML.
 
-It speaks their wire formats (chunk shapes, usage chunks, running usage on every chunk when asked
-for `continuous_usage_stats`, error events, TGI's `data:` without a space and its token headers)
-and can replay the recorded TGI responses in ../shared/fixtures/tgi. It reads `stream` and
-`stream_options` as vLLM does (pydantic's lax booleans) and routes `/invocations` and `/vertex` by
-the body's shape as vLLM and TGI do. Behaviour is chosen per request with the `X-Fake` header;
-every generation request it sees is kept in `seen`, every tokenizer call in `tokenized`, and every
-request whose client (the sidecar) went away mid-answer in `cancelled`.
+FakeUpstream speaks vLLM's and TGI's wire formats (chunk shapes, usage chunks, running usage on
+every chunk when asked for `continuous_usage_stats`, error events, TGI's `data:` without a space
+and its token headers) and can replay the recorded TGI responses in tests/fixtures/tgi. It reads
+`stream` and `stream_options` as vLLM does (pydantic's lax booleans) and routes `/invocations` and
+`/vertex` by the body's shape as vLLM and TGI do. Behaviour is chosen per request with the `X-Fake`
+header; every generation request it sees is kept in `seen`, every tokenizer call in `tokenized`,
+and every request whose client (the sidecar) went away mid-answer in `cancelled`. FakeNVML
+reproduces NVML's units and error classes; NoLibrary is NVML on a machine without a driver, which
+every test sidecar gets unless it asks for FakeNVML.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pydantic
 from aiohttp import web
 
-FIXTURES = Path(
-    os.environ.get("TOLLBOOTH_FIXTURES", Path(__file__).parents[2] / "shared" / "fixtures")
-)
-TGI_FIXTURES = FIXTURES / "tgi"
+TGI_FIXTURES = Path(__file__).parent / "fixtures" / "tgi"  # inside the work tree: see its README
 MODEL = "fake/llama-3-8b"
 TOKENS_PER_CHUNK = 2  # like vLLM's --stream-interval: a chunk is not a token
 _LAX_BOOL = pydantic.TypeAdapter(bool | None)  # how vLLM's request models read a boolean
@@ -376,3 +375,75 @@ class FakeUpstream:
         if body.get("stream"):
             return await self.tgi_stream(request)
         return await self.tgi_generate(request)
+
+
+# --- the NVML boundary ----------------------------------------------------------------------------
+
+
+class NVMLError(Exception):
+    pass
+
+
+class NVMLError_NotSupported(NVMLError):
+    pass
+
+
+class NVMLError_LibraryNotFound(NVMLError):
+    pass
+
+
+class FakeNVML:
+    """Reproduces what the sidecar reads: mW, mJ, bytes, percent, and per-GPU NotSupported."""
+
+    NVML_TEMPERATURE_GPU = 0
+    NVMLError = NVMLError
+    NVMLError_NotSupported = NVMLError_NotSupported
+
+    def __init__(self, gpus: int = 2, no_energy_on: int | None = 1) -> None:
+        self.gpus, self.no_energy_on = gpus, no_energy_on
+        self.energy_mj = [1_000_000] * gpus
+        self.inited = False
+
+    def nvmlInit(self) -> None:
+        self.inited = True
+
+    def nvmlShutdown(self) -> None:
+        self.inited = False
+
+    def nvmlDeviceGetCount(self) -> int:
+        return self.gpus
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-0000-{h}"
+
+    def nvmlDeviceGetName(self, h: int) -> bytes:
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return SimpleNamespace(gpu=87, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(total=150_000_000_000, used=120_000_000_000, free=30_000_000_000)
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        return 612_500  # mW
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return 61
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
+        if h == self.no_energy_on:
+            raise NVMLError_NotSupported("Not Supported")
+        self.energy_mj[h] += 500_000  # +500 J per read
+        return self.energy_mj[h]
+
+
+class NoLibrary:
+    """NVML as on a machine without the library: what every test sidecar gets unless it asks for
+    FakeNVML, so the suite behaves the same on a machine with a GPU."""
+
+    def nvmlInit(self) -> None:
+        raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")

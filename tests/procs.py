@@ -33,10 +33,24 @@ class Tollbooth:
 
 
 async def start_tollbooth(
-    tmp: Path, config: dict[str, Any], *args: str, ports: tuple[int, int] | None = None
+    tmp: Path,
+    config: dict[str, Any],
+    *args: str,
+    ports: tuple[int, int] | None = None,
+    ready_path: str = "/readyz",
 ) -> Tollbooth:
-    """Start `tollbooth serve`; `ports` (proxy, admin) to come back where a scraper looks."""
+    """Start `tollbooth serve` and wait until `ready_path` on the admin port answers 200; `ports`
+    (proxy, admin) to come back where a scraper looks.
+
+    Like the in-process sidecars, it writes its audit file under `tmp` and sees no GPU unless
+    `config` says otherwise: a test's outcome never depends on the machine's GPU or working tree.
+    """
     port, admin = ports or (free_port(), free_port())
+    config = {
+        **config,
+        "audit": {"path": str(tmp / f"audit-{port}.jsonl"), **config.get("audit", {})},
+        "gpu": {"enabled": False, **config.get("gpu", {})},
+    }
     cfg = tmp / f"tollbooth-{port}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = tmp / f"tollbooth-{port}.log"
@@ -63,7 +77,7 @@ async def start_tollbooth(
                 handle.close()
                 raise RuntimeError("tollbooth exited: " + log.read_text()[-2000:])
             try:
-                async with s.get(tb.admin + "/readyz") as r:
+                async with s.get(tb.admin + ready_path) as r:
                     if r.status == 200:
                         return tb
             except aiohttp.ClientError:

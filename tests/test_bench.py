@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from sidecar.bench import Arrival, BenchOptions, Distribution, generate, read, run, write
-from sidecar.bench.output import write_all
-from sidecar.simulator import EngineParams
+from sidecar.bench.output import markdown, write_all
+from sidecar.config import PricingConfig
+from sidecar.simulator import EngineParams, create_simulator
+from tests.fakes import FakeNVML
 
 FAST = EngineParams(step_base_s=0.0005, prefill_s_per_token=0.0, decode_s_per_seq=0.00002)
 
@@ -46,6 +52,7 @@ async def test_three_strategies_agree_and_report(tmp_path: Path) -> None:
         assert set(s["e2e_s"]) == {"p50", "p90", "p99"} and s["e2e_s"]["p50"] > 0
         assert s["queue_s"]["p50"] is not None and s["ttft_s"]["p50"] is not None
         assert s["cost_per_1k_tokens_usd"] is None  # no prices given: unknown, not 0
+        assert s["cost_per_1k_tokens_device_usd"] is None and s["gpus"] is None  # no GPU here
         assert s["tokens_per_s"] > 0
     # serial waits longest in the queue
     assert (
@@ -53,6 +60,55 @@ async def test_three_strategies_agree_and_report(tmp_path: Path) -> None:
         > doc["strategies"]["token-budget"]["queue_s"]["p90"]
     )
     assert "| serial | 12 | 0 |" in paths[1].read_text()
+
+
+async def test_outputs_agree_fails_when_batching_changes_the_text(tmp_path: Path) -> None:
+    """The comparison can fail: with batch-dependent output, batched strategies diverge from
+    serial (on the default simulator the column is true by construction)."""
+    reqs = generate(Distribution(n=10, seed=5, prompt_words_median=20, max_tokens_max=16))
+    opts = BenchOptions(
+        strategies=["serial", "token-budget"],
+        out_dir=tmp_path,
+        arrival=Arrival("concurrency", 4),
+        sim_params=replace(FAST, batch_dependent_output=True),
+        warmup=0,
+    )
+    result = await run(opts, reqs, {})
+    batched = result["strategies"]["token-budget"]
+    assert batched["failures"] == 0 and batched["outputs_consistent"] is False
+    assert result["strategies"]["serial"]["outputs_consistent"] is False
+    assert {m["strategy"] for m in result["output_mismatches"]} == {"token-budget"}
+    assert "outputs differ from the reference" in markdown(result)
+
+
+async def test_device_cost_per_1k_tokens_against_a_server_with_nvml(
+    aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """--upstream URL on a machine with NVML (the fake): device-seconds x gpu_hour_usd per 1k."""
+    server = await aiohttp_server(create_simulator("vllm", FAST))
+    reqs = generate(Distribution(n=8, seed=6, prompt_words_median=20, max_tokens_max=16))
+    opts = BenchOptions(
+        strategies=["token-budget"],
+        out_dir=tmp_path,
+        upstream=str(server.make_url("")).rstrip("/"),
+        arrival=Arrival("concurrency", 3),
+        warmup=0,
+        pricing=PricingConfig(gpu_hour_usd=3.6),
+        nvml=FakeNVML(gpus=2, no_energy_on=None),
+    )
+    result = await run(opts, reqs, {})
+    s, done = result["strategies"]["token-budget"], result["requests"]["token-budget"]
+    assert s["failures"] == 0 and s["gpus"] == 2
+    device_s = sum(r["device_seconds"] for r in done)
+    tokens = sum(r["input_tokens"] + r["output_tokens"] for r in done)
+    assert device_s > 0 and tokens > 0
+    expected = device_s / 3600 * 3.6 / tokens * 1000
+    assert s["cost_per_1k_tokens_device_usd"] == pytest.approx(expected, abs=1e-8)
+    assert s["cost_per_1k_tokens_usd"] is None  # no per-token prices: still unknown
+    energy = sum(r["energy_j"] for r in done)  # read at the last poll, when the sidecar stopped
+    assert s["energy_per_1k_tokens_j"] == pytest.approx(energy / tokens * 1000, abs=1e-6)
+    assert 0 < energy <= 1000.0  # the fake: +500 J per GPU per read; idle time goes to no one
+    assert f"{expected:.6f}" in markdown(result)
 
 
 async def test_out_of_memory_saves_decisions_and_retries_smaller(tmp_path: Path) -> None:

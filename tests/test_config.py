@@ -6,9 +6,12 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
+import yaml
 
+from sidecar import configdoc
 from sidecar.config import Config, ConfigError, load
 
 ROOT = Path(__file__).parents[1]
@@ -20,12 +23,86 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
-def test_example_config_loads_and_is_frozen() -> None:
+def test_example_config_is_the_defaults_and_is_frozen() -> None:
     cfg = load(ROOT / "tollbooth.example.yaml")
-    assert cfg.pricing.models["llama-3-8b"].cached_input_per_1m == 0.05
-    assert cfg.server.listen == "127.0.0.1:8080"
+    assert cfg == Config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.server.listen = "x"  # type: ignore[misc]
+
+
+def test_example_config_is_generated_from_the_dataclasses() -> None:
+    committed = (ROOT / "tollbooth.example.yaml").read_text()
+    assert committed == configdoc.render(), (
+        "tollbooth.example.yaml is out of date with sidecar/config.py: run `make example-config` "
+        "(tollbooth config --print-defaults > tollbooth.example.yaml)"
+    )
+
+
+def test_every_key_and_default_is_in_the_example() -> None:
+    example = yaml.safe_load((ROOT / "tollbooth.example.yaml").read_text())
+
+    def walk(obj: object, node: dict[str, object], prefix: str) -> None:
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            value = getattr(obj, f.name)
+            assert f.name in node, f"{prefix}{f.name} is missing"
+            if dataclasses.is_dataclass(value):
+                walk(value, node[f.name], f"{prefix}{f.name}.")  # type: ignore[arg-type]
+            else:
+                assert node[f.name] == (list(value) if isinstance(value, tuple) else value)
+
+    walk(Config(), example, "")
+    assert set(configdoc.NOTES) <= keys(Config())  # no note for a key that does not exist
+
+
+def keys(obj: object, prefix: str = "") -> set[str]:
+    out = set()
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        out.add(prefix + f.name)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out |= keys(value, f"{prefix}{f.name}.")
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _NewSection:
+    # Comments above a field become its comment in the example.
+    limit_s: float = 1.5
+    mode: Literal["a", "b"] = "a"
+    names: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Extended(Config):
+    new: _NewSection = dataclasses.field(default_factory=_NewSection)
+
+
+def test_a_field_added_to_the_schema_appears_with_its_default_and_comment() -> None:
+    text = configdoc.render(_Extended())
+    assert text.startswith(configdoc.render().rstrip("\n"))
+    tail = text.split("\nnew:\n")[1]
+    assert tail.splitlines() == [
+        "  # Comments above a field become its comment in the example.",
+        "  limit_s: 1.5",
+        "  mode: a" + " " * 27 + "# a | b",
+        "  names: []",
+    ]
+
+
+def test_cli_prints_the_defaults_and_a_files_effective_config(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "sidecar.cli", "config"]
+    out = subprocess.run(
+        [*cli, "--print-defaults"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout == (ROOT / "tollbooth.example.yaml").read_text()
+    path = write(tmp_path, "pricing:\n  models:\n    m: {input_per_1m: 1, output_per_1m: 2}\n")
+    out = subprocess.run(
+        [*cli, "--config", str(path)], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "  models: {m: {input_per_1m: 1.0, output_per_1m: 2.0, cached_input_per_1m: null}}" in (
+        out.stdout
+    )
+    assert load(write(tmp_path, out.stdout)) == load(path)
 
 
 def test_defaults_without_a_file() -> None:
@@ -99,3 +176,15 @@ def test_cli_stops_with_one_clear_line(tmp_path: Path) -> None:
     assert proc.stderr.strip() == (
         "tollbooth: config 'metering.max_tracked_users' has value 'lots': not an integer"
     )
+
+
+def test_audit_into_a_ledger_needs_a_ledger(tmp_path: Path) -> None:
+    path = write(tmp_path, "audit:\n  sink: ledger\n")
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == (
+        "config 'audit.sink' has value 'ledger': there is no ledger (set ledger.path or --ledger)"
+    )
+    assert load(path, {"ledger.path": str(tmp_path / "l.db")}).audit.sink == "ledger"
+    off = write(tmp_path, "audit:\n  sink: ledger\n  enabled: false\n")
+    assert load(off).audit.enabled is False

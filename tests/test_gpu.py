@@ -1,88 +1,24 @@
 """GPU telemetry through a fake NVML module (NVML's units and error classes), the real loading path
-on this GPU-less machine, and the device-time/energy attribution with a fake clock."""
+where there is no GPU driver, and the device-time/energy attribution with a fake clock. The suite
+passes on a machine with a GPU too: no test sidecar reaches the real NVML."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import asyncio
 from typing import Any
 
 import aiohttp
 import pytest
 
-from sidecar.config import GpuConfig, PricingConfig
+from sidecar import gpu
+from sidecar.config import AdmissionConfig, GpuConfig, PricingConfig
 from sidecar.gpu import Attribution, GpuCollector
 from sidecar.meter import Exchange
 from sidecar.metrics import Metrics
 from sidecar.pricing import PriceBook
 from sidecar.usage import Endpoint, RequestInfo
 from tests.conftest import StartSidecar
-from tests.fakes import MODEL
-
-
-class NVMLError(Exception):
-    pass
-
-
-class NVMLError_NotSupported(NVMLError):
-    pass
-
-
-class NVMLError_LibraryNotFound(NVMLError):
-    pass
-
-
-class FakeNVML:
-    """Reproduces what the sidecar reads: mW, mJ, bytes, percent, and per-GPU NotSupported."""
-
-    NVML_TEMPERATURE_GPU = 0
-    NVMLError = NVMLError
-    NVMLError_NotSupported = NVMLError_NotSupported
-
-    def __init__(self, gpus: int = 2, no_energy_on: int | None = 1) -> None:
-        self.gpus, self.no_energy_on = gpus, no_energy_on
-        self.energy_mj = [1_000_000] * gpus
-        self.inited = False
-
-    def nvmlInit(self) -> None:
-        self.inited = True
-
-    def nvmlShutdown(self) -> None:
-        self.inited = False
-
-    def nvmlDeviceGetCount(self) -> int:
-        return self.gpus
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetUUID(self, h: int) -> str:
-        return f"GPU-0000-{h}"
-
-    def nvmlDeviceGetName(self, h: int) -> bytes:
-        return b"NVIDIA H200"
-
-    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-        return SimpleNamespace(gpu=87, memory=40)
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        return SimpleNamespace(total=150_000_000_000, used=120_000_000_000, free=30_000_000_000)
-
-    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
-        return 612_500  # mW
-
-    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
-        return 61
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
-        if h == self.no_energy_on:
-            raise NVMLError_NotSupported("Not Supported")
-        self.energy_mj[h] += 500_000  # +500 J per read
-        return self.energy_mj[h]
-
-
-class NoLibrary:
-    def nvmlInit(self) -> None:
-        raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+from tests.fakes import MODEL, FakeNVML, NoLibrary
 
 
 def value(m: Metrics, metric: str, **labels: str) -> float | None:
@@ -142,13 +78,20 @@ def test_real_nvml_path_on_this_machine() -> None:
     assert value(m, "llm_gpu_telemetry_up") == 0
 
 
-def exchange(prompt_chars: int, max_tokens: int, model: str = "m", user: str = "u") -> Exchange:
+def exchange(
+    prompt_chars: int,
+    max_tokens: int | None,
+    model: str = "m",
+    user: str = "u",
+    n: int | None = None,
+) -> Exchange:
     info = RequestInfo(
         endpoint=Endpoint.CHAT,
         body=b"",
         parsed=True,
         prompt_chars=prompt_chars,
         max_tokens=max_tokens,
+        n=n,
     )
     return Exchange(
         request_id="r", endpoint=Endpoint.CHAT, info=info, user=user, user_id=user, model=model
@@ -161,14 +104,16 @@ def test_attribution_splits_by_tokens_and_sums_to_gpu_time() -> None:
     prices = PriceBook(PricingConfig(gpu_hour_usd=3.6))
     a = Attribution(m, prices, clock=lambda: now[0])
     a.enable(n_gpus=2)
-    big = exchange(prompt_chars=1200, max_tokens=500, user="big")  # weight 300 + 500 + 1 = 801
-    small = exchange(prompt_chars=0, max_tokens=266, user="small")  # weight 0 + 266 + 1 = 267
+    big = exchange(prompt_chars=1200, max_tokens=300, user="big")  # weight 1200 / 4 + 300 = 600
+    small = exchange(prompt_chars=0, max_tokens=200, user="small")  # weight 0 + 200 = 200
     a.begin(big)
     now[0] += 1.0  # 1 s alone: 2 GPU-s to big
     a.begin(small)
-    now[0] += 3.0  # 3 s together: 6 GPU-s split 801:267 = 3:1
+    now[0] += 3.0  # 3 s together: 6 GPU-s split 600:200 = 3:1
     a.poll_energy(800.0)  # 800 J over the 4 s since enable
+    assert small.energy_j is None  # not ended yet
     a.end(small)
+    assert small.energy_j == pytest.approx(150.0)  # its segments were all read already
     now[0] += 1.0
     a.end(big)
     assert big.device_seconds == pytest.approx(2 + 4.5 + 2)
@@ -182,8 +127,37 @@ def test_attribution_splits_by_tokens_and_sums_to_gpu_time() -> None:
     )
     # energy: 200 J/s; first second all big (200 J), then 600 J split 3:1
     assert value(m, "llm_energy_joules_total", model="m") == pytest.approx(800.0)
+    assert big.energy_j is None  # its last second is not read yet
     a.poll_energy(100.0)  # the last second, big alone
     assert value(m, "llm_energy_joules_total", model="m") == pytest.approx(900.0)
+    assert big.energy_j == pytest.approx(200 + 450 + 100)
+
+
+def test_energy_of_a_request_is_unknown_when_a_poll_could_not_read_it() -> None:
+    now = [0.0]
+    a = Attribution(Metrics(), PriceBook(PricingConfig()), clock=lambda: now[0])
+    a.enable(n_gpus=1)
+    blind, later = exchange(0, 10), exchange(0, 10)
+    a.begin(blind)
+    now[0] += 1.0
+    a.poll_energy(None)  # a GPU without energy counters
+    a.begin(later)
+    now[0] += 1.0
+    a.poll_energy(40.0)
+    a.end(blind)
+    a.end(later)
+    now[0] += 1.0
+    a.poll_energy(10.0)
+    assert blind.energy_j is None and blind.device_seconds == pytest.approx(1.5)
+    assert later.energy_j == pytest.approx(20.0)
+
+
+def test_the_split_uses_the_configured_estimate_and_n() -> None:
+    cfg = AdmissionConfig(chars_per_token=2.0, default_max_tokens=100)
+    a = Attribution(Metrics(), PriceBook(PricingConfig()), cfg)
+    assert a.weight(exchange(prompt_chars=200, max_tokens=None)) == 100 + 100
+    assert a.weight(exchange(prompt_chars=200, max_tokens=None, n=3)) == 100 + 3 * 100
+    assert a.weight(exchange(prompt_chars=200, max_tokens=50, n=2)) == 100 + 2 * 50
 
 
 async def test_sidecar_with_fake_gpu_exports_attribution(
@@ -223,8 +197,41 @@ async def test_sidecar_with_fake_gpu_exports_attribution(
     ) == pytest.approx(seconds / 3600 * 2.0)
 
 
-async def test_gpu_series_absent_when_telemetry_is_off(start_sidecar: StartSidecar) -> None:
-    run = await start_sidecar()  # real NVML path: no driver here
+async def test_time_in_the_admission_queue_takes_no_gpu_share(
+    start_sidecar: StartSidecar,
+) -> None:
+    """Serial admission, two requests at once: the second waits ~0.3 s in the queue. Each gets the
+    GPU time of its own upstream phase, none of the other's while it waited."""
+    run = await start_sidecar(
+        {"admission": {"strategy": "serial"}, "gpu": {"poll_interval_s": 0.05}},
+        wire_kwargs={"nvml": FakeNVML(gpus=2)},
+    )
+    done: list[Exchange] = []
+    run.sc.meter.add_sink("test", done.append)
+
+    async def one(s: aiohttp.ClientSession, user: str) -> None:
+        async with s.post(
+            run.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-Tollbooth-User": user, "X-Fake": "sleep:0.3"},
+        ) as r:
+            await r.read()
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(one(s, "first"), one(s, "second"))
+    assert len(done) == 2 and max(ex.queue_s or 0 for ex in done) > 0.2
+    for ex in done:
+        assert ex.duration_s is not None and ex.queue_s is not None
+        upstream_phase = ex.duration_s - ex.queue_s
+        assert ex.device_seconds == pytest.approx(2 * upstream_phase, abs=0.05)
+
+
+async def test_gpu_series_absent_when_telemetry_is_off(
+    start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a machine with a GPU (the real loader would find NVML): a test sidecar sees none."""
+    monkeypatch.setattr(gpu, "load_nvml", FakeNVML)
+    run = await start_sidecar()  # NVML absent by default: the machine's GPU never leaks in
     async with (
         aiohttp.ClientSession() as s,
         s.post(
@@ -233,5 +240,7 @@ async def test_gpu_series_absent_when_telemetry_is_off(start_sidecar: StartSidec
         ) as r,
     ):
         await r.read()
+    assert run.value("llm_gpu_telemetry_up") == 0
     names = {fam.name for fam in run.sc.metrics.registry.collect() if fam.samples}
     assert "llm_device_seconds" not in names and "llm_energy_joules" not in names
+    assert not any(n.startswith("llm_gpu_") and n != "llm_gpu_telemetry_up" for n in names)

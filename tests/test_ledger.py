@@ -4,6 +4,7 @@ restarts, and a broken ledger file never breaks traffic. These run tollbooth as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sqlite3
 import time
@@ -16,7 +17,7 @@ import pytest
 from sidecar.ledger import Ledger, connect
 from sidecar.metrics import Metrics
 from tests.fakes import MODEL
-from tests.procs import start_tollbooth
+from tests.procs import Tollbooth, start_tollbooth
 
 MSGS = [{"role": "user", "content": "one two three four five"}]
 PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}}
@@ -135,7 +136,7 @@ async def test_broken_ledger_does_not_break_traffic(
     else:
         holder = connect(db)
         holder.execute("BEGIN EXCLUSIVE")
-    tb = await start_tollbooth(tmp_path, config(server, db))
+    tb = await start_tollbooth(tmp_path, config(server, db), ready_path="/healthz")
     try:
         done = await load(tb.url, 0.5, users=1)
         assert len(done) > 5
@@ -143,6 +144,8 @@ async def test_broken_ledger_does_not_break_traffic(
             text = await r.text()
         errors = next(ln for ln in text.splitlines() if ln.startswith("llm_ledger_errors_total"))
         assert float(errors.split()[-1]) >= 1
+        status, body = await readyz(tb)  # serving, but not ready: its rows cannot be kept
+        assert status == 503 and body["checks"]["ledger"].startswith("unwritable")
         if holder is not None:  # the lock goes away: the rows written meanwhile arrive
             holder.rollback()
             holder.close()
@@ -152,10 +155,79 @@ async def test_broken_ledger_does_not_break_traffic(
                 if len(rows(db)) == len(done):
                     break
             assert len(rows(db)) == len(done)
+            assert (await readyz(tb))[0] == 200
     finally:
         if holder is not None:
             holder.close()
         await tb.stop(signal.SIGTERM)
+
+
+async def readyz(tb: Tollbooth) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.get(tb.admin + "/readyz") as r:
+        return r.status, await r.json()
+
+
+async def test_a_deleted_or_replaced_ledger_file_is_reopened(upstream: Any, tmp_path: Path) -> None:
+    """Deleted or replaced while open, the file would swallow rows into an unlinked inode: the
+    writer notices (before each write), opens the path again, counts it; if it cannot, /readyz
+    says so until it can."""
+    _, server = upstream
+    db = tmp_path / "ledger.db"
+    tb = await start_tollbooth(tmp_path, config(server, db))
+    try:
+        first = await load(tb.url, 0.3, users=1)
+        await asyncio.sleep(FLUSH * 3)
+        assert len(rows(db)) == len(first)
+        for suffix in ("", "-wal", "-shm"):  # what an operator's `rm ledger.db*` does
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        second = await load(tb.url, 0.3, users=1)
+        await wait_for_rows(db, len(second))
+        assert await metric(tb, "llm_ledger_reopens_total") == 1
+        assert (await readyz(tb))[0] == 200
+
+        archive = tmp_path / "archive.db"  # moved away, its -wal left behind by name
+        db.rename(archive)
+        third = await load(tb.url, 0.3, users=1)
+        await wait_for_rows(db, len(third))  # a new file: the old WAL was not replayed into it
+        assert len(rows(archive)) == len(second)  # and the moved file has all of its rows
+        assert await metric(tb, "llm_ledger_reopens_total") == 2
+
+        replacement = tmp_path / "other.db"  # replaced by another file: the rows go there
+        connect(replacement).close()
+        replacement.replace(db)
+        fourth = await load(tb.url, 0.3, users=1)
+        await wait_for_rows(db, len(fourth))
+        assert await metric(tb, "llm_ledger_reopens_total") == 3
+
+        db.unlink()
+        db.mkdir()  # the path cannot be opened as a file: not ready, rows wait in memory
+        fifth = await load(tb.url, 0.3, users=1)
+        for _ in range(50):
+            status, body = await readyz(tb)
+            if status == 503:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 503 and body["checks"]["ledger"].startswith("unwritable")
+        db.rmdir()
+        await wait_for_rows(db, len(fifth))  # reopened: the waiting rows arrive
+        assert (await readyz(tb))[0] == 200
+    finally:
+        await tb.stop(signal.SIGTERM)
+
+
+async def wait_for_rows(db: Path, n: int) -> None:
+    for _ in range(100):
+        with contextlib.suppress(sqlite3.OperationalError):  # created, schema not there yet
+            if db.is_file() and len(rows(db)) == n:
+                return
+        await asyncio.sleep(0.1)
+    assert db.is_file() and len(rows(db)) == n
+
+
+async def metric(tb: Tollbooth, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(tb.admin + "/metrics") as r:
+        text = await r.text()
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name + " ")).split()[-1])
 
 
 def test_writer_retries_rows_after_a_failure(tmp_path: Path) -> None:

@@ -236,3 +236,94 @@ def test_rotation_is_bounded(tmp_path: Path) -> None:
     kept = read_records(0, path=str(path))
     assert [r["i"] for r in kept] == sorted(r["i"] for r in kept)
     assert kept[-1]["i"] == 199
+
+
+async def test_refused_requests_are_not_unmeasured_in_the_log_either(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    """A 4xx/5xx without usage consumed nothing: the access log agrees with the metric."""
+    log_file = tmp_path / "access.log"
+    run = await start_sidecar({"logging": {"access_log": str(log_file)}})
+    await post(run, mode="status-400")
+    await post(run, stream=True, mode="nousage")  # a 200 whose usage is really unknown
+    _flush_access(run)
+    refused, unmeasured = lines(log_file)
+    assert refused["status"] == "400" and refused["usage_unknown"] is None
+    assert unmeasured["status"] == "200" and unmeasured["usage_unknown"] == "stream_without_usage"
+    ep = "/v1/chat/completions"
+    assert (
+        run.value("llm_usage_unknown_total", model=MODEL, api_endpoint=ep, reason="error_response")
+        is None
+    )
+    assert (
+        run.value(
+            "llm_usage_unknown_total", model=MODEL, api_endpoint=ep, reason="stream_without_usage"
+        )
+        == 1
+    )
+
+
+async def test_audit_records_only_allow_listed_header_values(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    secrets = {
+        "X-Auth-Token": "tok-secret-1",
+        "Api-Key": "api-secret-2",
+        "X-Goog-Api-Key": "goog-secret-3",
+        "OpenAI-Api-Key": "oai-secret-4",
+        "Authorization": f"Bearer {API_KEY}",
+    }
+    run = await start_sidecar({"pricing": AT_LIMIT})
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "one two three four five six"}],
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json=body,
+            headers={**secrets, "User-Agent": "audit-test/1.0", "X-Request-Id": "req-42"},
+        ) as r,
+    ):
+        assert r.status == 200
+    run.sc.audit.stop()
+    text = (tmp_path / "audit.jsonl").read_text()
+    for value in secrets.values():
+        assert value.split()[-1] not in text
+    (record,) = lines(tmp_path / "audit.jsonl")
+    headers = {k.lower(): v for k, v in record["request_headers"].items()}
+    for name in ("x-auth-token", "api-key", "x-goog-api-key", "openai-api-key"):
+        assert headers[name] == "[redacted]"
+    assert headers["authorization"].startswith("[redacted] key-")
+    assert headers["user-agent"] == "audit-test/1.0" and headers["x-request-id"] == "req-42"
+
+
+async def test_user_id_lengths_are_what_the_docs_say(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    """docs/metrics.md: the label is cut to 64 characters, the logged and billed id to 128."""
+    log_file = tmp_path / "access.log"
+    run = await start_sidecar({"logging": {"access_log": str(log_file)}})
+    user = "u" * 100 + "!" + "v" * 99  # 200 characters, one of them not allowed
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-Tollbooth-User": user},
+        ) as r,
+    ):
+        assert r.status == 200
+    _flush_access(run)
+    (line,) = lines(log_file)
+    assert line["user"] == ("u" * 100 + "_" + "v" * 99)[:128]
+    ep = "/v1/chat/completions"
+    assert (
+        run.value(
+            "llm_tokens_total", model=MODEL, token_type="input", api_endpoint=ep, user_id="u" * 64
+        )
+        == 1
+    )
+    docs = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    assert "cut to 128 characters; the `user_id` label cuts it to 64" in " ".join(docs.split())

@@ -282,6 +282,8 @@ async def test_scheduler_metrics_use_the_servers_names_marked_simulated(
     )
     for name in names:
         assert samples[name]["simulated"] == "true", name
+
+
 async def test_vllm_sim_reads_lax_booleans_and_sends_running_usage(vllm_sim: Any) -> None:
     """vLLM's own behaviour, which the sidecar relies on: `"stream": "true"` streams, and
     continuous_usage_stats (with include_usage) puts running totals on every chunk."""

@@ -56,10 +56,40 @@ def test_mounted_files_exist() -> None:
                 assert (ROOT / src).exists(), f"{name} mounts missing {src}"
 
 
+def published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(host address, host port, container port) of each `ports:` entry; address "" is all."""
+    out = []
+    for entry in service.get("ports", []):
+        *host, container = str(entry).split(":")
+        address, port = (host[0], host[1]) if len(host) == 2 else ("", host[0])
+        out.append((address, port, container))
+    return out
+
+
 def test_ports() -> None:
     services = compose()["services"]
-    published = {p.split(":")[0] for s in services.values() for p in s.get("ports", [])}
-    assert {"8080", "9464", "9090", "9093", "3000", "16686"} <= published
+    ports = {port: address for s in services.values() for address, port, _ in published(s)}
+    assert {"8080", "9090", "9093", "3000", "16686"} <= set(ports)
+    for unauthenticated in ("9090", "9093", "16686"):  # Prometheus, Alertmanager, Jaeger
+        assert ports[unauthenticated] == "127.0.0.1"
+
+
+def test_the_admin_listener_is_published_nowhere() -> None:
+    """/metrics carries user ids and key hashes: reachable on the compose network only."""
+    services = compose()["services"]
+    for name, svc in services.items():
+        assert "9464" not in {c for _, _, c in published(svc)}, name
+    for name in ("tollbooth-sim", "tollbooth-gpu"):
+        svc = services[name]
+        assert "9464" in [str(e) for e in svc["expose"]]
+        command = svc["command"]
+        assert command[command.index("--admin-listen") + 1] == "0.0.0.0:9464"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    expose = next(ln for ln in dockerfile.splitlines() if ln.startswith("EXPOSE"))
+    assert "9464" not in expose
+    assert '"--admin-listen", "127.0.0.1:9464"' in dockerfile
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`/metrics` carries user ids and API-key hashes" in readme
 
 
 def prometheus() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Usage parsing on the recorded TGI responses (../shared/fixtures/tgi) and on vLLM shapes."""
+"""Usage parsing on the recorded TGI responses (tests/fixtures/tgi) and on vLLM shapes."""
 
 from __future__ import annotations
 

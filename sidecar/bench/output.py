@@ -20,6 +20,10 @@ def _ms(v: float | None) -> str:
     return "unknown" if v is None else f"{v * 1000:.1f}"
 
 
+def _usd(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:.6f}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     c = result["conditions"]
     lines = [
@@ -30,14 +34,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"tollbooth {c['tollbooth_version']}, {c['taken_at']}.",
         "",
         "Queue and TTFT are the sidecar's measurements (TTFT: upstream send to first token, "
-        "without the queue); e2e is the client's. Times in ms. `unknown` = not measured.",
+        "without the queue); e2e is the client's. Times in ms. `unknown` = not measured. "
+        "Device $/1k tokens: GPU-seconds attributed from NVML x pricing.gpu_hour_usd.",
         "",
         "| strategy | requests | failures | queue p50 | queue p99 | TTFT p50 | TTFT p99 | "
-        "e2e p50 | e2e p90 | e2e p99 | tokens/s | $/1k tokens | outputs agree | attempts |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "e2e p50 | e2e p90 | e2e p99 | tokens/s | $/1k tokens | device $/1k tokens | "
+        "outputs agree | attempts |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for name, s in result["strategies"].items():
-        cost = s["cost_per_1k_tokens_usd"]
+        cost, device = s["cost_per_1k_tokens_usd"], s["cost_per_1k_tokens_device_usd"]
         tps = "unknown" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.0f}"
         agree = {True: "yes", False: "NO", None: "n/a"}[s["outputs_consistent"]]
         lines.append(
@@ -45,7 +51,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_ms(s['queue_s']['p99'])} | {_ms(s['ttft_s']['p50'])} | {_ms(s['ttft_s']['p99'])} "
             f"| {_ms(s['e2e_s']['p50'])} | {_ms(s['e2e_s']['p90'])} | {_ms(s['e2e_s']['p99'])} | "
             f"{tps} | "
-            f"{'unknown' if cost is None else f'{cost:.6f}'} | {agree} | {len(s['attempts'])} |"
+            f"{_usd(cost)} | {_usd(device)} | {agree} | {len(s['attempts'])} |"
         )
     for name, s in result["strategies"].items():
         for a in s["attempts"]:

@@ -16,6 +16,7 @@ import random
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,15 @@ from aiohttp import web
 
 from .. import __version__
 from ..app import Sidecar, create_app
-from ..config import AdmissionConfig, Config, LoggingConfig, PricingConfig, UpstreamConfig
+from ..config import (
+    AdmissionConfig,
+    AuditConfig,
+    Config,
+    GpuConfig,
+    LoggingConfig,
+    PricingConfig,
+    UpstreamConfig,
+)
 from ..meter import Exchange
 from ..report import percentile
 from ..simulator import EngineParams, create_simulator
@@ -70,6 +79,7 @@ class BenchOptions:
     sim_params: EngineParams = field(default_factory=EngineParams)
     request_timeout_s: float = 300.0
     seed: int = 0
+    nvml: Any = None  # the NVML module (a fake in tests); None: the real one, for --upstream only
 
 
 @dataclass
@@ -86,6 +96,8 @@ class Outcome:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cost_usd: float | None = None
+    device_seconds: float | None = None  # GPU-seconds attributed by NVML telemetry
+    energy_j: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -220,8 +232,11 @@ class Attempt:
             admission=admission,
             pricing=opts.pricing,
             logging=LoggingConfig(access_log="off"),
+            audit=AuditConfig(enabled=False),  # a benchmark writes only into its --out directory
+            # GPU time is attributed to a real server's requests; the simulator runs on no GPU
+            gpu=GpuConfig(enabled=opts.upstream is not None),
         )
-        self.sc = wire(Sidecar(cfg))
+        self.sc = wire(Sidecar(cfg), nvml=opts.nvml)
         self.records: dict[str, Exchange] = {}
         self.sc.meter.add_sink("bench", lambda ex: self.records.__setitem__(ex.request_id, ex))
         self.runner: web.AppRunner | None = None
@@ -249,7 +264,15 @@ class Attempt:
             input_tokens=ex.usage.input_tokens,
             output_tokens=ex.usage.output_tokens,
             cost_usd=cost,
+            device_seconds=ex.device_seconds,
+            energy_j=ex.energy_j,
         )
+
+    @property
+    def gpus(self) -> int | None:
+        """GPUs whose time was attributed, or None when there was no telemetry."""
+        attribution = self.sc.attribution
+        return attribution.n_gpus if attribution is not None and attribution.n_gpus else None
 
 
 async def run_strategy(
@@ -299,7 +322,7 @@ async def run_strategy(
             break
         budget = max(1, int(budget * opts.lower_factor))
         batch = max(1, int(batch * opts.lower_factor))
-    return {"outcomes": outcomes, "wall_s": wall, "attempts": attempts}
+    return {"outcomes": outcomes, "wall_s": wall, "attempts": attempts, "gpus": attempt.gpus}
 
 
 def write_oom_report(
@@ -403,7 +426,7 @@ async def run(
         "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **conditions_extra,
     }
-    return summarize(conditions, results)
+    return summarize(conditions, results, opts.pricing.gpu_hour_usd)
 
 
 async def discover_model(upstream: str) -> str:
@@ -421,7 +444,11 @@ async def discover_model(upstream: str) -> str:
     raise ValueError(f"could not learn the model name from {upstream}; pass --model")
 
 
-def summarize(conditions: dict[str, Any], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    conditions: dict[str, Any],
+    results: dict[str, dict[str, Any]],
+    gpu_hour_usd: float | None = None,
+) -> dict[str, Any]:
     reference = next(iter(results)) if results else None
     ref_text = {o.id: o.text for o in results[reference]["outcomes"] if o.ok} if reference else {}
     strategies: dict[str, Any] = {}
@@ -435,8 +462,10 @@ def summarize(conditions: dict[str, Any], results: dict[str, dict[str, Any]]) ->
             "requests": len(outs),
             "failures": sum(not o.ok for o in outs),
             "tokens_per_s": _rate([o.output_tokens for o in outs if o.ok], res["wall_s"]),
-            "cost_per_1k_tokens_usd": _cost_per_1k(outs),
-            "cost_per_1k_tokens_device_usd": None,  # needs GPU telemetry; the simulator has none
+            "cost_per_1k_tokens_usd": _per_1k_tokens(outs, lambda o: o.cost_usd),
+            "cost_per_1k_tokens_device_usd": _device_cost_per_1k(outs, gpu_hour_usd),
+            "energy_per_1k_tokens_j": _per_1k_tokens(outs, lambda o: o.energy_j),
+            "gpus": res.get("gpus"),
             "queue_s": _phase([o.queue_s for o in outs if o.ok]),
             "ttft_s": _phase([o.ttft_s for o in outs if o.ok]),
             "e2e_s": _phase([o.e2e_s for o in outs if o.ok]),
@@ -464,11 +493,23 @@ def _rate(tokens: list[int | None], wall: float) -> float | None:
     return round(sum(t for t in tokens if t is not None) / wall, 3)
 
 
-def _cost_per_1k(outs: list[Outcome]) -> float | None:
+def _per_1k_tokens(outs: list[Outcome], value: Callable[[Outcome], float | None]) -> float | None:
+    """sum(value) per 1000 tokens (input + output) of the successful requests; None unless every
+    one of them has the value and both token counts."""
     ok = [o for o in outs if o.ok]
-    if not ok or any(
-        o.cost_usd is None or o.input_tokens is None or o.output_tokens is None for o in ok
-    ):
+    values = [value(o) for o in ok]
+    if not ok or any(v is None for v in values):
+        return None
+    if any(o.input_tokens is None or o.output_tokens is None for o in ok):
         return None
     tokens = sum((o.input_tokens or 0) + (o.output_tokens or 0) for o in ok)
-    return round(sum(o.cost_usd or 0.0 for o in ok) / tokens * 1000, 8) if tokens else None
+    return round(sum(v or 0.0 for v in values) / tokens * 1000, 8) if tokens else None
+
+
+def _device_cost_per_1k(outs: list[Outcome], gpu_hour_usd: float | None) -> float | None:
+    """GPU-time cost (attributed device-seconds x pricing.gpu_hour_usd) per 1000 tokens."""
+    if gpu_hour_usd is None:
+        return None
+    return _per_1k_tokens(
+        outs, lambda o: None if o.device_seconds is None else o.device_seconds / 3600 * gpu_hour_usd
+    )

@@ -6,7 +6,9 @@ happens when the cache is full: preemption (the newest sequence goes back to wai
 recomputed later) or an out-of-memory failure (every running sequence fails, as a real server's
 log shows memory at 98-99% and then the error, and the queue's context is cleared).
 Never: claims to be a measurement of a real GPU. Its numbers are a model, labelled simulated.
-Output text depends only on (prompt, seed, position), so batching never changes it.
+Output text depends only on (prompt, seed, position), so batching never changes it, unless
+`batch_dependent_output` is on: then each token also depends on how many sequences were decoded in
+its step, as a GPU's numerics change with the batch shape (so the harness's comparison can fail).
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ class EngineParams:
     decode_s_per_seq: float = 0.0002  # extra per running sequence in a step
     max_num_seqs: int = 256
     max_model_len: int = 32768
+    # Opt-in: a token depends on the batch it was decoded in (see the module docstring).
+    batch_dependent_output: bool = False
 
 
 @dataclass(eq=False)
@@ -134,8 +138,11 @@ class Sequence:
     def kv_tokens(self) -> int:
         return self.prompt_tokens + self.generated if self.prefilled else 0
 
-    def token(self, i: int) -> str:
-        h = hashlib.blake2b(self.prompt_key + i.to_bytes(4, "little"), digest_size=4).digest()
+    def token(self, i: int, batch: int = 0) -> str:
+        key = self.prompt_key + i.to_bytes(4, "little")
+        if batch:  # batch-dependent output only; the default text is unchanged
+            key += batch.to_bytes(4, "little")
+        h = hashlib.blake2b(key, digest_size=4).digest()
         return " " + VOCAB[int.from_bytes(h, "little") % len(VOCAB)]
 
 
@@ -260,10 +267,11 @@ class Engine:
 
     def _emit(self) -> None:
         still = []
+        batch = len(self.running) if self.p.batch_dependent_output else 0
         for seq in self.running:
             if seq.cancelled:
                 continue
-            seq.out.put_nowait(seq.token(seq.generated))
+            seq.out.put_nowait(seq.token(seq.generated, batch))
             seq.generated += 1
             self.generation_tokens_total += 1
             if seq.generated >= seq.stop_at:

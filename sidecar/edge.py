@@ -1,0 +1,156 @@
+"""The network edge: how long a client may hold a connection without sending a request.
+
+Owns: a guard around each accepted connection (it wraps aiohttp's protocol and forwards every
+event to it unchanged), two deadlines, and counting what they cut off:
+- `server.header_timeout_s`: from connecting, or from the first byte of the next request on a
+  kept-alive connection, until the request's headers are complete (the request reached a handler).
+  A client that sends nothing, or its headers one byte at a time, is cut off here.
+- `server.keepalive_timeout_s`: a kept-alive connection with no request for this long is closed.
+Counted in `tollbooth_connections_cut_total{listener, reason}`; connections open now in
+`tollbooth_client_connections{listener}`.
+Never: touches a connection while a request on it is being handled, or while a response is still
+being written to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from .config import ServerConfig
+from .metrics import Metrics
+
+log = logging.getLogger("tollbooth.edge")
+
+HEADERS, IDLE = "header_timeout", "idle_timeout"
+WRITE_RECHECK_S = 1.0  # a response still draining to the client: look again this much later
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ConnectionGuard:
+    """The deadlines of one listener's connections. `install` it on the app (it learns when a
+    request starts and ends), then listen with `protocol_factory`."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics, listener: str) -> None:
+        self.header_timeout = config.header_timeout_s
+        self.keepalive_timeout = config.keepalive_timeout_s
+        self.cut = {r: metrics.connections_cut.labels(listener, r) for r in (HEADERS, IDLE)}
+        self.open: dict[asyncio.BaseTransport, GuardedConnection] = {}
+        metrics.client_connections.labels(listener).set_function(lambda: len(self.open))
+
+    @property
+    def backstop_s(self) -> float:
+        """aiohttp's own keep-alive timeout: later than ours, so ours decides (and counts)."""
+        return self.keepalive_timeout + self.header_timeout + 1.0
+
+    def install(self, app: web.Application) -> None:
+        app.middlewares.append(self._middleware)
+
+    def protocol_factory(self, make: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
+        return lambda: GuardedConnection(self, make())
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        conn = self.open.get(request.transport) if request.transport is not None else None
+        if conn is None:
+            return await handler(request)
+        conn.request_started()
+        try:
+            return await handler(request)
+        finally:
+            conn.request_ended()
+
+
+class GuardedConnection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with a deadline while no request is in a handler."""
+
+    def __init__(self, guard: ConnectionGuard, inner: Any) -> None:
+        self.guard, self.inner = guard, inner
+        self.transport: asyncio.Transport | None = None
+        self.busy = 0  # requests in a handler now
+        self.heard = False  # a byte of the next request arrived
+        self.reason = HEADERS
+        self.timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol: everything goes on to aiohttp
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.guard.open[transport] = self
+        self._arm(self.guard.header_timeout, HEADERS)
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy and not self.heard:
+            self.heard = True
+            if self.reason == IDLE:  # the next request began: its headers have a deadline now
+                self._arm(self.guard.header_timeout, HEADERS)
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()  # type: ignore[no-any-return]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.transport is not None:
+            self.guard.open.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    # --- requests, from the middleware
+
+    def request_started(self) -> None:
+        self.busy += 1
+        self._disarm()
+
+    def request_ended(self) -> None:
+        self.busy -= 1
+        if not self.busy:
+            self.heard = False
+            self._arm(self.guard.keepalive_timeout, IDLE)
+
+    # --- the deadline
+
+    def _arm(self, seconds: float, reason: str) -> None:
+        self._disarm()
+        self.reason = reason
+        self.timer = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expire(self) -> None:
+        self.timer = None
+        transport = self.transport
+        if self.busy or transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size():  # the last response is still being sent
+            self.timer = asyncio.get_running_loop().call_later(WRITE_RECHECK_S, self._expire)
+            return
+        self.guard.cut[self.reason].inc()
+        log.debug("closing a client connection: %s", self.reason)
+        transport.close()
+
+
+async def listen(
+    runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int
+) -> asyncio.AbstractServer:
+    """Accept connections for `runner`'s app, each behind `guard`. Close the returned server
+    before `runner.cleanup()` (as a site would be stopped)."""
+    assert runner.server is not None, "call runner.setup() first"
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(
+        guard.protocol_factory(runner.server), host, port, reuse_address=True, backlog=128
+    )
