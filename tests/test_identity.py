@@ -396,7 +396,9 @@ async def test_a_key_in_a_malformed_header_line_is_not_logged(tmp_path: Path) ->
     from tests.procs import start_tollbooth
 
     key = "tb-" + "S3cretKeyValue_" * 3
-    tb = await start_tollbooth(tmp_path, {"upstream": {"url": "http://127.0.0.1:9"}})
+    tb = await start_tollbooth(
+        tmp_path, {"upstream": {"url": "http://127.0.0.1:9"}}, ready_path="/healthz"
+    )
     try:
         host, port = tb.url.removeprefix("http://").split(":")
         for line in (

@@ -243,7 +243,9 @@ async def test_refused_requests_are_not_unmeasured_in_the_log_either(
 ) -> None:
     """A 4xx/5xx without usage consumed nothing: the access log agrees with the metric."""
     log_file = tmp_path / "access.log"
-    run = await start_sidecar({"logging": {"access_log": str(log_file)}})
+    run = await start_sidecar(
+        {"logging": {"access_log": str(log_file)}, "metering": {"continuous_usage": False}}
+    )
     await post(run, mode="status-400")
     await post(run, stream=True, mode="nousage")  # a 200 whose usage is really unknown
     _flush_access(run)
