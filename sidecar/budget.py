@@ -13,8 +13,10 @@ server (see `charge`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,6 +61,8 @@ class Scope:
 
 @dataclass(frozen=True, slots=True)
 class Hold:
+    # Unique per reservation, made by the sidecar: never the client's X-Request-Id, which a client
+    # could repeat to ride on another request's hold.
     request_id: str
     day: int  # start of the budget day it is charged to, unix seconds
     amount: int  # micro-dollars reserved
@@ -69,7 +73,7 @@ class Hold:
 class Verdict:
     admitted: bool
     scope: Scope | None = None  # the scope the hold would overrun
-    reason: Literal["ok", "budget", "capacity"] = "ok"
+    reason: Literal["ok", "budget", "capacity", "unavailable"] = "ok"
 
 
 class BudgetStore(Protocol):
@@ -165,6 +169,11 @@ class Budgets:
         )
         self.clock = clock
         self._gauge_day = self.day_start(clock())
+        self._hold_ids = itertools.count()
+        self._hold_prefix = secrets.token_hex(6)  # unique per process: holds in a shared store
+
+    def hold_id(self) -> str:
+        return f"{self._hold_prefix}-{next(self._hold_ids):x}"
 
     @property
     def enforcing(self) -> bool:
@@ -225,7 +234,7 @@ class Budgets:
         if not scopes:
             return None
         hold = Hold(
-            ex.request_id, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
+            self.hold_id(), self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
         )
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
@@ -234,6 +243,13 @@ class Budgets:
         self._refuse(verdict, hold.amount)
 
     def _refuse(self, verdict: Verdict, amount: int) -> None:
+        if verdict.reason == "unavailable":
+            raise Refusal(
+                503,
+                "budget_store_unavailable",
+                "the shared budget store cannot be reached; try again shortly",
+                retry_after=1,
+            )
         scope = verdict.scope
         assert scope is not None
         self.metrics.budget_rejections.labels(scope.kind).inc()
@@ -263,7 +279,7 @@ class Budgets:
         """A sink: the hold becomes the measured charge; measured spend feeds the gauge."""
         measured = self.measured_usd(ex)
         if ex.budget_hold is not None:
-            self.store.settle(ex.request_id, self.charge(ex, measured))
+            self.store.settle(ex.budget_hold.request_id, self.charge(ex, measured))
         if measured:
             self._gauge(ex.user_id, measured)
 
@@ -293,10 +309,20 @@ class Budgets:
         self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
 
     async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
-        """Today's spend read from the ledger at start."""
+        """Today's spend read from the ledger at start: the gauge and the store."""
+        self.restore_gauge(by_user)
+        await self.store.seed(self.day_start(self.clock()), spent_by_scope(by_user, by_team))
+
+    def restore_gauge(self, by_user: Mapping[str, float]) -> None:
+        """This process's spend today (its own ledger): the gauge only. A shared store seeds
+        itself from the fleet's ledger."""
         for user, amount in by_user.items():
             self._gauge(user, amount)
-        spent = {f"user:{u}": to_micros(a) for u, a in by_user.items()}
-        spent.update({f"team:{t}": to_micros(a) for t, a in by_team.items()})
-        spent["global:*"] = to_micros(sum(by_user.values()))
-        await self.store.seed(self.day_start(self.clock()), spent)
+
+
+def spent_by_scope(by_user: Mapping[str, float], by_team: Mapping[str, float]) -> dict[str, int]:
+    """Spend by user and team (dollars) as micro-dollars by scope key, with the global total."""
+    spent = {f"user:{u}": to_micros(a) for u, a in by_user.items()}
+    spent.update({f"team:{t}": to_micros(a) for t, a in by_team.items()})
+    spent["global:*"] = to_micros(sum(by_user.values()))
+    return spent
