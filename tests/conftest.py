@@ -88,3 +88,24 @@ async def oai() -> Any:
             await c.close()
         else:
             c.close()
+
+
+# --- real Redis and PostgreSQL for the fleet tests (tests/services.py) ----------------------------
+
+
+@pytest.fixture
+def redis_server(tmp_path: Any) -> Any:
+    from tests.services import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Any:
+    from tests.services import Postgres
+
+    pg = Postgres().start()
+    yield pg
+    pg.remove()
