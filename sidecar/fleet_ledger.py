@@ -37,7 +37,8 @@ from .metrics import Metrics
 log = logging.getLogger("tollbooth.ledger")
 
 DAY = 86400
-PG_TIMEOUT_S = 5.0  # connect, wait for a pooled connection, and each statement
+PG_TIMEOUT_S = 5.0  # connect, and each statement
+POOL_WAIT_S = 1.0  # wait for a pooled connection: a database that is down fails the shipment fast
 PRUNE_EVERY_S = 3600.0
 LOG_EVERY_S = 60.0  # a long outage logs once a minute, not once a second
 
@@ -131,7 +132,7 @@ class Shipper:
             min_size=1,
             max_size=2,
             open=False,
-            timeout=PG_TIMEOUT_S,
+            timeout=POOL_WAIT_S,
             name="tollbooth-ledger",
             check=ConnectionPool.check_connection,
             kwargs={
@@ -268,7 +269,7 @@ class Shipper:
 
     def _send(self, table: str, source: str, cols: list[str], rows: list[Any]) -> None:
         names = ", ".join(["source", "seq", *(q(c) for c in cols)])
-        with self.pool.connection(timeout=PG_TIMEOUT_S) as conn:
+        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
             if not self._schema:
                 create_schema(conn)
                 self._schema = True
@@ -290,7 +291,7 @@ class Shipper:
         if time.monotonic() - self._pruned_at < PRUNE_EVERY_S or not self._schema:
             return
         cutoff = (self.clock() // DAY - self.config.retention_days) * DAY
-        with self.pool.connection(timeout=PG_TIMEOUT_S) as conn:
+        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
             for table in TABLES:
                 conn.execute(f"DELETE FROM {table} WHERE ts < %s", (cutoff,))
         self._pruned_at = time.monotonic()
@@ -320,7 +321,7 @@ class Shipper:
         )
         with self.lock:
             read_at = self.clock()
-            with self.pool.connection(timeout=PG_TIMEOUT_S) as conn:
+            with self.pool.connection(timeout=POOL_WAIT_S) as conn:
                 if not self._schema:
                     create_schema(conn)
                     self._schema = True
