@@ -345,9 +345,10 @@ class RedisStore:
         try:
             reply = await self._call("reserve", keys, args)
             if reply[0] == b"unseeded":
-                if not await self.reseed(hold.day):
+                if await self.reseed(hold.day):
+                    reply = await self._call("reserve", keys, args)
+                if reply[0] == b"unseeded":  # no ledger read, or emptied again meanwhile
                     return await self._without_store(hold, sent=False)
-                reply = await self._call("reserve", keys, args)
         except StoreDown as down:
             return await self._without_store(hold, sent=down.sent)
         return self._verdict(hold, reply)
