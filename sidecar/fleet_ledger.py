@@ -159,7 +159,11 @@ class Shipper:
         the next row id."""
         self.pool.open(wait=False)
         with self.lock:
-            self._connect_outbox(fresh_start=True)
+            try:
+                self._connect_outbox(fresh_start=True)
+            except (sqlite3.Error, OSError) as exc:  # the thread tries again; traffic goes on
+                log.error("ledger outbox cannot be opened (will retry): %s", exc)
+                self.metrics.ledger_ship_errors.inc()
         self._thread = threading.Thread(target=self._run, name="tollbooth-shipper", daemon=True)
         self._thread.start()
 

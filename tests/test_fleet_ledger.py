@@ -177,3 +177,13 @@ def test_a_batch_sent_twice_counts_once_and_reused_row_ids_never_collide(
     again.ship()
     again.close()
     assert count(url) == 5
+
+
+async def test_an_outbox_that_cannot_be_opened_never_stops_traffic(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    # a directory is no SQLite file; nothing listens on the database's port
+    led = {"path": str(tmp_path), "postgres_url": "postgresql://postgres@127.0.0.1:9/none"}
+    run = await start_sidecar({"pricing": PRICES, "ledger": led})
+    assert await send(run, 1, "ann") == [200]
+    assert (run.value("llm_ledger_ship_errors_total") or 0) >= 1
