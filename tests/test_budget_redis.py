@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sidecar.budget import DAY, Hold, Scope, to_micros
-from sidecar.budget_redis import RedisStore, day_keys
+from sidecar.budget_redis import SIDECARS, RedisStore, day_keys
 from sidecar.config import BudgetConfig
 from sidecar.metrics import Metrics
 
@@ -236,4 +236,22 @@ async def test_settlements_wait_for_an_unreachable_redis_and_then_count(
     await settled(store)
     assert spent(redis_server) == {"user:u": 330_000}
     assert held(redis_server) == {"user:u": 0}
+    await store.close()
+
+
+async def test_a_request_cancelled_during_a_store_call_is_cancelled(redis_server: Any) -> None:
+    # a client that leaves cancels its request's task; the store must not swallow that
+    # (redis-py 8.0 and 8.1 do, inside every command)
+    store = make(redis_server)
+
+    async def calls() -> None:
+        end = time.monotonic() + 2  # bounded: a swallowed cancel ends it without one
+        while time.monotonic() < end:
+            await store._call("heartbeat", [SIDECARS], [store.id, 1000])
+
+    task = asyncio.create_task(calls())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    await asyncio.wait({task})
+    assert task.cancelled()
     await store.close()
