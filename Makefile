@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := prometheus prometheus-alertmanager
+APT_PACKAGES := prometheus prometheus-alertmanager redis-server postgresql
 
 .PHONY: demo test venv venv-test debs lint bench dashboards alerts example-config clean
 

@@ -1,5 +1,6 @@
 """The Alertmanager config: critical pages, warning makes a ticket, info goes nowhere; the per-user
-spend alert is inhibited while the global one fires."""
+spend alert is inhibited while the global one fires; a sidecar that is down inhibits only its own
+instance's alerts (in a fleet, one replica down must not silence the others' pages)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def config(
             {
                 "source_matchers": ['alertname="LLMSidecarDown"'],
                 "target_matchers": ['alertname=~"LLM.+"', 'alertname!="LLMSidecarDown"'],
-                "equal": ["job"],
+                # an alert summed over the fleet has no instance, so it is never inhibited
+                "equal": ["job", "instance"],
             },
         ],
     }

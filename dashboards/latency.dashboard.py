@@ -143,6 +143,53 @@ def build(t: Thresholds) -> Dashboard:
             threshold=t.error_ratio,
         ),
         *engine_panels(g),
+        timeseries(
+            g,
+            "Requests by sidecar",
+            "Each sidecar's request rate: in a fleet, how the load balancer spreads traffic.",
+            "reqps",
+            [
+                target(
+                    f"sum by (instance) (rate(llm_requests_total{{{FILTER}}}[$__rate_interval]))",
+                    "{{instance}}",
+                )
+            ],
+        ),
+        timeseries(
+            g,
+            "Fleet: budget store and ledger shipping",
+            "Requests decided without the shared budget store (bypassed, refused with 503, or "
+            "on the local share), holds charged at lease end, and ledger rows not yet shipped "
+            "to PostgreSQL.",
+            "short",
+            [
+                target(
+                    f"sum(rate(llm_budget_store_bypassed_total{{{inst}}}[$__rate_interval]))",
+                    "bypassed/s",
+                ),
+                target(
+                    f"sum(rate(llm_budget_store_refused_total{{{inst}}}[$__rate_interval]))",
+                    "refused (503)/s",
+                    "B",
+                ),
+                target(
+                    f"sum(rate(llm_budget_store_local_decisions_total{{{inst}}}"
+                    "[$__rate_interval]))",
+                    "local share/s",
+                    "C",
+                ),
+                target(
+                    f"sum(increase(llm_budget_holds_expired_total{{{inst}}}[$__rate_interval]))",
+                    "holds expired",
+                    "D",
+                ),
+                target(
+                    f"sum by (instance) (llm_ledger_unshipped_rows{{{inst}}})",
+                    "unshipped rows {{instance}}",
+                    "E",
+                ),
+            ],
+        ),
     ]
     return dashboard(
         t,

@@ -71,7 +71,7 @@ class Hold:
 class Verdict:
     admitted: bool
     scope: Scope | None = None  # the scope the hold would overrun
-    reason: Literal["ok", "budget", "capacity"] = "ok"
+    reason: Literal["ok", "budget", "capacity", "unavailable"] = "ok"
 
 
 class BudgetStore(Protocol):
@@ -243,6 +243,13 @@ class Budgets:
         self._refuse(verdict, hold.amount)
 
     def _refuse(self, verdict: Verdict, amount: int) -> None:
+        if verdict.reason == "unavailable":
+            raise Refusal(
+                503,
+                "budget_store_unavailable",
+                "the shared budget store cannot be reached; try again shortly",
+                retry_after=1,
+            )
         scope = verdict.scope
         assert scope is not None
         self.metrics.budget_rejections.labels(scope.kind).inc()
@@ -272,7 +279,7 @@ class Budgets:
         """A sink: the hold becomes the measured charge; measured spend feeds the gauge."""
         measured = self.measured_usd(ex)
         if ex.budget_hold is not None:
-            self.store.settle(ex.uid, self.charge(ex, measured))
+            self.store.settle(ex.budget_hold.request_id, self.charge(ex, measured))
         if measured:
             self._gauge(ex.user_id, measured)
 
@@ -303,10 +310,20 @@ class Budgets:
         self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
 
     async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
-        """Today's spend read from the ledger at start."""
+        """Today's spend read from the ledger at start: the gauge and the store."""
+        self.restore_gauge(by_user)
+        await self.store.seed(self.day_start(self.clock()), spent_by_scope(by_user, by_team))
+
+    def restore_gauge(self, by_user: Mapping[str, float]) -> None:
+        """This process's spend today (its own ledger): the gauge only. A shared store seeds
+        itself from the fleet's ledger."""
         for user, amount in by_user.items():
             self._gauge(user, amount)
-        spent = {f"user:{u}": to_micros(a) for u, a in by_user.items()}
-        spent.update({f"team:{t}": to_micros(a) for t, a in by_team.items()})
-        spent["global:*"] = to_micros(sum(by_user.values()))
-        await self.store.seed(self.day_start(self.clock()), spent)
+
+
+def spent_by_scope(by_user: Mapping[str, float], by_team: Mapping[str, float]) -> dict[str, int]:
+    """Spend by user and team (dollars) as micro-dollars by scope key, with the global total."""
+    spent = {f"user:{u}": to_micros(a) for u, a in by_user.items()}
+    spent.update({f"team:{t}": to_micros(a) for t, a in by_team.items()})
+    spent["global:*"] = to_micros(sum(by_user.values()))
+    return spent

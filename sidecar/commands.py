@@ -27,7 +27,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def add_report(sub: Sub) -> None:
     p = sub.add_parser("report", help="spend, tokens and latency from the usage ledger")
-    p.add_argument("--ledger", required=True, help="ledger SQLite file")
+    p.add_argument(
+        "--ledger", required=True, help="ledger SQLite file, or the fleet's postgresql:// URL"
+    )
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
     p.add_argument("--by", default="user", choices=["user", "model", "day"])
     p.add_argument("--format", default="table", choices=["table", "csv", "json"])
@@ -255,8 +257,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     path, ledger = args.path, args.ledger
     if not path and not ledger:
         cfg = load(args.config)
-        if cfg.audit.sink == "ledger":
-            ledger = cfg.ledger.path
+        if cfg.audit.sink == "ledger":  # the fleet's rows when they are shipped
+            ledger = cfg.ledger.postgres_url or cfg.ledger.path
         else:
             path = cfg.audit.path
     records = audit.read_records(report.parse_since(args.since), path=path, ledger=ledger)
@@ -269,7 +271,10 @@ def add_audit(sub: Sub) -> None:
     p.add_argument("--since", default="24h")
     p.add_argument("--format", default="table", choices=["table", "json"])
     p.add_argument("--path", help="audit JSONL file (rotated files beside it are read too)")
-    p.add_argument("--ledger", help="ledger with the audit table (audit.sink: ledger)")
+    p.add_argument(
+        "--ledger",
+        help="ledger with the audit table (audit.sink: ledger): SQLite file or postgresql:// URL",
+    )
     p.add_argument("--config", help="tollbooth config to read audit.path / ledger.path from")
     p.set_defaults(func=cmd_audit)
 

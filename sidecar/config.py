@@ -114,6 +114,11 @@ class LedgerConfig:
     flush_interval_s: float = 0.25
     retention_days: int = 90
     max_pending_rows: int = 100_000
+    # Fleet ledger: rows still go to the SQLite file at `path` first (the outbox) and are shipped
+    # to this PostgreSQL database in batches. No password in the URL: use PGPASSWORD/PGPASSFILE.
+    postgres_url: str | None = None
+    ship_interval_s: float = 1.0
+    ship_batch_rows: int = 5000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,6 +147,18 @@ class BudgetConfig:
     default_max_output_tokens: int = 4096
     # Users tracked in memory for per-user budgets; a new user beyond this is refused.
     max_tracked_users: int = 100_000
+    # Shared store for a fleet of sidecars: redis://host:port/db (null: this process only).
+    store: str | None = None
+    # Name of an environment variable holding the store's password (never in the URL).
+    store_password_env: str | None = None
+    # When the store cannot be reached: refuse with 503 ("closed"), spend at most the last known
+    # remainder divided by the sidecars alive ("local"), or admit and count ("open").
+    store_unavailable: Literal["closed", "local", "open"] = "local"
+    # Longest wait for one store call before the request is decided as `store_unavailable` says.
+    store_timeout_s: float = 0.25
+    # A hold's lease: renewed while its request runs; a hold whose sidecar stopped renewing it
+    # (killed) is charged in full when the lease ends.
+    lease_s: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,8 +359,38 @@ def _check_url(key: str, value: str) -> None:
         raise ConfigError(f"config '{key}' must not carry a query or fragment")
 
 
+def _check_store_url(key: str, value: str | None, schemes: tuple[str, ...], where: str) -> None:
+    if value is None:
+        return
+    parts = urlsplit(value)
+    if parts.password is not None:  # never echo the value: it holds a credential
+        raise ConfigError(f"config '{key}' carries a password: remove it and use {where}")
+    if parts.scheme not in schemes:
+        _fail(key, value, "expected a URL starting with " + " or ".join(f"{s}://" for s in schemes))
+
+
+def _check_fleet(config: Config) -> None:
+    b, led = config.budgets, config.ledger
+    _check_store_url("budgets.store", b.store, ("redis", "rediss"), "budgets.store_password_env")
+    _check_store_url(
+        "ledger.postgres_url", led.postgres_url, ("postgresql", "postgres"), "PGPASSWORD"
+    )
+    if led.postgres_url and not led.path:
+        raise ConfigError("config 'ledger.postgres_url' needs ledger.path (the local outbox)")
+    for key, value in (
+        ("budgets.store_timeout_s", b.store_timeout_s),
+        ("budgets.lease_s", b.lease_s),
+        ("ledger.ship_interval_s", led.ship_interval_s),
+    ):
+        if value <= 0:
+            _fail(key, value, "must be > 0")
+    if led.ship_batch_rows < 1:
+        _fail("ledger.ship_batch_rows", led.ship_batch_rows, "must be >= 1")
+
+
 def validate(config: Config) -> Config:
     _check_url("upstream.url", config.upstream.url)
+    _check_fleet(config)
     parse_hostport("server.listen", config.server.listen)
     parse_hostport("server.admin_listen", config.server.admin_listen)
     for key, seconds in (

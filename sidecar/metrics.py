@@ -263,6 +263,73 @@ class Metrics:
             "charged (not exported as spend).",
             registry=r,
         )
+        # --- fleet: the shared budget store and the shipped ledger
+        self.store_up = Gauge(
+            "llm_budget_store_up",
+            "1 while the shared budget store answers; 0 while its circuit breaker is open.",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "llm_budget_store_errors",
+            "Shared budget store calls that failed or timed out.",
+            ["op"],
+            registry=r,
+        )
+        self.store_bypassed = Counter(
+            "llm_budget_store_bypassed",
+            "Requests admitted without a budget check because the store was unavailable (open).",
+            registry=r,
+        )
+        self.store_refused = Counter(
+            "llm_budget_store_refused",
+            "Requests refused with 503 because the store was unavailable (closed, or local "
+            "without a known remainder).",
+            registry=r,
+        )
+        self.store_local = Counter(
+            "llm_budget_store_local_decisions",
+            "Requests decided on this sidecar's share of the last known remainder (local).",
+            ["outcome"],
+            registry=r,
+        )
+        self.holds_expired = Counter(
+            "llm_budget_holds_expired",
+            "Holds whose lease ended (their sidecar stopped renewing them), charged in full.",
+            registry=r,
+        )
+        self.settles_pending = Gauge(
+            "llm_budget_settles_pending", "Settlements waiting to reach the store.", registry=r
+        )
+        self.settles_dropped = Counter(
+            "llm_budget_settles_dropped",
+            "Settlements dropped (queue full, or their budget day's keys expired).",
+            registry=r,
+        )
+        self.sidecars_alive = Gauge(
+            "llm_budget_sidecars_alive",
+            "Sidecars with a recent heartbeat in the shared store.",
+            registry=r,
+        )
+        self.store_reseeds = Counter(
+            "llm_budget_store_reseeds",
+            "Times this sidecar seeded the store's day from the ledger.",
+            ["outcome"],
+            registry=r,
+        )
+        self.ledger_shipped = Counter(
+            "llm_ledger_shipped_rows",
+            "Ledger rows shipped to PostgreSQL.",
+            ["table"],
+            registry=r,
+        )
+        self.ledger_ship_errors = Counter(
+            "llm_ledger_ship_errors", "Failed shipments to PostgreSQL (retried).", registry=r
+        )
+        self.ledger_unshipped = Gauge(
+            "llm_ledger_unshipped_rows",
+            "Rows in the local outbox not yet in PostgreSQL.",
+            registry=r,
+        )
         self.auth_rejections = Counter(
             "llm_auth_rejections",
             "Requests refused with 401: a missing or unknown API key.",

@@ -87,6 +87,10 @@ def percentile(values: list[float], p: float) -> float | None:
 def summarize(path: str, since: float, by: str) -> list[dict[str, Any]]:
     if by not in GROUPS:
         raise ValueError(f"--by '{by}': expected one of {', '.join(GROUPS)}")
+    if path.startswith(("postgresql://", "postgres://")):  # the fleet's ledger
+        from .fleet_ledger import report_rows
+
+        return _grouped(report_rows(path, since, by), by)
     uri = f"file:{path}?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True)
@@ -100,6 +104,10 @@ def summarize(path: str, since: float, by: str) -> list[dict[str, Any]]:
             (since,),
         ).fetchall()
     conn.close()
+    return _grouped(rows, by)
+
+
+def _grouped(rows: list[Any], by: str) -> list[dict[str, Any]]:
     groups: dict[str, Group] = {}
     for k, inp, out, cost, dur in rows:
         groups.setdefault(k, Group(k)).add(inp, out, cost, dur)

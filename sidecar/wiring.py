@@ -8,16 +8,22 @@ own.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from . import thresholds, tracing
 from .accesslog import AccessLog, access_log_context
 from .admission import Admission
 from .app import Sidecar
 from .audit import Audit, audit_context
-from .budget import Budgets
+from .budget import Budgets, spent_by_scope
 from .gpu import Attribution, GpuCollector, gpu_context
 from .ledger import Ledger, ledger_context
+
+if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
+    from .budget_redis import RedisStore
+    from .fleet_ledger import Shipper
 
 
 def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar:
@@ -42,7 +48,11 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
-    budgets = sc.budgets = Budgets(cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices)
+    shipper = _shipper(sc)
+    store = _shared_store(sc, shipper)
+    budgets = sc.budgets = Budgets(
+        cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
+    )
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
@@ -54,9 +64,20 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
 
         async def restore(opened: Ledger) -> None:
             since = budgets.day_start(budgets.clock())
-            await budgets.restore(*await asyncio.to_thread(opened.spend_since, since))
+            by_user, by_team = await asyncio.to_thread(opened.spend_since, since)
+            if store is None:
+                await budgets.restore(by_user, by_team)
+            else:  # the shared store seeds itself from the fleet's ledger
+                budgets.restore_gauge(by_user)
 
+        if shipper is not None:  # ships after the ledger's last rows; starts after its retention
+            from .fleet_ledger import shipper_contexts
+
+            outer, inner = shipper_contexts(shipper)
+            sc.extra_contexts.append(outer)
         sc.extra_contexts.append(ledger_context(ledger, on_open=restore))
+        if shipper is not None:
+            sc.extra_contexts.append(inner)
         sc.meter.add_sink("ledger", ledger.append)
     if cfg.audit.enabled:
         audit = sc.audit = Audit(cfg.audit, thresholds.DEFAULT, sc.prices, sc.metrics, sc.ledger)
@@ -69,3 +90,43 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
     if sc.attribution is not None:  # the last gate: GPU time counts from admission, not arrival
         sc.gates.append(sc.attribution.admitted)
     return sc
+
+
+def _shipper(sc: Sidecar) -> Shipper | None:
+    cfg = sc.config.ledger
+    if not (cfg.postgres_url and cfg.path):
+        return None
+    from .fleet_ledger import Shipper
+
+    return Shipper(cfg, sc.metrics)
+
+
+def _shared_store(sc: Sidecar, shipper: Shipper | None) -> RedisStore | None:
+    """The Redis store when budgets.store is set; it seeds a day from PostgreSQL when the fleet
+    ledger is configured, else from this sidecar's own ledger."""
+    cfg = sc.config
+    if not cfg.budgets.store:
+        return None
+    from .budget_redis import RedisStore, store_context
+    from .fleet_ledger import local_spend_since
+
+    path = cfg.ledger.path
+
+    async def source(day: int) -> tuple[Mapping[str, int], float]:
+        if shipper is not None:
+            by_user, by_team, read_at = await asyncio.to_thread(shipper.spend_since, day)
+        else:
+            assert path is not None
+            read_at = time.time()
+            by_user, by_team = await asyncio.to_thread(local_spend_since, path, day)
+        return spent_by_scope(by_user, by_team), read_at
+
+    store = RedisStore(
+        cfg.budgets,
+        sc.metrics,
+        lambda: sc.budgets.day_start(sc.budgets.clock()),
+        source if path else None,
+        max_scopes=cfg.budgets.max_tracked_users + 1 + len(cfg.budgets.teams),
+    )
+    sc.extra_contexts.append(store_context(store))
+    return store

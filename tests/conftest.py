@@ -130,3 +130,33 @@ async def oai() -> Any:
             await c.close()
         else:
             c.close()
+
+
+# --- real Redis and PostgreSQL for the fleet tests (tests/services.py) ----------------------------
+
+
+@pytest.fixture(scope="session")
+def _redis_once(tmp_path_factory: Any) -> Any:
+    from tests.services import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(_redis_once: Any) -> Any:
+    """A running, empty redis-server (one per session; started again after a test stopped it)."""
+    if _redis_once.proc is None or _redis_once.proc.poll() is not None:
+        _redis_once.start()
+    _redis_once.client().flushall()
+    return _redis_once
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Any:
+    from tests.services import Postgres
+
+    pg = Postgres().start()
+    yield pg
+    pg.remove()

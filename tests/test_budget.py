@@ -76,9 +76,12 @@ def test_small_budgets_are_printed_exactly() -> None:
     assert money(40) == "$40.00"
 
 
-async def burst(run: Running, oai: Any, n: int, **kwargs: Any) -> list[int]:
+async def burst(
+    run: Running, oai: Any, n: int, headers: dict[str, str] | None = None, **kwargs: Any
+) -> list[int]:
     """n concurrent streams from one user; returns the status of each."""
     client = oai(run)
+    headers = {"X-Tollbooth-User": "eve", "X-Fake": "slow-stream", **(headers or {})}
 
     async def one() -> int:
         try:
@@ -86,7 +89,7 @@ async def burst(run: Running, oai: Any, n: int, **kwargs: Any) -> list[int]:
                 model=MODEL,
                 messages=MSGS,
                 stream=True,
-                extra_headers={"X-Tollbooth-User": "eve", "X-Fake": "slow-stream"},
+                extra_headers=headers,
                 **kwargs,
             )
             async for _ in stream:
@@ -113,6 +116,17 @@ async def test_a_concurrent_burst_cannot_overspend(start_sidecar: StartSidecar, 
     assert spent(run) == pytest.approx(admitted * 0.015)
     assert spent(run) <= 0.2
     assert run.sc.budgets.store.held == {"user:eve": 0}  # every hold settled
+
+
+async def test_a_repeated_request_id_does_not_share_a_hold(
+    start_sidecar: StartSidecar, oai: Any
+) -> None:
+    # The client names X-Request-Id; holds are keyed by an id the sidecar makes, so twenty
+    # concurrent requests that all say "same" reserve twenty holds, not one.
+    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 0.2}})
+    statuses = await burst(run, oai, 20, {"X-Request-Id": "same"}, max_tokens=10)
+    assert statuses.count(200) in (12, 13)
+    assert spent(run) <= 0.2
 
 
 async def test_without_an_output_limit_overshoot_stays_within_the_documented_bound(

@@ -99,7 +99,8 @@ def prometheus() -> dict[str, Any]:
 def test_prometheus_scrapes_and_loads_the_rules() -> None:
     prom = prometheus()
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
-    assert jobs[DEFAULT.job]["static_configs"][0]["targets"] == ["tollbooth:9464"]
+    (sd,) = jobs[DEFAULT.job]["dns_sd_configs"]  # every sidecar aliased "tollbooth"
+    assert (sd["names"], sd["type"], sd["port"]) == (["tollbooth"], "A", 9464)
     mounts = compose()["services"]["prometheus"]["volumes"]
     rule_mount = next(v for v in mounts if "tollbooth.rules.yml" in v).split(":")[1]
     assert prom["rule_files"] == [rule_mount]
@@ -242,3 +243,31 @@ def test_access_log_reaches_loki_with_links_to_traces() -> None:
     assert to_logs["datasourceUid"] == DEFAULT.logs_datasource_uid
     assert 'service_name="tollbooth"' in to_logs["query"]
     assert 'trace_id="$${__trace.traceId}"' in to_logs["query"]
+
+
+def test_fleet_profile() -> None:
+    services = compose()["services"]
+    fleet = {n for n, s in services.items() if s.get("profiles") == ["fleet"]}
+    assert fleet == {
+        "fleet-simulator",
+        "redis",
+        "postgres",
+        "tollbooth-fleet-a",
+        "tollbooth-fleet-b",
+        "fleet-lb",
+    }
+    config = yaml.safe_load((ROOT / "deploy/tollbooth-fleet.yaml").read_text())
+    assert config["budgets"]["store"].startswith("redis://redis:6379/")
+    assert "@postgres:5432/" in config["ledger"]["postgres_url"]
+    for name in ("tollbooth-fleet-a", "tollbooth-fleet-b"):
+        svc = services[name]
+        assert svc["networks"]["default"]["aliases"] == ["tollbooth"]  # scraped by dns_sd
+        assert "http://fleet-simulator:8000" in svc["command"]
+        assert "./deploy/tollbooth-fleet.yaml:/etc/tollbooth/tollbooth.yaml:ro" in svc["volumes"]
+    # each sidecar keeps its own outbox
+    data = {v for n in ("tollbooth-fleet-a", "tollbooth-fleet-b") for v in services[n]["volumes"]}
+    assert len({v.split(":")[0] for v in data if v.endswith("/var/lib/tollbooth")}) == 2
+    nginx = (ROOT / "deploy/nginx/fleet.conf").read_text()
+    assert "server tollbooth-fleet-a:8080;" in nginx and "server tollbooth-fleet-b:8080;" in nginx
+    assert "proxy_buffering off;" in nginx and "proxy_next_upstream off;" in nginx
+    assert services["fleet-lb"]["ports"] == ["8090:8080"]

@@ -1,0 +1,257 @@
+"""The shared budget store's scripts against a real redis-server: the same rules as LocalStore,
+plus leases, seeding once, an emptied Redis, and what a request gets while Redis is away."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from sidecar.budget import DAY, Hold, Scope, to_micros
+from sidecar.budget_redis import SIDECARS, RedisStore, day_keys
+from sidecar.config import BudgetConfig
+from sidecar.metrics import Metrics
+
+USER = Scope("user", "u", to_micros(1.0))
+GLOBAL = Scope("global", "*", to_micros(1.5))
+TODAY = int(time.time() // DAY * DAY)
+
+
+def hold(rid: str, usd: float, *scopes: Scope) -> Hold:
+    return Hold(rid, TODAY, to_micros(usd), scopes or (USER,))
+
+
+def make(server: Any, mode: str = "local", lease: float = 60.0, source: Any = None) -> RedisStore:
+    cfg = BudgetConfig(
+        store=server.url,
+        store_unavailable=mode,  # type: ignore[arg-type]
+        lease_s=lease,
+        store_timeout_s=0.2,
+    )
+    store = RedisStore(cfg, Metrics(), lambda: TODAY, source, max_scopes=10)
+    store.breaker.cooldown_s = 0.1
+    return store
+
+
+def ints(server: Any, which: int) -> dict[str, int]:
+    raw = server.client().hgetall(day_keys(TODAY)[which])
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def spent(server: Any) -> dict[str, int]:
+    return ints(server, 0)
+
+
+def held(server: Any) -> dict[str, int]:
+    return ints(server, 1)
+
+
+async def settled(store: RedisStore) -> None:
+    for _ in range(200):
+        if not store.queue:
+            await asyncio.sleep(0.05)  # the batch taken off the queue has been answered
+            if not store.queue:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError("settlements did not reach Redis")
+
+
+def value(store: RedisStore, name: str, **labels: str) -> float:
+    return store.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_reserve_is_atomic_over_scopes_and_settle_is_idempotent(redis_server: Any) -> None:
+    store = make(redis_server)
+    store.start()
+    try:
+        assert (await store.reserve(hold("a", 0.6, USER, GLOBAL))).admitted
+        assert (await store.reserve(hold("a", 0.6, USER, GLOBAL))).admitted  # a retried call
+        assert held(redis_server) == {"user:u": 600_000, "global:*": 600_000}
+        refused = await store.reserve(hold("b", 0.6, USER, GLOBAL))
+        assert not refused.admitted and refused.scope == USER and refused.reason == "budget"
+        assert held(redis_server) == {"user:u": 600_000, "global:*": 600_000}
+        a = store.open["a"]
+        store.settle("a", to_micros(0.25))
+        store._enqueue(a, to_micros(0.25))  # the same settlement sent twice counts once
+        await settled(store)
+        assert spent(redis_server) == {"user:u": 250_000, "global:*": 250_000}
+        assert held(redis_server) == {"user:u": 0, "global:*": 0}
+        assert (await store.reserve(hold("c", 0.75))).admitted  # 0.25 + 0.75 = the limit
+        assert not (await store.reserve(hold("d", 0.000001))).admitted
+        assert store.known["user:u"] == 0  # the remainder the last reply gave
+    finally:
+        await store.close()
+
+
+async def test_two_sidecars_share_one_budget(redis_server: Any) -> None:
+    a, b = make(redis_server), make(redis_server)
+    assert (await a.reserve(hold("a1", 0.6))).admitted
+    verdict = await b.reserve(hold("b1", 0.6))
+    assert not verdict.admitted and verdict.reason == "budget"
+    await a.close()
+    await b.close()
+
+
+async def test_an_expired_lease_is_charged_in_full_and_a_late_settle_corrects_it(
+    redis_server: Any,
+) -> None:
+    a, b = make(redis_server, lease=0.3), make(redis_server, lease=0.3)
+    assert (await a.reserve(hold("k", 0.5))).admitted
+    await asyncio.sleep(0.4)  # `a` renews nothing: it is as good as killed
+    await b.tick()
+    assert spent(redis_server) == {"user:u": 500_000}
+    assert held(redis_server) == {"user:u": 0}
+    assert value(b, "llm_budget_holds_expired_total") == 1
+    await b.tick()  # charged once
+    assert spent(redis_server) == {"user:u": 500_000}
+    # `a` was only cut off: its settlement arrives and the charge becomes the measured one
+    replies = await a._settle_batch([(a.open.pop("k"), 200_000, int(time.time() * 1000))])
+    assert replies == [b"corrected"]
+    assert spent(redis_server) == {"user:u": 200_000}
+    await a.close()
+    await b.close()
+
+
+async def test_a_running_request_keeps_its_hold_while_its_sidecar_renews_it(
+    redis_server: Any,
+) -> None:
+    a, b = make(redis_server, lease=0.3), make(redis_server, lease=0.3)
+    a.start()  # upkeep every 0.1 s renews the lease
+    assert (await a.reserve(hold("k", 0.5))).admitted
+    for _ in range(6):
+        await asyncio.sleep(0.1)
+        await b.tick()
+    assert held(redis_server) == {"user:u": 500_000}
+    assert value(b, "llm_budget_holds_expired_total") == 0
+    await a.close()
+    await b.close()
+
+
+async def test_many_sidecars_seeding_at_once_add_the_ledger_once(redis_server: Any) -> None:
+    stores = [make(redis_server) for _ in range(5)]
+    await asyncio.gather(*(s.seed(TODAY, {"user:u": 400_000}) for s in stores))
+    assert spent(redis_server) == {"user:u": 400_000}
+    assert not (await stores[0].reserve(hold("a", 0.7))).admitted
+    for s in stores:
+        await s.close()
+
+
+class Ledger:
+    """Stands for the fleet ledger: the spend it holds and when it was read."""
+
+    def __init__(self, spent: Mapping[str, int]) -> None:
+        self.spent = dict(spent)
+        self.reads: list[float] = []
+
+    async def __call__(self, day: int) -> tuple[Mapping[str, int], float]:
+        self.reads.append(time.time())
+        return self.spent, self.reads[-1]
+
+
+async def test_an_emptied_redis_is_reseeded_from_the_ledger_and_lost_holds_are_charged(
+    redis_server: Any,
+) -> None:
+    ledger = Ledger({"user:u": 300_000})
+    store = make(redis_server, source=ledger)
+    assert (await store.reserve(hold("a", 0.2))).admitted  # cold start: seeded first
+    assert spent(redis_server) == {"user:u": 300_000}
+    a = store.open.pop("a")
+    redis_server.client().flushall()
+    assert (await store.reserve(hold("b", 0.6))).admitted  # reseeded: 0.3 + 0.6 <= 1.0
+    assert len(ledger.reads) == 2
+    assert not (await store.reserve(hold("c", 0.2))).admitted  # not reset to zero
+    # `a` ended after the read: the ledger did not have it, its charge is added
+    # a request that ended before the read is in the ledger's sum: not added again
+    before = int(ledger.reads[-1] * 1000) - 1
+    ended = [(a, 100_000, int(time.time() * 1000)), (hold("z", 0.1), 50_000, before)]
+    assert await store._settle_batch(ended) == [b"charged", b"in_seed"]
+    assert spent(redis_server) == {"user:u": 400_000}
+    await store.close()
+
+
+async def test_a_failed_ledger_read_leaves_the_day_unseeded(redis_server: Any) -> None:
+    async def broken(day: int) -> tuple[Mapping[str, int], float]:
+        raise OSError("database down")
+
+    store = make(redis_server, mode="closed", source=broken)
+    verdict = await store.reserve(hold("a", 0.1))
+    assert not verdict.admitted and verdict.reason == "unavailable"
+    assert not redis_server.client().exists(day_keys(TODAY)[4])  # a later read may seed it
+    assert value(store, "llm_budget_store_reseeds_total", outcome="failed") == 1
+    await store.close()
+
+
+@pytest.mark.parametrize("mode", ["closed", "local", "open"])
+async def test_redis_stopped_gives_each_store_unavailable_behaviour(
+    redis_server: Any, mode: str
+) -> None:
+    store, other = make(redis_server, mode), make(redis_server, mode)
+    await store.tick()
+    await other.tick()
+    await store.tick()  # two sidecars alive
+    assert store.alive == 2
+    assert (await store.reserve(hold("a", 0.2))).admitted  # known remainder: 0.8
+    redis_server.stop()
+    verdicts = [await store.reserve(hold(f"r{i}", 0.15)) for i in range(5)]
+    admitted = [v.admitted for v in verdicts]
+    if mode == "closed":
+        assert admitted == [False] * 5 and {v.reason for v in verdicts} == {"unavailable"}
+        assert value(store, "llm_budget_store_refused_total") == 5
+    elif mode == "open":
+        assert admitted == [True] * 5
+        assert value(store, "llm_budget_store_bypassed_total") == 5
+    else:  # this sidecar's share: 0.8 / 2 = 0.4, so two holds of 0.15
+        assert admitted == [True, True, False, False, False]
+        assert verdicts[2].reason == "budget" and verdicts[2].scope == USER
+        new_user = await store.reserve(hold("n", 0.01, Scope("user", "new", 10**6)))
+        assert new_user.reason == "unavailable"  # no known remainder: nothing to share
+    # fast: after three failures the breaker is open and calls no longer try Redis
+    assert value(store, "llm_budget_store_errors_total", op="reserve") == 3
+    assert value(store, "llm_budget_store_up") == 0
+    await store.close()
+    await other.close()
+
+
+async def test_settlements_wait_for_an_unreachable_redis_and_then_count(
+    redis_server: Any,
+) -> None:
+    store = make(redis_server, mode="open")
+    store.start()
+    assert (await store.reserve(hold("a", 0.2))).admitted
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # unreachable: every call times out
+    try:
+        assert (await store.reserve(hold("b", 0.2))).admitted  # open: admitted, counted
+        store.settle("a", 150_000)
+        store.settle("b", 180_000)
+        await asyncio.sleep(0.5)  # sent, timed out, queued again (Redis may still run them)
+        assert value(store, "llm_budget_store_errors_total", op="settle") >= 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await settled(store)
+    assert spent(redis_server) == {"user:u": 330_000}
+    assert held(redis_server) == {"user:u": 0}
+    await store.close()
+
+
+async def test_a_request_cancelled_during_a_store_call_is_cancelled(redis_server: Any) -> None:
+    # a client that leaves cancels its request's task; the store must not swallow that
+    # (redis-py 8.0 and 8.1 do, inside every command)
+    store = make(redis_server)
+
+    async def calls() -> None:
+        end = time.monotonic() + 2  # bounded: a swallowed cancel ends it without one
+        while time.monotonic() < end:
+            await store._call("heartbeat", [SIDECARS], [store.id, 1000])
+
+    task = asyncio.create_task(calls())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    await asyncio.wait({task})
+    assert task.cancelled()
+    await store.close()
