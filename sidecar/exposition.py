@@ -63,6 +63,11 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.device_seconds,
         m.device_cost,
         m.energy,
+        # fleet mode: the latency dashboard's budget store panel
+        m.store_bypassed,
+        m.store_refused,
+        m.store_local,
+        m.holds_expired,
     )
     return {fam.name: c for c in read for fam in c.describe()}
 

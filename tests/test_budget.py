@@ -125,7 +125,7 @@ async def test_a_repeated_request_id_does_not_share_a_hold(
     # concurrent requests that all say "same" reserve twenty holds, not one.
     run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 0.2}})
     statuses = await burst(run, oai, 20, {"X-Request-Id": "same"}, max_tokens=10)
-    assert statuses.count(200) in (12, 13)
+    assert 11 <= statuses.count(200) <= 13
     assert spent(run) <= 0.2
 
 

@@ -248,6 +248,7 @@ EMPTY_HERE = {
     ("gpu.json", "Device cost vs token-price cost", "A"): "NVML",
     ("user.json", "Device time, selected range", "A"): "NVML",
     ("user.json", "Cached input share", "A"): "a server that reports cached prompt tokens",
+    ("latency.json", "Fleet: budget store and ledger shipping", "C"): "a shared budget store",
 }
 
 

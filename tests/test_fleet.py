@@ -83,7 +83,7 @@ async def test_a_burst_spread_over_sidecars_stays_within_the_budget_and_the_repo
         async with aiohttp.ClientSession() as s:
 
             async def one(i: int) -> int:
-                # every stream holds (6 + 10) x $0.001 and spends (5 + 10) x $0.001; all with
+                # every stream holds (7 + 10) x $0.001 and spends (5 + 10) x $0.001; all with
                 # the same X-Request-Id, which neither shares a hold nor merges ledger rows
                 headers = {"X-Tollbooth-User": "eve", "X-Fake": "slow-stream"}
                 headers["X-Request-Id"] = "dup"
@@ -98,7 +98,7 @@ async def test_a_burst_spread_over_sidecars_stays_within_the_budget_and_the_repo
         admitted = statuses.count(200)
         assert statuses.count(429) == 30 - admitted
         # every request has an output limit: the documented overshoot is zero
-        assert 12 <= admitted <= 13
+        assert 11 <= admitted <= 13  # 11 x $0.017 at once; more if the first ones ended
         await until(lambda: held(redis_server) == 0, "every hold settled")
         assert spent(redis_server) == admitted * 15_000 <= 200_000
         await shipped(pg, 30)
@@ -137,11 +137,11 @@ async def test_a_killed_sidecars_holds_are_charged_when_their_lease_ends(
                     pass
 
             requests = [asyncio.create_task(hang()) for _ in range(3)]
-            await until(lambda: held(redis_server) == 3 * 16_000, "three holds")
+            await until(lambda: held(redis_server) == 3 * 17_000, "three holds")
             await a.stop(signal.SIGKILL)
             assert spent(redis_server) == 0
             # `b` sweeps every lease/3: the holds are charged in full once their lease ends
-            await until(lambda: spent(redis_server) == 3 * 16_000, "the holds charged", 5.0)
+            await until(lambda: spent(redis_server) == 3 * 17_000, "the holds charged", 5.0)
             assert held(redis_server) == 0
             await asyncio.gather(*requests, return_exceptions=True)
         assert b.value("llm_budget_holds_expired_total") == 3
@@ -159,11 +159,11 @@ async def test_redis_emptied_mid_day_does_not_reset_anyones_spend(
         return {"pricing": PRICES, "budgets": budgets, "ledger": fleet_ledger(tmp_path, pg, name)}
 
     a, b = await start_sidecar(config("a")), await start_sidecar(config("b"))
-    # each holds (6 + 5) x $0.001 and spends (5 + 5) x $0.001
+    # each holds (7 + 5) x $0.001 and spends (5 + 5) x $0.001
     assert await send(a, 3, "eve") == [200] * 3
     await shipped(pg, 3)
     redis_server.client().flushall()
-    # reseeded from PostgreSQL: $0.030 spent, so one more fits ($0.041) and the next does not
+    # reseeded from PostgreSQL: $0.030 spent, so one more fits ($0.042) and the next does not
     assert await send(b, 2, "eve") == [200, 429]
     await until(lambda: held(redis_server) == 0, "settled")
     assert spent(redis_server) == 40_000
