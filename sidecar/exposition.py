@@ -169,7 +169,7 @@ class HeldView:
                     "shown": _labels(s) not in young,
                 }
                 for s in fam.samples
-                if s.name == fam.name + "_total"
+                if s.name == fam.name + "_total" and s.value  # a 0 carries nothing
             ]
         return out
 
