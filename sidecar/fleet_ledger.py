@@ -95,6 +95,13 @@ def is_postgres(location: str | None) -> bool:
     return bool(location) and str(location).lower().startswith(("postgresql://", "postgres://"))
 
 
+def conninfo(url: str) -> str:
+    """The URL with its scheme in lower case: libpq takes `PostgreSQL://` for a key=value string
+    and would print it whole in its error."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if is_postgres(url) else url
+
+
 class Clash(Exception):
     """Rows of this outbox met other rows under the same (source, seq) in PostgreSQL: the
     outbox file was copied to another sidecar or restored from an older backup."""
@@ -137,7 +144,7 @@ class Shipper:
         assert config.path and config.postgres_url
         self.config, self.metrics, self.clock = config, metrics, clock
         self.pool = pool or ConnectionPool(
-            config.postgres_url,
+            conninfo(config.postgres_url),
             min_size=1,
             max_size=2,
             open=False,
@@ -450,7 +457,7 @@ _DAY_KEY = "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
     try:
-        with psycopg.connect(url, connect_timeout=int(PG_TIMEOUT_S)) as conn:
+        with psycopg.connect(conninfo(url), connect_timeout=int(PG_TIMEOUT_S)) as conn:
             return conn.execute(sql, params).fetchall()
     except psycopg.Error as exc:  # the message never carries the connection string
         raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None
