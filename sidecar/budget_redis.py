@@ -62,12 +62,14 @@ Source = Callable[[int], Awaitable[tuple[Mapping[str, int], float]]]
 RESERVE = """
 local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, amount = ARGV[1], tonumber(ARGV[2])
-if redis.call('EXISTS', seeded) == 0 then return {'unseeded'} end
+local read = redis.call('GET', seeded)
+if not read then return {'unseeded'} end
+if read ~= ARGV[6] then return {'reseeded', read} end
 if redis.call('HEXISTS', holds, id) == 1 then return {'again'} end
-local n = (#ARGV - 5) / 2
+local n = (#ARGV - 6) / 2
 local new, first_new = 0, 0
 for i = 1, n do
-  if redis.call('HEXISTS', spent, ARGV[4 + 2 * i]) == 0 then
+  if redis.call('HEXISTS', spent, ARGV[5 + 2 * i]) == 0 then
     new = new + 1
     if first_new == 0 then first_new = i end
   end
@@ -77,15 +79,15 @@ if new > 0 and redis.call('HLEN', spent) + new > tonumber(ARGV[5]) then
 end
 local out = {'ok'}
 for i = 1, n do
-  local key = ARGV[4 + 2 * i]
-  local left = tonumber(ARGV[5 + 2 * i]) - (tonumber(redis.call('HGET', spent, key)) or 0)
+  local key = ARGV[5 + 2 * i]
+  local left = tonumber(ARGV[6 + 2 * i]) - (tonumber(redis.call('HGET', spent, key)) or 0)
     - (tonumber(redis.call('HGET', held, key)) or 0)
   if amount > left then return {'budget', i, string.format('%d', left)} end
   out[i + 1] = string.format('%d', left - amount)
 end
 local scopes = {}
 for i = 1, n do
-  local key = ARGV[4 + 2 * i]
+  local key = ARGV[5 + 2 * i]
   redis.call('HINCRBY', held, key, ARGV[2])
   redis.call('HSETNX', spent, key, 0)
   scopes[i] = key
@@ -322,6 +324,7 @@ class RedisStore:
         self._restoring = asyncio.Lock()
         self.known: dict[str, int] = {}  # last known remainder by scope key, for `known_day`
         self.known_day = -1
+        self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
         self.alive = 1
         self.local = LocalStore(max_scopes)  # this sidecar's share while Redis is away
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
@@ -364,16 +367,24 @@ class RedisStore:
     # --- BudgetStore
 
     async def reserve(self, hold: Hold) -> Verdict:
-        keys, args = day_keys(hold.day), self._reserve_args(hold)
+        keys = day_keys(hold.day)
         try:
             if self.outage or self.settling:
                 await self._restore()
-            reply = await self._call("reserve", keys, args)
-            if reply[0] == b"unseeded":
-                if await self.reseed(hold.day):
-                    reply = await self._call("reserve", keys, args)
-                if reply[0] == b"unseeded":  # no ledger read, or emptied again meanwhile
-                    return await self._without_store(hold, sent=False)
+            for _ in range(4):  # unseeded, seeded here, seen here, decided
+                reply = await self._call("reserve", keys, self._reserve_args(hold))
+                if reply[0] == b"unseeded":
+                    if not await self.reseed(hold.day):
+                        break
+                elif reply[0] == b"reseeded":  # first seen, or Redis was emptied and seeded again
+                    self.seeds[hold.day] = reply[1]
+                    if len(self.seeds) > 2:
+                        self.seeds.pop(min(self.seeds))
+                    await self._renew()  # this sidecar's holds back before its next decision
+                else:
+                    break
+            if reply[0] in (b"unseeded", b"reseeded"):  # no ledger read, or emptied again
+                return await self._without_store(hold, sent=False)
         except StoreDown as down:
             return await self._without_store(hold, sent=down.sent)
         return self._verdict(hold, reply)
@@ -385,6 +396,7 @@ class RedisStore:
             self.lease_ms,
             hold.day + KEEP_S,
             self.max_scopes,
+            self.seeds.get(hold.day, b""),
         ]
         for s in hold.scopes:
             args += [s.key, s.limit]

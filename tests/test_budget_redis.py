@@ -293,7 +293,13 @@ async def test_holds_lost_with_redis_data_are_recorded_again(redis_server: Any) 
     redis_server.client().flushall()
     await a.tick()  # every upkeep tick puts them back too
     assert held(redis_server) == {"user:u": 600_000}
+    redis_server.client().flushall()
+    b = make(redis_server, source=ledger)
+    assert (await b.reserve(hold("c", 0.1))).admitted  # b reseeds; a's hold is not back yet
+    assert not (await a.reserve(hold("d", 0.6))).admitted  # a sees the new seed: back first
+    assert held(redis_server) == {"user:u": 700_000}
     await a.close()
+    await b.close()
 
 
 async def test_sidecars_with_different_leases_count_each_other(redis_server: Any) -> None:
