@@ -260,7 +260,7 @@ def audit_context(audit: Audit) -> Callable[[web.Application], AsyncIterator[Non
 def read_records(
     since: float, path: str | None = None, ledger: str | None = None
 ) -> list[dict[str, Any]]:
-    if ledger and ledger.startswith(("postgresql://", "postgres://")):  # the fleet's ledger
+    if ledger and ledger.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
         from .fleet_ledger import audit_records
 
         return [json.loads(r) for r in audit_records(ledger, since)]

@@ -62,12 +62,14 @@ Source = Callable[[int], Awaitable[tuple[Mapping[str, int], float]]]
 RESERVE = """
 local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, amount = ARGV[1], tonumber(ARGV[2])
-if redis.call('EXISTS', seeded) == 0 then return {'unseeded'} end
+local read = redis.call('GET', seeded)
+if not read then return {'unseeded'} end
+if read ~= ARGV[6] then return {'reseeded', read} end
 if redis.call('HEXISTS', holds, id) == 1 then return {'again'} end
-local n = (#ARGV - 5) / 2
+local n = (#ARGV - 6) / 2
 local new, first_new = 0, 0
 for i = 1, n do
-  if redis.call('HEXISTS', spent, ARGV[4 + 2 * i]) == 0 then
+  if redis.call('HEXISTS', spent, ARGV[5 + 2 * i]) == 0 then
     new = new + 1
     if first_new == 0 then first_new = i end
   end
@@ -77,15 +79,15 @@ if new > 0 and redis.call('HLEN', spent) + new > tonumber(ARGV[5]) then
 end
 local out = {'ok'}
 for i = 1, n do
-  local key = ARGV[4 + 2 * i]
-  local left = tonumber(ARGV[5 + 2 * i]) - (tonumber(redis.call('HGET', spent, key)) or 0)
+  local key = ARGV[5 + 2 * i]
+  local left = tonumber(ARGV[6 + 2 * i]) - (tonumber(redis.call('HGET', spent, key)) or 0)
     - (tonumber(redis.call('HGET', held, key)) or 0)
   if amount > left then return {'budget', i, string.format('%d', left)} end
   out[i + 1] = string.format('%d', left - amount)
 end
 local scopes = {}
 for i = 1, n do
-  local key = ARGV[4 + 2 * i]
+  local key = ARGV[5 + 2 * i]
   redis.call('HINCRBY', held, key, ARGV[2])
   redis.call('HSETNX', spent, key, 0)
   scopes[i] = key
@@ -156,15 +158,32 @@ return charged
 """
 
 RENEW = """
+local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local t = redis.call('TIME')
 local deadline = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1]))
-local args = {}
-for i = 2, #ARGV do
-  args[#args + 1] = deadline
-  args[#args + 1] = ARGV[i]
+local i, made = 3, 0
+while i <= #ARGV do
+  local id, amount, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if redis.call('HEXISTS', holds, id) == 1 then
+    redis.call('ZADD', leases, 'XX', deadline, id)
+  else
+    local scopes = {}
+    for j = 1, n do
+      local key = ARGV[i + 2 + j]
+      redis.call('HINCRBY', held, key, amount)
+      redis.call('HSETNX', spent, key, 0)
+      scopes[j] = key
+    end
+    redis.call('HSET', holds, id, cjson.encode({'h', amount, scopes}))
+    redis.call('ZADD', leases, deadline, id)
+    made = made + 1
+  end
+  i = i + 3 + n
 end
-if #args == 0 then return 0 end
-return redis.call('ZADD', KEYS[1], 'XX', 'CH', unpack(args))
+if made > 0 then
+  for k = 1, 4 do redis.call('EXPIREAT', KEYS[k], ARGV[2]) end
+end
+return made
 """
 
 SEED = """
@@ -179,9 +198,10 @@ return 1
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZADD', KEYS[1], string.format('%d', now), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now - tonumber(ARGV[2])))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local window = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], string.format('%d', now + window), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
+if redis.call('PTTL', KEYS[1]) < window then redis.call('PEXPIRE', KEYS[1], window) end
 return redis.call('ZCARD', KEYS[1])
 """
 
@@ -298,9 +318,13 @@ class RedisStore:
         self.scripts = {name: self.redis.register_script(src) for name, src in SCRIPTS.items()}
         self.breaker = Breaker(BREAKER_FAILURES, BREAKER_COOLDOWN_S)
         self.open: dict[str, Hold] = {}  # held in Redis by this sidecar: leases to renew
-        self.outage: dict[str, Hold] = {}  # admitted without Redis: settled into it later
+        self.outage: dict[str, Hold] = {}  # admitted without Redis: put into it when it answers
+        # admitted without Redis and ended, their settlement not yet answered by Redis
+        self.settling: dict[str, Hold] = {}
+        self._restoring = asyncio.Lock()
         self.known: dict[str, int] = {}  # last known remainder by scope key, for `known_day`
         self.known_day = -1
+        self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
         self.alive = 1
         self.local = LocalStore(max_scopes)  # this sidecar's share while Redis is away
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
@@ -335,20 +359,32 @@ class RedisStore:
         if self.breaker.success():
             log.info("budget store reachable again")
             self.metrics.store_up.set(1)
-            self.local = LocalStore(self.max_scopes)  # the outage's spend is queued for Redis
+            # a new outage needs a fresh remainder: this one's admissions go into Redis first
+            self.local = LocalStore(self.max_scopes)
+            self.known = {}
         return result
 
     # --- BudgetStore
 
     async def reserve(self, hold: Hold) -> Verdict:
-        keys, args = day_keys(hold.day), self._reserve_args(hold)
+        keys = day_keys(hold.day)
         try:
-            reply = await self._call("reserve", keys, args)
-            if reply[0] == b"unseeded":
-                if await self.reseed(hold.day):
-                    reply = await self._call("reserve", keys, args)
-                if reply[0] == b"unseeded":  # no ledger read, or emptied again meanwhile
-                    return await self._without_store(hold, sent=False)
+            if self.outage or self.settling:
+                await self._restore()
+            for _ in range(4):  # unseeded, seeded here, seen here, decided
+                reply = await self._call("reserve", keys, self._reserve_args(hold))
+                if reply[0] == b"unseeded":
+                    if not await self.reseed(hold.day):
+                        break
+                elif reply[0] == b"reseeded":  # first seen, or Redis was emptied and seeded again
+                    self.seeds[hold.day] = reply[1]
+                    if len(self.seeds) > 2:
+                        self.seeds.pop(min(self.seeds))
+                    await self._renew()  # this sidecar's holds back before its next decision
+                else:
+                    break
+            if reply[0] in (b"unseeded", b"reseeded"):  # no ledger read, or emptied again
+                return await self._without_store(hold, sent=False)
         except StoreDown as down:
             return await self._without_store(hold, sent=down.sent)
         return self._verdict(hold, reply)
@@ -360,6 +396,7 @@ class RedisStore:
             self.lease_ms,
             hold.day + KEEP_S,
             self.max_scopes,
+            self.seeds.get(hold.day, b""),
         ]
         for s in hold.scopes:
             args += [s.key, s.limit]
@@ -391,6 +428,7 @@ class RedisStore:
             if hold is None:
                 return
             self.local.settle(request_id, charge)
+            self.settling[request_id] = hold
         self._enqueue(hold, charge)
 
     async def seed(self, day: int, spent: Mapping[str, int]) -> None:
@@ -420,6 +458,22 @@ class RedisStore:
         elif sent:  # the reservation may have run in Redis: release it
             self._enqueue(hold, 0)
         return verdict
+
+    async def _restore(self) -> None:
+        """Put every hold admitted without Redis into it (no limit check: they were admitted),
+        before any new decision, so Redis counts them while they run. One that already ended
+        goes in too, until its settlement is answered: it replaces the hold with the charge."""
+        async with self._restoring:
+            running, ended = list(self.outage.values()), list(self.settling.values())
+            if not running and not ended:
+                return
+            await self._renew_holds([*running, *ended])
+            for h in running:
+                if self.outage.pop(h.request_id, None) is not None:
+                    self.open[h.request_id] = h
+            for h in ended:
+                self.settling.pop(h.request_id, None)
+            log.info("budget store: %d holds admitted without it put back", len(running))
 
     async def _local(self, hold: Hold) -> Verdict:
         """Reserve against this sidecar's share of the last known remainder of each scope."""
@@ -457,6 +511,7 @@ class RedisStore:
             else:
                 spent, read_at = await self.source(day)
             seeded = await self._seed(day, spent, read_at)
+            await self._renew()  # holds lost with Redis's data come back before a decision
         except StoreDown:
             self._reseed_failed_at = time.monotonic()
             return False
@@ -475,7 +530,7 @@ class RedisStore:
     def _enqueue(self, hold: Hold, charge: int) -> None:
         self.queue.append((hold, charge, math.floor(self.clock() * 1000)))
         if len(self.queue) > SETTLE_QUEUE:
-            self.queue.popleft()
+            self.settling.pop(self.queue.popleft()[0].request_id, None)
             self.metrics.settles_dropped.inc()
         self.metrics.settles_pending.set(len(self.queue))
         self._wake.set()
@@ -510,17 +565,22 @@ class RedisStore:
     def _requeue(self, batch: list[tuple[Hold, int, int]]) -> None:
         self.queue.extendleft(reversed(batch))
         while len(self.queue) > SETTLE_QUEUE:
-            self.queue.pop()
+            self.settling.pop(self.queue.pop()[0].request_id, None)
             self.metrics.settles_dropped.inc()
 
     async def _after_settle(self, batch: list[tuple[Hold, int, int]], replies: list[Any]) -> None:
         """A settlement that found its day unseeded (Redis emptied) waits for the reseed; one
         for a day whose keys are gone for good is dropped."""
+        for (hold, _, _), r in zip(batch, replies, strict=True):
+            if r != b"unseeded":
+                self.settling.pop(hold.request_id, None)
         unseeded = [item for item, r in zip(batch, replies, strict=True) if r == b"unseeded"]
         today = self.today()
         late = [item for item in unseeded if item[0].day < today]
         if late:
             self.metrics.settles_dropped.inc(len(late))
+            for hold, _, _ in late:
+                self.settling.pop(hold.request_id, None)
         waiting = [item for item in unseeded if item[0].day >= today]
         if waiting:
             self._requeue(waiting)
@@ -541,6 +601,8 @@ class RedisStore:
             self.alive = max(1, int(alive))
             self.metrics.sidecars_alive.set(self.alive)
         with contextlib.suppress(StoreDown):
+            await self._restore()
+        with contextlib.suppress(StoreDown):
             await self._renew()
         with contextlib.suppress(StoreDown):
             today = self.today()
@@ -550,13 +612,23 @@ class RedisStore:
                 self.metrics.holds_expired.inc(int(charged))
 
     async def _renew(self) -> None:
-        by_day: dict[int, list[str]] = {}
-        for hid, hold in list(self.open.items()):
-            by_day.setdefault(hold.day, []).append(hid)
-        for day, ids in by_day.items():
-            leases = day_keys(day)[3]
-            for i in range(0, len(ids), RENEW_BATCH):
-                await self._call("renew", [leases], [self.lease_ms, *ids[i : i + RENEW_BATCH]])
+        await self._renew_holds(list(self.open.values()))
+
+    async def _renew_holds(self, holds: list[Hold]) -> None:
+        """Push the lease of each hold; one Redis no longer has (emptied, restarted without
+        persistence, or never had: admitted while it was away) is recorded again, with its
+        amount on each of its scopes, no limit checked."""
+        by_day: dict[int, list[Hold]] = {}
+        for hold in holds:
+            by_day.setdefault(hold.day, []).append(hold)
+        for day, some in by_day.items():
+            for i in range(0, len(some), RENEW_BATCH):
+                args: list[Any] = [self.lease_ms, day + KEEP_S]
+                for h in some[i : i + RENEW_BATCH]:
+                    args += [h.request_id, h.amount, len(h.scopes), *(s.key for s in h.scopes)]
+                made = int(await self._call("renew", day_keys(day)[:4], args))
+                if made:
+                    log.warning("budget store: %d holds missing from Redis recorded again", made)
 
     # --- lifecycle
 

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
@@ -360,13 +360,23 @@ def _check_url(key: str, value: str) -> None:
 
 
 def _check_store_url(key: str, value: str | None, schemes: tuple[str, ...], where: str) -> None:
+    """Never echoes the value: it may carry a credential (in the URL, its query, or libpq's
+    key=value form, which is refused)."""
     if value is None:
         return
-    parts = urlsplit(value)
-    if parts.password is not None:  # never echo the value: it holds a credential
-        raise ConfigError(f"config '{key}' carries a password: remove it and use {where}")
-    if parts.scheme not in schemes:
-        _fail(key, value, "expected a URL starting with " + " or ".join(f"{s}://" for s in schemes))
+    parts = urlsplit(value)  # the scheme comes back in lower case
+    refused = f"config '{key}' carries a password: remove it and use {where}"
+    if parts.password is not None:
+        raise ConfigError(refused)
+    if any(k.strip().lower() == "password" for k, _ in parse_qsl(parts.query, True)):
+        raise ConfigError(refused)
+    if parts.scheme not in schemes or not value.partition(":")[2].startswith("//"):
+        if "password" in value.lower():
+            raise ConfigError(refused)
+        raise ConfigError(
+            f"config '{key}': expected a URL starting with "
+            + " or ".join(f"{s}://" for s in schemes)
+        )
 
 
 def _check_fleet(config: Config) -> None:

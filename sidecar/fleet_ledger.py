@@ -92,7 +92,23 @@ CREATE TABLE IF NOT EXISTS outbox (
 
 
 def is_postgres(location: str | None) -> bool:
-    return bool(location) and str(location).startswith(("postgresql://", "postgres://"))
+    return bool(location) and str(location).lower().startswith(("postgresql://", "postgres://"))
+
+
+def conninfo(url: str) -> str:
+    """The URL with its scheme in lower case: libpq takes `PostgreSQL://` for a key=value string
+    and would print it whole in its error."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if is_postgres(url) else url
+
+
+class Clash(Exception):
+    """Rows of this outbox met other rows under the same (source, seq) in PostgreSQL: the
+    outbox file was copied to another sidecar or restored from an older backup."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(f"outbox row {seq} is another row in PostgreSQL")
+        self.seq = seq
 
 
 def q(name: str) -> str:
@@ -128,7 +144,7 @@ class Shipper:
         assert config.path and config.postgres_url
         self.config, self.metrics, self.clock = config, metrics, clock
         self.pool = pool or ConnectionPool(
-            config.postgres_url,
+            conninfo(config.postgres_url),
             min_size=1,
             max_size=2,
             open=False,
@@ -148,6 +164,7 @@ class Shipper:
         self._inode = 0
         self._schema = False
         self._columns: dict[str, list[str]] = {}
+        self._verified: set[tuple[str, str]] = set()  # (table, source) checked against PostgreSQL
         self._pruned_at = -PRUNE_EVERY_S
         self._logged_at = -LOG_EVERY_S
 
@@ -261,15 +278,60 @@ class Shipper:
                 "ORDER BY id LIMIT ?",
                 (last, self.config.ship_batch_rows),
             ).fetchall()
+            if (table, source) not in self._verified:
+                self._verify(db, table, source, last)
+                continue
             if not rows:
                 return sent
-            self._send(table, source, cols, rows)
+            try:
+                self._send(table, source, cols, rows)
+            except Clash as clash:  # rows before the clash are ours; the rest go under a new name
+                rows = [r for r in rows if r[0] < clash.seq]
+                if rows:
+                    self._send(table, source, cols, rows)
+                self._rename(db, table, clash.seq - 1)
+                if not rows:
+                    continue
             with db:  # only after PostgreSQL committed: a crash in between sends the batch again
                 db.execute("UPDATE outbox SET last_id = ? WHERE tbl = ?", (rows[-1][0], table))
             self.metrics.ledger_shipped.labels(table).inc(len(rows))
             sent += len(rows)
             if len(rows) < self.config.ship_batch_rows:
                 return sent
+
+    def _rename(self, db: sqlite3.Connection, table: str, last_id: int) -> None:
+        with db:
+            db.execute(
+                "UPDATE outbox SET source = ?, last_id = ? WHERE tbl = ?",
+                (uuid.uuid4().hex, last_id, table),
+            )
+        self.metrics.ledger_renamed.labels(table).inc()
+        log.warning(
+            "ledger outbox '%s' shares row numbers with another in PostgreSQL (a copied or "
+            "restored ledger file): rows after %d are shipped under a new name",
+            table,
+            last_id,
+        )
+
+    def _verify(self, db: sqlite3.Connection, table: str, source: str, last: int) -> None:
+        """Once per outbox name: rows PostgreSQL has under it beyond `last` must be this outbox's
+        own (a crash between PostgreSQL's commit and the outbox's update); other rows there mean
+        the file was restored from an older backup or copied, and it gets a new name."""
+        sql = (
+            f"SELECT seq, request_id, ts FROM {table} WHERE source = %s AND seq > %s "
+            "ORDER BY seq LIMIT %s"
+        )
+        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+            if not self._schema:
+                create_schema(conn)
+                self._schema = True
+            theirs = conn.execute(sql, (source, last, self.config.ship_batch_rows)).fetchall()
+        for seq, request_id, ts in theirs:
+            mine = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,))
+            if mine.fetchone() != (request_id, ts):
+                self._rename(db, table, last)
+                return
+        self._verified.add((table, source))
 
     def _send(self, table: str, source: str, cols: list[str], rows: list[Any]) -> None:
         names = ", ".join(["source", "seq", *(q(c) for c in cols)])
@@ -289,6 +351,15 @@ class Shipper:
                     f"INSERT INTO {table} ({names}) SELECT {names} FROM incoming_{table} "
                     "ON CONFLICT DO NOTHING"
                 )
+                if cur.rowcount < len(rows):  # a batch sent again, or another outbox's rows
+                    cur.execute(
+                        f"SELECT MIN(i.seq) FROM incoming_{table} i JOIN {table} t "
+                        "ON t.source = i.source AND t.seq = i.seq "
+                        "WHERE t.request_id <> i.request_id OR t.ts <> i.ts"
+                    )
+                    (clash,) = cur.fetchone() or (None,)
+                    if clash is not None:
+                        raise Clash(int(clash))  # nothing of this batch is committed
 
     def _prune(self) -> None:
         """Retention by day: whole UTC days older than `retention_days` go, at most hourly."""
@@ -386,7 +457,7 @@ _DAY_KEY = "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
     try:
-        with psycopg.connect(url, connect_timeout=int(PG_TIMEOUT_S)) as conn:
+        with psycopg.connect(conninfo(url), connect_timeout=int(PG_TIMEOUT_S)) as conn:
             return conn.execute(sql, params).fetchall()
     except psycopg.Error as exc:  # the message never carries the connection string
         raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None

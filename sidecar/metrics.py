@@ -325,6 +325,13 @@ class Metrics:
         self.ledger_ship_errors = Counter(
             "llm_ledger_ship_errors", "Failed shipments to PostgreSQL (retried).", registry=r
         )
+        self.ledger_renamed = Counter(
+            "llm_ledger_outbox_renamed",
+            "Outbox renamed: its row numbers were taken in PostgreSQL by other rows (a copied "
+            "or restored ledger file); its rows are shipped under the new name.",
+            ["table"],
+            registry=r,
+        )
         self.ledger_unshipped = Gauge(
             "llm_ledger_unshipped_rows",
             "Rows in the local outbox not yet in PostgreSQL.",

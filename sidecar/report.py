@@ -87,10 +87,12 @@ def percentile(values: list[float], p: float) -> float | None:
 def summarize(path: str, since: float, by: str) -> list[dict[str, Any]]:
     if by not in GROUPS:
         raise ValueError(f"--by '{by}': expected one of {', '.join(GROUPS)}")
-    if path.startswith(("postgresql://", "postgres://")):  # the fleet's ledger
+    if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
         from .fleet_ledger import report_rows
 
         return _grouped(report_rows(path, since, by), by)
+    if "://" in path:  # never echoed: a URL may carry a password
+        raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
     uri = f"file:{path}?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True)

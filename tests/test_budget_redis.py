@@ -211,7 +211,8 @@ async def test_redis_stopped_gives_each_store_unavailable_behaviour(
         new_user = await store.reserve(hold("n", 0.01, Scope("user", "new", 10**6)))
         assert new_user.reason == "unavailable"  # no known remainder: nothing to share
     # fast: after three failures the breaker is open and calls no longer try Redis
-    assert value(store, "llm_budget_store_errors_total", op="reserve") == 3
+    errors = [value(store, "llm_budget_store_errors_total", op=op) for op in ("reserve", "renew")]
+    assert sum(errors) == 3  # `renew`: putting the outage's holds into Redis before a decision
     assert value(store, "llm_budget_store_up") == 0
     await store.close()
     await other.close()
@@ -255,3 +256,57 @@ async def test_a_request_cancelled_during_a_store_call_is_cancelled(redis_server
     await asyncio.wait({task})
     assert task.cancelled()
     await store.close()
+
+
+async def test_holds_admitted_while_redis_was_away_go_into_it_before_any_new_decision(
+    redis_server: Any,
+) -> None:
+    a, b = make(redis_server), make(redis_server)
+    assert (await a.reserve(hold("a", 0.2))).admitted  # a's known remainder: 0.8
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        outage = [await a.reserve(hold(f"o{i}", 0.3)) for i in range(3)]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert [v.admitted for v in outage] == [True, True, False]  # its share: 0.8
+    await asyncio.sleep(0.15)  # the breaker's cooldown
+    await a.tick()  # Redis answers: both running outage holds are recorded there, leased
+    assert held(redis_server)["user:u"] == 800_000 and {"o0", "o1"} <= set(a.open)
+    assert not (await b.reserve(hold("b", 0.5))).admitted  # not the full remainder again
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # a second outage: a fresh remainder needed
+    try:
+        again = await a.reserve(hold("o3", 0.1))
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert not again.admitted and again.reason == "unavailable"
+    await a.close()
+    await b.close()
+
+
+async def test_holds_lost_with_redis_data_are_recorded_again(redis_server: Any) -> None:
+    ledger = Ledger({})
+    a = make(redis_server, source=ledger)
+    assert (await a.reserve(hold("a", 0.6))).admitted
+    redis_server.client().flushall()
+    assert not (await a.reserve(hold("b", 0.6))).admitted  # reseeded, then a's hold put back
+    redis_server.client().flushall()
+    await a.tick()  # every upkeep tick puts them back too
+    assert held(redis_server) == {"user:u": 600_000}
+    redis_server.client().flushall()
+    b = make(redis_server, source=ledger)
+    assert (await b.reserve(hold("c", 0.1))).admitted  # b reseeds; a's hold is not back yet
+    assert not (await a.reserve(hold("d", 0.6))).admitted  # a sees the new seed: back first
+    assert held(redis_server) == {"user:u": 700_000}
+    await a.close()
+    await b.close()
+
+
+async def test_sidecars_with_different_leases_count_each_other(redis_server: Any) -> None:
+    short, long = make(redis_server, lease=0.3), make(redis_server, lease=60.0)
+    await long.tick()
+    await asyncio.sleep(0.35)  # longer than the short lease's window, shorter than the long's
+    await short.tick()
+    assert short.alive == 2
+    await short.close()
+    await long.close()

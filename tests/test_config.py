@@ -13,6 +13,7 @@ import yaml
 
 from sidecar import configdoc
 from sidecar.config import Config, ConfigError, load
+from sidecar.report import summarize
 
 ROOT = Path(__file__).parents[1]
 
@@ -188,3 +189,37 @@ def test_audit_into_a_ledger_needs_a_ledger(tmp_path: Path) -> None:
     assert load(path, {"ledger.path": str(tmp_path / "l.db")}).audit.sink == "ledger"
     off = write(tmp_path, "audit:\n  sink: ledger\n  enabled: false\n")
     assert load(off).audit.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "refused"),
+    [
+        ("ledger.postgres_url", "host=db dbname=t user=u password=S3CRET", "a password"),
+        ("ledger.postgres_url", "postgresql://u@db/t?sslmode=on&password=S3CRET", "a password"),
+        ("ledger.postgres_url", "PostgreSQL://u:S3CRET@db/t", "a password"),
+        ("ledger.postgres_url", "postgresql+psycopg://u:S3CRET@db/t", "a password"),
+        ("ledger.postgres_url", "db.example:5432/S3CRET", "expected a URL"),
+        ("budgets.store", "redis://db:6379/0?password=S3CRET", "a password"),
+        ("budgets.store", "unix:///run/redis.sock?password=S3CRET", "a password"),
+        ("budgets.store", "unix:///run/S3CRET.sock", "expected a URL"),
+    ],
+)
+def test_store_urls_with_a_password_are_refused_and_never_echoed(
+    tmp_path: Path, key: str, value: str, refused: str
+) -> None:
+    overrides = {key: value, "ledger.path": str(tmp_path / "l.db")}
+    with pytest.raises(ConfigError) as err:
+        load(None, overrides)
+    assert refused in str(err.value) and "S3CRET" not in str(err.value)
+    good = "PostgreSQL://u@db/t?sslmode=require" if key.startswith("ledger") else "REDIS://db/0"
+    assert load(None, {**overrides, key: good})  # the scheme in any case
+
+
+def test_a_report_from_a_postgresql_url_in_any_case_never_echoes_it() -> None:
+    for url, message in (
+        ("PostgreSQL://u:S3CRET@127.0.0.1:9/t", "the PostgreSQL ledger cannot be read"),
+        ("postgresq://u:S3CRET@127.0.0.1:9/t", "a URL must start with postgresql://"),
+    ):
+        with pytest.raises(ValueError) as err:
+            summarize(url, 0.0, "user")
+        assert message in str(err.value) and "S3CRET" not in str(err.value)

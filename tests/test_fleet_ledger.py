@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -187,3 +188,40 @@ async def test_an_outbox_that_cannot_be_opened_never_stops_traffic(
     run = await start_sidecar({"pricing": PRICES, "ledger": led})
     assert await send(run, 1, "ann") == [200]
     assert (run.value("llm_ledger_ship_errors_total") or 0) >= 1
+
+
+def test_a_copied_or_restored_outbox_file_loses_no_row(postgres: Any, tmp_path: Path) -> None:
+    url = postgres.database()
+    a, b, backup = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "backup.db"
+    renamed = 0.0
+
+    def ship(path: Path) -> None:
+        nonlocal renamed
+        metrics = Metrics()
+        shipper = Shipper(LedgerConfig(path=str(path), postgres_url=url), metrics)
+        shipper.open()
+        shipper.close()  # one last shipment
+        for table in ("requests", "audit"):
+            renamed += (
+                metrics.registry.get_sample_value(
+                    "llm_ledger_outbox_renamed_total", {"table": table}
+                )
+                or 0.0
+            )
+
+    t = time.time()
+    write_rows(a, 2, t)
+    ship(a)
+    shutil.copy(a, b)  # a cloned volume: two sidecars, one outbox name
+    write_rows(a, 3, t + 10)
+    write_rows(b, 3, t + 20)
+    ship(a)
+    ship(b)  # its row numbers 3..5 are a's in PostgreSQL: renamed, shipped under the new name
+    assert count(url) == 8 and renamed == 1
+    shutil.copy(b, backup)
+    write_rows(b, 2, t + 30)
+    ship(b)
+    shutil.copy(backup, b)  # restored from the older backup: rows 6 and 7 are taken
+    write_rows(b, 2, t + 40)
+    ship(b)
+    assert count(url) == 12 and renamed == 2
