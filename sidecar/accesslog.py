@@ -1,24 +1,28 @@
 """The access log: one structured line per proxied request.
 
 Owns: the line's fields, sampling of successful requests (errors and audited requests are always
-logged), and where lines go (stdout, stderr, a file), written by a background thread.
+logged), and where lines go (stdout, stderr, a file). A request's share is taking its fields (a
+few scalars) and one append; a background thread formats the lines and writes them in batches.
 Never: logs a prompt, a completion or an API key; users appear as the metrics see them.
 """
 
 from __future__ import annotations
 
-import logging
-import logging.handlers
 import random
 import sys
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TextIO
 
 from aiohttp import web
 
 from .config import LoggingConfig
-from .logs import formatter, queued
+from .logs import BatchWriter, iso_time, json_line
 from .meter import Exchange
+from .metrics import Metrics
+
+LOGGER = "tollbooth.access"  # the `logger` of every line, as if written through logging
+Record = tuple[float, bool, dict[str, Any]]  # (time, failed, fields): what a request appends
 
 
 def fields(ex: Exchange) -> dict[str, Any]:
@@ -53,44 +57,65 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 6)
 
 
+def render_json(record: Record) -> str:
+    ts, failed, f = record
+    level = "warning" if failed else "info"
+    return json_line(
+        {"time": iso_time(ts), "level": level, "logger": LOGGER, "message": "request", **f}
+    )
+
+
+def render_text(record: Record) -> str:
+    ts, failed, f = record
+    line = f"{iso_time(ts)} {'WARNING' if failed else 'INFO':<7} {LOGGER}: request"
+    pairs = " ".join(f"{k}={v}" for k, v in f.items() if v is not None)
+    return f"{line} {pairs}" if pairs else line
+
+
 class AccessLog:
-    def __init__(self, config: LoggingConfig, rng: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        config: LoggingConfig,
+        rng: Callable[[], float] = random.random,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.config = config
         self.rng = rng
-        self.logger = logging.getLogger("tollbooth.access")
-        self.logger.propagate = False
-        self.logger.setLevel(logging.INFO)
-        self._listener: logging.handlers.QueueListener | None = None
-        self._handler: logging.Handler | None = None
+        self.metrics = metrics
+        self._file: TextIO | None = None
+        self._writer: BatchWriter[Record] | None = None
 
     def start(self) -> None:
         target = self.config.access_log
-        if target == "stdout":
-            handler: logging.Handler = logging.StreamHandler(sys.stdout)
-        elif target == "stderr":
-            handler = logging.StreamHandler(sys.stderr)
+        if target in ("stdout", "stderr"):
+            stream = sys.stdout if target == "stdout" else sys.stderr
         else:
-            handler = logging.FileHandler(target, encoding="utf-8")
-        handler.setFormatter(formatter(self.config.format))
-        self._handler = handler
-        front, self._listener = queued(handler, copy_record=False)
-        self.logger.handlers[:] = [front]
+            stream = self._file = open(target, "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+
+        def write(lines: Sequence[str]) -> None:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+
+        render = render_json if self.config.format == "json" else render_text
+        dropped = self.metrics.log_dropped.labels("access").inc if self.metrics else None
+        self._writer = BatchWriter("tollbooth-access-log", render, write, on_drop=dropped)
+        self._writer.start()
 
     def stop(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.stop()  # drains what is queued
-        handler, self._handler = self._handler, None
-        if handler is not None:
-            handler.close()
-        self.logger.handlers[:] = []
+        """Write what is pending, then close."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.stop()
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
     def write(self, ex: Exchange) -> None:
-        """A sink."""
+        """A sink: on the event loop, so it only takes the fields and appends them."""
         if not (ex.failed or ex.audited) and self.rng() >= self.config.sample_success:
             return
-        level = logging.WARNING if ex.failed else logging.INFO
-        self.logger.log(level, "request", extra={"access": fields(ex)})
+        if self._writer is not None:
+            self._writer.put((time.time(), ex.failed, fields(ex)))
 
 
 def access_log_context(log: AccessLog) -> Callable[[web.Application], AsyncIterator[None]]:

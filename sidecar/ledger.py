@@ -1,22 +1,25 @@
 """The usage ledger: one SQLite row per request, written off the event loop in batches.
 
-Owns: the schema, a writer thread that commits every `flush_interval_s` (so a hard kill loses at
-most that much), retrying rows after a failed write, retention, and the reads that restore today's
-spend and feed `tollbooth report`.
-Never: blocks the event loop (the proxy only appends to an in-memory queue), or fails a request.
+Owns: the schema, a writer thread that makes the rows and commits them every `flush_interval_s`
+(so a hard kill loses at most that much), retrying rows after a failed write, retention, and the
+reads that restore today's spend and feed `tollbooth report`.
+Never: blocks the event loop (a request only appends a reference to an in-memory queue), or fails
+a request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import itertools
 import logging
 import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias, cast
 
 from aiohttp import web
 
@@ -61,6 +64,9 @@ CREATE INDEX IF NOT EXISTS audit_ts ON audit (ts);
 """
 
 RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
+
+# What waits for the writer: the values of a row, or a function that makes them (in the thread).
+Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
@@ -136,7 +142,7 @@ class Ledger:
         assert config.path is not None
         self.config = config
         self.metrics = metrics
-        self._pending: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+        self._pending: collections.deque[tuple[str, Values]] = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -146,12 +152,14 @@ class Ledger:
     # --- event-loop side (never blocks on disk)
 
     def append(self, ex: Exchange) -> None:
-        self._put(INSERT, row_of(ex))
+        """A sink. The row is made by the writer thread: the exchange is complete and no longer
+        changes, and the reference is held for at most one flush interval."""
+        self._put(INSERT, functools.partial(row_of, ex))
 
-    def append_audit(self, values: tuple[Any, ...]) -> None:
+    def append_audit(self, values: Values) -> None:
         self._put(INSERT_AUDIT, values)
 
-    def _put(self, sql: str, values: tuple[Any, ...]) -> None:
+    def _put(self, sql: str, values: Values) -> None:
         with self._lock:
             if len(self._pending) >= self.config.max_pending_rows:
                 self._pending.popleft()
@@ -224,6 +232,7 @@ class Ledger:
             batch, self._pending = self._pending, collections.deque()
         if not batch:
             return
+        batch = self._made(batch)  # rows from here on, also when the write fails and is retried
         try:
             self._write(batch)
         except sqlite3.Error as exc:
@@ -237,14 +246,31 @@ class Ledger:
                     self.metrics.ledger_dropped.inc()
                 self._pending = batch
 
-    def _write(self, batch: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+    def _made(
+        self, batch: collections.deque[tuple[str, Values]]
+    ) -> collections.deque[tuple[str, Values]]:
+        """The batch with every row made (a row that cannot be made is logged and left out)."""
+        out: collections.deque[tuple[str, Values]] = collections.deque()
+        for sql, values in batch:
+            if callable(values):
+                try:
+                    values = values()
+                except Exception:
+                    log.exception("a ledger row could not be made")
+                    self.metrics.metering_errors.labels("ledger").inc()
+                    continue
+            out.append((sql, values))
+        return out
+
+    def _write(self, batch: Iterable[tuple[str, Values]]) -> None:
         reconnect_due = time.monotonic() >= self._retry_at
         if self._conn is None and not (reconnect_due and self._try_connect()):
             raise sqlite3.OperationalError("ledger not open")
         assert self._conn is not None
         with self._conn:
-            for sql, values in batch:
-                self._conn.execute(sql, values)
+            for sql, run in itertools.groupby(batch, key=lambda item: item[0]):
+                rows = [cast(tuple[Any, ...], values) for _, values in run]  # made by _made
+                self._conn.executemany(sql, rows)
 
 
 def ledger_context(

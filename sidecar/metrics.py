@@ -298,3 +298,9 @@ class Metrics:
         self.audit_errors = Counter(
             "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
         )
+        self.log_dropped = Counter(
+            "tollbooth_log_records_dropped",
+            "Access-log lines and audit records dropped because the writer's queue was full.",
+            ["log"],
+            registry=r,
+        )

@@ -211,28 +211,75 @@ async def test_audit_to_ledger_and_cli(start_sidecar: StartSidecar, tmp_path: Pa
 
 
 def test_rotation_is_bounded(tmp_path: Path) -> None:
-    from sidecar.audit import Audit
+    from sidecar.audit import Audit, read_records
     from sidecar.config import AuditConfig, PricingConfig
+    from sidecar.meter import Exchange
     from sidecar.metrics import Metrics
-    from sidecar.pricing import PriceBook
+    from sidecar.pricing import Cost, PriceBook
     from sidecar.thresholds import DEFAULT
+    from sidecar.usage import Endpoint, RequestInfo, Usage
 
     path = tmp_path / "a.jsonl"
     audit = Audit(
-        AuditConfig(path=str(path), max_bytes=2000, backups=2),
+        AuditConfig(path=str(path), max_bytes=3000, backups=2),
         DEFAULT,
         PriceBook(PricingConfig()),
         Metrics(),
     )
     audit.start()
+    info = RequestInfo(endpoint=Endpoint.CHAT, body=b"{}", parsed=True)
     for i in range(200):
-        audit.logger.info(json.dumps({"time": 1e9 + i, "i": i, "pad": "x" * 100}))
+        ex = Exchange(f"r{i:03d}", Endpoint.CHAT, info, "u", "u", MODEL, started_at=1e9 + i)
+        ex.usage, ex.cost = Usage(input_tokens=10**6, output_tokens=1), Cost(1.0, 0.5)
+        audit.check(ex)
     audit.stop()
     files = sorted(tmp_path.glob("a.jsonl*"))
     assert [f.name for f in files] == ["a.jsonl", "a.jsonl.1", "a.jsonl.2"]
-    assert all(f.stat().st_size <= 2000 for f in files)
-    from sidecar.audit import read_records
-
+    assert all(f.stat().st_size <= 3000 for f in files)
     kept = read_records(0, path=str(path))
-    assert [r["i"] for r in kept] == sorted(r["i"] for r in kept)
-    assert kept[-1]["i"] == 199
+    assert [r["time"] for r in kept] == sorted(r["time"] for r in kept)
+    assert kept[-1]["request_id"] == "r199" and len(kept) < 200
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_batched_access_lines_are_the_lines_logging_wrote(failed: bool) -> None:
+    """The access log left `logging` for a batching writer; its lines did not change."""
+    from sidecar.accesslog import render_json, render_text
+    from sidecar.logs import JsonFormatter, TextFormatter
+
+    access = {"request_id": "r1", "trace_id": None, "user": "u", "stream": True, "cost_usd": 1e-05}
+    access |= {"ttft_s": 0.25, "bytes_out": 12, "error": "x" if failed else None}
+    rec = logging.LogRecord(
+        "tollbooth.access", logging.WARNING if failed else logging.INFO, "", 0, "request", (), None
+    )
+    rec.created, rec.access, rec.request_id = 1.7e9 + 0.123, access, "r1"
+    record = (rec.created, failed, access)
+    old, new = JsonFormatter().format(rec), render_json(record)
+    assert list(json.loads(new).items()) == list(json.loads(old).items())
+    assert render_text(record) == TextFormatter().format(rec)
+
+
+def test_batch_writer_is_bounded_counts_what_it_loses_and_drains_on_stop() -> None:
+    from sidecar.logs import BatchWriter
+
+    written: list[str] = []
+    dropped, errors = [], []
+
+    def render(n: int) -> str:
+        return f"line {10 // (n - 3)}"  # record 3 cannot be rendered
+
+    writer = BatchWriter(
+        "test",
+        render,
+        written.extend,
+        interval_s=60,
+        max_pending=5,
+        on_drop=lambda: dropped.append(1),
+        on_error=lambda: errors.append(1),
+    )
+    for i in range(8):
+        writer.put(i)  # 0, 1, 2 make room for 5, 6, 7
+    writer.start()
+    writer.stop()  # long before the interval: stopping writes what waits
+    assert written == ["line 10", "line 5", "line 3", "line 2"]
+    assert (len(dropped), len(errors)) == (3, 1)
