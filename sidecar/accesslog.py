@@ -22,35 +22,66 @@ from .meter import Exchange
 from .metrics import Metrics
 
 LOGGER = "tollbooth.access"  # the `logger` of every line, as if written through logging
-Record = tuple[float, bool, dict[str, Any]]  # (time, failed, fields): what a request appends
+# What a request appends: its time, whether it failed, and `snapshot(ex)`.
+Snapshot = tuple[Any, ...]
+Record = tuple[float, bool, Snapshot]
 
 
-def fields(ex: Exchange) -> dict[str, Any]:
-    u = ex.usage
+def snapshot(ex: Exchange) -> Snapshot:
+    """What the line needs, taken on the event loop: a tuple of scalars and two frozen objects
+    (usage, cost); the dict and the rounding are left to the writer thread (`fields_of`)."""
+    return (
+        ex.request_id,
+        ex.trace_id,
+        ex.span_id,
+        ex.user_id,
+        ex.model,
+        ex.endpoint,
+        ex.status_label,
+        ex.info.stream,
+        ex.usage,
+        ex.cost,
+        ex.queue_s,
+        ex.ttft_s,
+        ex.duration_s,
+        ex.bytes_in,
+        ex.bytes_out,
+        ex.upstream,
+        ex.error,
+    )
+
+
+def fields_of(s: Snapshot) -> dict[str, Any]:
+    rid, trace, span, user, model, endpoint, status, stream, u, cost, queue, ttft, dur, *rest = s
+    bytes_in, bytes_out, upstream, error = rest
     return {
-        "request_id": ex.request_id,
-        "trace_id": ex.trace_id,
-        "span_id": ex.span_id,
-        "user": ex.user_id,
-        "model": ex.model,
-        "endpoint": ex.endpoint.value,
-        "status": ex.status_label,
-        "stream": ex.info.stream,
+        "request_id": rid,
+        "trace_id": trace,
+        "span_id": span,
+        "user": user,
+        "model": model,
+        "endpoint": endpoint.value,
+        "status": status,
+        "stream": stream,
         "input_tokens": u.input_tokens,
         "cached_input_tokens": u.cached_input_tokens,
         "output_tokens": u.output_tokens,
-        "cost_usd": ex.cost.total_usd if ex.cost is not None else None,
-        "queue_wait_s": _round(ex.queue_s),
-        "ttft_s": _round(ex.ttft_s),
-        "duration_s": _round(ex.duration_s),
-        "bytes_in": ex.bytes_in,
-        "bytes_out": ex.bytes_out,
-        "upstream": ex.upstream,
-        "error": ex.error,
+        "cost_usd": cost.total_usd if cost is not None else None,
+        "queue_wait_s": _round(queue),
+        "ttft_s": _round(ttft),
+        "duration_s": _round(dur),
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+        "upstream": upstream,
+        "error": error,
         "usage_unknown": u.unknown_reason
         if (u.input_tokens is None or u.output_tokens is None)
         else None,
     }
+
+
+def fields(ex: Exchange) -> dict[str, Any]:
+    return fields_of(snapshot(ex))
 
 
 def _round(v: float | None) -> float | None:
@@ -58,7 +89,8 @@ def _round(v: float | None) -> float | None:
 
 
 def render_json(record: Record) -> str:
-    ts, failed, f = record
+    ts, failed, snap = record
+    f = fields_of(snap)
     level = "warning" if failed else "info"
     return json_line(
         {"time": iso_time(ts), "level": level, "logger": LOGGER, "message": "request", **f}
@@ -66,7 +98,8 @@ def render_json(record: Record) -> str:
 
 
 def render_text(record: Record) -> str:
-    ts, failed, f = record
+    ts, failed, snap = record
+    f = fields_of(snap)
     line = f"{iso_time(ts)} {'WARNING' if failed else 'INFO':<7} {LOGGER}: request"
     pairs = " ".join(f"{k}={v}" for k, v in f.items() if v is not None)
     return f"{line} {pairs}" if pairs else line
@@ -111,11 +144,12 @@ class AccessLog:
             file.close()
 
     def write(self, ex: Exchange) -> None:
-        """A sink: on the event loop, so it only takes the fields and appends them."""
-        if not (ex.failed or ex.audited) and self.rng() >= self.config.sample_success:
+        """A sink: on the event loop, so it only takes a snapshot and appends it."""
+        failed = ex.failed
+        if not (failed or ex.audited) and self.rng() >= self.config.sample_success:
             return
         if self._writer is not None:
-            self._writer.put((time.time(), ex.failed, fields(ex)))
+            self._writer.put((time.time(), failed, snapshot(ex)))
 
 
 def access_log_context(log: AccessLog) -> Callable[[web.Application], AsyncIterator[None]]:

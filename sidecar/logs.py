@@ -80,8 +80,14 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+_second: tuple[int, str] = (-1, "")  # the last second formatted: lines come many a second
+
+
 def iso_time(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    global _second
+    if (last := _second)[0] != (whole := int(ts)):
+        last = _second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)))
+    return f"{last[1]}.{int(ts % 1 * 1000):03d}Z"
 
 
 class ContextQueueHandler(logging.handlers.QueueHandler):

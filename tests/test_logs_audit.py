@@ -244,16 +244,21 @@ def test_rotation_is_bounded(tmp_path: Path) -> None:
 @pytest.mark.parametrize("failed", [False, True])
 def test_batched_access_lines_are_the_lines_logging_wrote(failed: bool) -> None:
     """The access log left `logging` for a batching writer; its lines did not change."""
-    from sidecar.accesslog import render_json, render_text
+    from sidecar.accesslog import fields, render_json, render_text, snapshot
     from sidecar.logs import JsonFormatter, TextFormatter
+    from sidecar.meter import Exchange
+    from sidecar.pricing import Cost
+    from sidecar.usage import Endpoint, RequestInfo, Usage
 
-    access = {"request_id": "r1", "trace_id": None, "user": "u", "stream": True, "cost_usd": 1e-05}
-    access |= {"ttft_s": 0.25, "bytes_out": 12, "error": "x" if failed else None}
+    info = RequestInfo(endpoint=Endpoint.CHAT, body=b"{}", parsed=True, stream=True)
+    ex = Exchange("r1", Endpoint.CHAT, info, "u", "u", MODEL, status=200, bytes_out=12)
+    ex.usage, ex.cost, ex.error = Usage(input_tokens=3), Cost(1e-05, 0.0), "x" if failed else None
+    ex.upstream_start, ex.first_token_at, ex.duration_s = 1.0, 1.25, 2.0000004
     rec = logging.LogRecord(
         "tollbooth.access", logging.WARNING if failed else logging.INFO, "", 0, "request", (), None
     )
-    rec.created, rec.access, rec.request_id = 1.7e9 + 0.123, access, "r1"
-    record = (rec.created, failed, access)
+    rec.created, rec.access, rec.request_id = 1.7e9 + 0.123, fields(ex), "r1"
+    record = (rec.created, failed, snapshot(ex))
     old, new = JsonFormatter().format(rec), render_json(record)
     assert list(json.loads(new).items()) == list(json.loads(old).items())
     assert render_text(record) == TextFormatter().format(rec)
