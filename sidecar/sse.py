@@ -35,9 +35,17 @@ class SSEParser:
         self._event: str | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
-        if self._buf or b"\r" in chunk:
+        if b"\r" in chunk:
             return self._feed_lines(chunk)
-        return self._feed_lf(chunk)
+        if not self._buf:
+            return self._feed_lf(chunk)
+        # An event began in an earlier chunk: the general path reads up to the first `\n\n`
+        # (reading in two pieces is reading in one). The second `\n` of it is a blank line that
+        # dispatches, so nothing is held after it and the fast path can take the rest.
+        end = chunk.find(b"\n\n") + 2
+        if end < 2:
+            return self._feed_lines(chunk)
+        return self._feed_lines(chunk[:end]) + self._feed_lf(chunk[end:])
 
     def _feed_lf(self, chunk: bytes) -> list[Event]:
         """The fast path: whole events ended by `\n\n`, each found with one search.
