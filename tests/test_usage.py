@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar import usage as usage_module
-from sidecar.sse import SSEParser
 from sidecar.usage import (
     Endpoint,
     StreamMeter,
@@ -22,6 +21,7 @@ from sidecar.usage import (
     usage_from_body,
 )
 from tests.fakes import load_fixture
+from tests.test_sse import LinesOnly
 
 
 def openai_sse(events: list[dict]) -> bytes:
@@ -225,15 +225,10 @@ def test_role_only_first_chunk_is_not_a_token() -> None:
 NEVER = re.compile(r"(?!)")
 
 
-class _LinesOnly(SSEParser):
-    def feed(self, chunk: bytes) -> list:
-        return self._feed_lines(chunk)
-
-
 def meter_pair(endpoint: Endpoint, strip: bool) -> tuple[StreamMeter, StreamMeter]:
     ref = StreamMeter(endpoint, strip_usage=strip)
     ref._shape = None
-    ref._parser = _LinesOnly(keep_raw=strip)
+    ref._parser = LinesOnly(keep_raw=strip)  # and the general SSE path
     return StreamMeter(endpoint, strip_usage=strip), ref
 
 
