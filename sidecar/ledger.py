@@ -152,8 +152,8 @@ class Ledger:
     # --- event-loop side (never blocks on disk)
 
     def append(self, ex: Exchange) -> None:
-        """A sink. The row is made by the writer thread: the exchange is complete and no longer
-        changes, and the reference is held for at most one flush interval."""
+        """A sink. The row is made by the writer thread at its next flush (the exchange is
+        complete and no longer changes); until then the queue holds a reference, not a copy."""
         self._put(INSERT, functools.partial(row_of, ex))
 
     def append_audit(self, values: Values) -> None:

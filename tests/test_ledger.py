@@ -193,3 +193,24 @@ def test_spend_rolls_over_at_the_budget_day() -> None:
     now[0] += 86400
     spend._roll()
     assert spend.total == 0.0 and spend.by_user == {}
+
+
+def test_rows_are_made_in_the_writer_and_a_bad_one_loses_only_itself(tmp_path: Path) -> None:
+    from sidecar.config import LedgerConfig
+
+    metrics = Metrics()
+    ledger = Ledger(LedgerConfig(path=str(tmp_path / "l.db"), flush_interval_s=0.05), metrics)
+    ledger.open()
+
+    def broken() -> tuple[Any, ...]:
+        raise ValueError("no row")
+
+    ledger.append_audit(broken)
+    ledger.append_audit(lambda: (time.time(), "r2", None, "m", "u", "test", "{}"))
+    ledger.close()
+    conn = sqlite3.connect(tmp_path / "l.db")
+    assert conn.execute("SELECT request_id FROM audit").fetchall() == [("r2",)]
+    assert (
+        metrics.registry.get_sample_value("tollbooth_metering_errors_total", {"stage": "ledger"})
+        == 1
+    )
