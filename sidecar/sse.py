@@ -57,19 +57,24 @@ class SSEParser:
         event without fields, an unterminated rest) the rest of the chunk goes to `_feed_lines`,
         with the parser in the state reading line by line would have left it in.
         """
+        last = len(chunk) - 2
+        if chunk.find(b"\n") == last and chunk[-1:] == b"\n" and chunk.startswith(b"data:"):
+            # the commonest chunk of all: one event, one data line (its raw is the chunk)
+            data = chunk[6 if chunk[5] == 0x20 else 5 : last].decode("utf-8", "replace")
+            return [Event(chunk if self._keep_raw else b"", data, None)]
         events: list[Event] = []
         pos = 0
         while (end := chunk.find(b"\n\n", pos)) > pos and chunk[pos] != 0x0A:
             if chunk.startswith(b"data:", pos) and chunk.find(b"\n", pos, end) < 0:
                 start = pos + 6 if chunk[pos + 5] == 0x20 else pos + 5  # one data line: usual
-                data: str | None = chunk[start:end].decode("utf-8", "replace")
+                text: str | None = chunk[start:end].decode("utf-8", "replace")
                 event = None
             else:
                 for line in chunk[pos:end].split(b"\n"):
                     self._field(line)
-                data = "\n".join(self._data) if self._data else None
+                text = "\n".join(self._data) if self._data else None
                 event, self._data, self._event = self._event, [], None
-            events.append(Event(chunk[pos : end + 2] if self._keep_raw else b"", data, event))
+            events.append(Event(chunk[pos : end + 2] if self._keep_raw else b"", text, event))
             pos = end + 2
         if pos < len(chunk):
             events += self._feed_lines(chunk[pos:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,6 +116,28 @@ def test_fast_path_agrees_at_every_cut_and_every_pair_of_cuts_near_the_markers()
         for i, a in enumerate(near):
             for b in near[i:]:
                 feed_both(VLLM_LIKE, [a, b], keep_raw)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"data: x\nd",  # one newline, then more: no event yet
+        b"data: x\n\n",
+        b"data:x\n\n",
+        b"data:\n\n",
+        b"data: \n\n",
+        b"data: x\ndata: y\n\n",
+        b"data: x\n\n\n",
+        b"\n\n",
+        b"data: x\n\ndata: y",
+        b"event: e\n\n",
+    ],
+)
+def test_fast_path_on_short_first_chunks(data: bytes) -> None:
+    for keep_raw in (True, False):
+        for cut in range(len(data) + 1):
+            feed_both(data, [cut], keep_raw)
+            feed_both(data + data, [cut], keep_raw)
 
 
 FRAGMENTS = [
