@@ -4,7 +4,8 @@ one run.
 
 Run: `.venv/bin/python benchmarks/overhead.py [--rounds N] [--stream-seconds S] ...`
 
-Loads (each path in turn, alternating, `--rounds` times; medians are reported):
+Loads (the paths take turns, `--rounds` times, each round starting with the next path; medians
+are reported, and ratios to the minimal proxy are taken round by round, then the median):
 - streaming: `--streams` concurrent clients (64), each opening streams of `--tokens` one-token
   chunks (256) back to back: content chunks/s delivered, TTFT p50/p99 under that load, and the
   p99 gap between consecutive content chunks of one stream.
@@ -366,13 +367,13 @@ def _run(coro: Any) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3, help="alternate the paths this many times")
+    ap.add_argument("--rounds", type=int, default=8, help="alternate the paths this many times")
     ap.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")
     ap.add_argument("--tokens", type=int, default=256, help="one-token chunks per stream")
-    ap.add_argument("--stream-seconds", type=float, default=6.0)
+    ap.add_argument("--stream-seconds", type=float, default=3.0)
     ap.add_argument("--connections", type=int, default=8, help="non-streaming connections")
-    ap.add_argument("--request-seconds", type=float, default=4.0)
-    ap.add_argument("--idle-streams", type=int, default=100, help="sequential, for idle TTFT")
+    ap.add_argument("--request-seconds", type=float, default=2.0)
+    ap.add_argument("--idle-streams", type=int, default=50, help="sequential, for idle TTFT")
     ap.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     ap.add_argument(
         "--compare",
@@ -407,9 +408,10 @@ async def _measure(
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
         k: {"stream": [], "req": [], "idle": []} for k in urls
     }
-    for _ in range(args.rounds):
-        for name, url in urls.items():
-            pid = pids[name]
+    names = list(urls)
+    for i in range(args.rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # each goes first in turn
+            url, pid = urls[name], pids[name]
             cpu = cpu_seconds(pid)
             r = await stream_load(url, args.stream_seconds, args.streams, args.tokens)
             r["cpu_ms_per_1k_chunks"] = (cpu_seconds(pid) - cpu) / r["chunks"] * 1e6
@@ -420,14 +422,25 @@ async def _measure(
             runs[name]["req"].append(r)
             runs[name]["idle"].append(await idle_ttft(url, args.idle_streams))
     out: dict[str, Any] = {}
+    base = runs["minimal_proxy"]
     for name, r in runs.items():
         out[name] = {
             "stream": _medians(r["stream"]),
             "requests": _medians(r["req"]),
             "idle": _medians(r["idle"]),
             "rss_mib": {"idle": idle_rss[name], "loaded_peak": memory(pids[name])["VmHWM"]},
+            # paired with the minimal proxy's run of the same round, then the median
+            "vs_minimal": {
+                "chunks_per_s": _paired(r["stream"], base["stream"], "chunks_per_s"),
+                "rps": _paired(r["req"], base["req"], "rps"),
+            },
+            "rounds": {"stream": r["stream"], "requests": r["req"]},
         }
     return out
+
+
+def _paired(runs: list[dict[str, float]], base: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] / b[key] for r, b in zip(runs, base, strict=True))
 
 
 def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -440,16 +453,14 @@ def report(
     load_before: tuple[float, float, float],
     load_after: tuple[float, float, float],
 ) -> None:
-    minimal = results["minimal_proxy"]
-    summary = {}
-    for name, r in results.items():
-        if name in ("direct", "minimal_proxy"):
-            continue
-        summary[name] = {
-            "chunks_per_s_vs_minimal": r["stream"]["chunks_per_s"]
-            / minimal["stream"]["chunks_per_s"],
-            "rps_vs_minimal": r["requests"]["rps"] / minimal["requests"]["rps"],
+    summary = {
+        name: {
+            "chunks_per_s_vs_minimal": r["vs_minimal"]["chunks_per_s"],
+            "rps_vs_minimal": r["vs_minimal"]["rps"],
         }
+        for name, r in results.items()
+        if name not in ("direct", "minimal_proxy")
+    }
     conditions = {
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
@@ -465,7 +476,8 @@ def report(
         "request_seconds_per_round": args.request_seconds,
         "reply_tokens": REPLY_TOKENS,
         "idle_ttft_streams": args.idle_streams,
-        "note": "load generator, upstream and proxies share the machine; medians of rounds",
+        "note": "load generator, upstream and proxies share the machine; medians of rounds; "
+        "x minimal: each round's figure over the minimal proxy's in the same round, median",
         "tollbooth_metering": "metering, pricing, metrics; ledger, access log and audit off",
         "tollbooth_default": "plus SQLite ledger, JSON access log to a file, audit capture",
         "compare": str(args.compare) if args.compare else None,
@@ -485,18 +497,18 @@ def report(
 
 def table(results: dict[str, Any]) -> str:
     head = (
-        f"{'path':<20} {'chunks/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'gap p99':>8} "
-        f"{'req/s':>7} {'p50':>6} {'p99':>6} {'idle TTFT':>9} "
+        f"{'path':<20} {'chunks/s':>9} {'x min':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'gap p99':>8} {'req/s':>7} {'x min':>5} {'p50':>6} {'p99':>6} {'idle TTFT':>9} "
         f"{'ms CPU/1k ch':>12} {'ms CPU/req':>10} {'RSS idle':>8} {'RSS peak':>8}"
     )
     lines = [head]
     for name, r in results.items():
-        s, q = r["stream"], r["requests"]
-        cpu_chunks = s.get("cpu_ms_per_1k_chunks", float("nan"))
+        s, q, x = r["stream"], r["requests"], r["vs_minimal"]
         lines.append(
-            f"{name:<20} {s['chunks_per_s']:9.0f} {s['ttft_p50_ms']:9.2f} {s['ttft_p99_ms']:9.2f} "
-            f"{s['gap_p99_ms']:8.2f} {q['rps']:7.0f} {q['p50_ms']:6.2f} {q['p99_ms']:6.2f} "
-            f"{r['idle']['ttft_p50_ms']:9.3f} {cpu_chunks:12.1f} "
+            f"{name:<20} {s['chunks_per_s']:9.0f} {x['chunks_per_s']:5.2f} "
+            f"{s['ttft_p50_ms']:9.2f} {s['ttft_p99_ms']:9.2f} {s['gap_p99_ms']:8.2f} "
+            f"{q['rps']:7.0f} {x['rps']:5.2f} {q['p50_ms']:6.2f} {q['p99_ms']:6.2f} "
+            f"{r['idle']['ttft_p50_ms']:9.3f} {s['cpu_ms_per_1k_chunks']:12.1f} "
             f"{q['cpu_ms_per_request']:10.3f} {r['rss_mib']['idle']:8.1f} "
             f"{r['rss_mib']['loaded_peak']:8.1f}"
         )
