@@ -304,16 +304,16 @@ class StreamMeter:
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
             return chunk
+        held = self._parser.pending
         events = self._parser.feed(chunk)
         if not self._strip:
             for ev in events:
                 self._on_event(ev)
             return chunk
-        out = bytearray()
-        for ev in events:
-            if not self._on_event(ev):
-                out += ev.raw
-        return bytes(out)
+        kept = [ev.raw for ev in events if not self._on_event(ev)]
+        if len(kept) == len(events) and not held and not self._parser.pending:
+            return chunk  # nothing dropped, and this chunk's events are exactly the chunk
+        return b"".join(kept)
 
     def finish(self) -> tuple[bytes, Usage]:
         """The upstream stream ended. Returns bytes still held (an unterminated event) and usage."""
