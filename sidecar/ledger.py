@@ -270,7 +270,29 @@ class Ledger:
         with self._conn:
             for sql, run in itertools.groupby(batch, key=lambda item: item[0]):
                 rows = [cast(tuple[Any, ...], values) for _, values in run]  # made by _made
-                self._conn.executemany(sql, rows)
+                self._insert(self._conn, sql, rows)
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        """Many rows per statement. SQLite runs a statement without the GIL: one statement per
+        row (executemany) made this thread and the event loop trade the GIL row by row."""
+        most = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(rows[0]))
+        i = 0
+        while i < len(rows):
+            n = next(k for k in ROWS_PER_STATEMENT if k <= most and k <= len(rows) - i)
+            conn.execute(_multi_row(sql, n), [v for row in rows[i : i + n] for v in row])
+            i += n
+
+
+# Statement sizes, largest first: few distinct statements, so SQLite's statement cache holds them.
+ROWS_PER_STATEMENT = (256, 64, 16, 4, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _multi_row(sql: str, n: int) -> str:
+    """`INSERT ... VALUES (?, ...)` for n rows: the same statement with n value lists."""
+    head, _, values = sql.partition(" VALUES ")
+    return f"{head} VALUES {', '.join([values] * n)}"
 
 
 def ledger_context(
