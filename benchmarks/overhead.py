@@ -1,11 +1,26 @@
-"""Proxy overhead: one load sent direct, through a minimal pass-through proxy and through tollbooth.
+"""Proxy overhead: the same loads sent direct, through a minimal pass-through proxy, and through
+tollbooth with metering only and with its default outputs (ledger, JSON access log, audit), in
+one run.
 
-Run: `.venv/bin/python benchmarks/overhead.py [--requests N] [--concurrency C]`
+Run: `.venv/bin/python benchmarks/overhead.py [--rounds N] [--stream-seconds S] ...`
 
-Every server runs in its own process (uvloop when available), so the three paths differ only in
-what sits between the load generator and the fast upstream. Results are printed and written to
-benchmarks/results/overhead.json with the conditions (CPU count, Python, versions).
-Nothing here is asserted: speed is reported, never tested.
+Loads (the paths take turns, `--rounds` times, each round starting with the next path; medians
+are reported, and ratios to the minimal proxy are taken round by round, then the median):
+- streaming: `--streams` concurrent clients (64), each opening streams of `--tokens` one-token
+  chunks (256) back to back: content chunks/s delivered, TTFT p50/p99 under that load, and the
+  p99 gap between consecutive content chunks of one stream.
+- non-streaming: `--connections` (8) closed-loop connections, 16-token replies: requests/s and
+  latency p50/p99.
+- idle TTFT: sequential short streams, nothing else running.
+For the two proxies and tollbooth: CPU seconds (user+system, all threads, from /proc) per 1,000
+content chunks and per non-streaming request, and resident memory idle (after start-up) and
+loaded (the peak, VmHWM).
+
+The upstream is a fast fake in its own process that writes one SSE event per token and yields to
+its event loop between events, so 64 streams interleave as a batched engine's do; every server
+runs in its own process (uvloop). Results go to benchmarks/results/overhead.json with the
+conditions (CPU count, load average, versions). Nothing here is asserted: speed is reported,
+never tested.
 """
 
 from __future__ import annotations
@@ -29,68 +44,77 @@ import aiohttp
 from aiohttp import web
 
 MODEL = "bench-model"
-CHUNKS = 16
+REPLY_TOKENS = 16  # the non-streaming reply
 RESULTS = Path(__file__).parent / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-# --- the processes under test ---------------------------------------------------------------------
+# --- the upstream: vLLM's wire format, compact JSON, one event per token -------------------------
 
 
-def _chunk(i: int) -> bytes:
-    obj = {
-        "id": "b",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": MODEL,
-        "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
-    }
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-USAGE = {"prompt_tokens": 12, "completion_tokens": CHUNKS, "total_tokens": 12 + CHUNKS}
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return _event(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": MODEL,
+            "choices": [choice],
+        }
+    )
+
+
+WORDS = ["the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."]
+ROLE = _chunk({"role": "assistant", "content": ""})
+TOKENS = [_chunk({"content": WORDS[i % len(WORDS)]}) for i in range(4096)]
+DONE = b"data: [DONE]\n\n"
+
+
+def _usage(tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": 12, "completion_tokens": tokens, "total_tokens": 12 + tokens}
+
+
 BODY = json.dumps(
     {
-        "id": "b",
+        "id": "chatcmpl-bench",
         "object": "chat.completion",
-        "created": 1,
+        "created": 1700000000,
         "model": MODEL,
         "choices": [
             {
                 "index": 0,
-                "finish_reason": "stop",
-                "message": {"role": "assistant", "content": "hello " * 16},
+                "finish_reason": "length",
+                "message": {"role": "assistant", "content": "hello " * REPLY_TOKENS},
             }
         ],
-        "usage": USAGE,
-    }
+        "usage": _usage(REPLY_TOKENS),
+    },
+    separators=(",", ":"),
 ).encode()
-FINAL = (
-    b"data: "
-    + json.dumps(
-        {
-            "id": "b",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": MODEL,
-            "choices": [],
-            "usage": USAGE,
-        }
-    ).encode()
-    + b"\n\n"
-)
 
 
 async def upstream_handler(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if not body.get("stream"):
         return web.Response(body=BODY, content_type="application/json")
+    n = min(int(body.get("max_tokens") or 16), len(TOKENS))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    for i in range(CHUNKS):
-        await resp.write(_chunk(i))
+    await resp.write(ROLE)
+    for i in range(n):
+        await asyncio.sleep(0)  # one event per write; other streams' events go between them
+        await resp.write(TOKENS[i])
+    await resp.write(_chunk({}, "length"))
     if (body.get("stream_options") or {}).get("include_usage"):
-        await resp.write(FINAL)
-    await resp.write(b"data: [DONE]\n\n")
+        final = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000}
+        await resp.write(_event({**final, "model": MODEL, "choices": [], "usage": _usage(n)}))
+    await resp.write(DONE)
     return resp
 
 
@@ -105,7 +129,9 @@ def run_minimal_proxy(port: int, upstream: str) -> None:
     state: dict[str, aiohttp.ClientSession] = {}
 
     async def ctx(app: web.Application) -> Any:
-        state["s"] = aiohttp.ClientSession(auto_decompress=False)
+        state["s"] = aiohttp.ClientSession(
+            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+        )
         yield
         await state["s"].close()
 
@@ -140,6 +166,23 @@ def _serve(app: web.Application, port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+# --- the process under test: CPU and memory from /proc -------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime, every thread
+
+
+def memory(pid: int) -> dict[str, float]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) / 1024  # kB -> MiB
+    return out
+
+
 # --- load -----------------------------------------------------------------------------------------
 
 
@@ -151,7 +194,7 @@ def free_port() -> int:
 
 async def wait_ready(url: str) -> None:
     async with aiohttp.ClientSession() as s:
-        for _ in range(200):
+        for _ in range(400):
             try:
                 async with s.post(url + "/v1/chat/completions", json={"model": MODEL}) as r:
                     await r.read()
@@ -161,166 +204,284 @@ async def wait_ready(url: str) -> None:
     raise RuntimeError(f"{url} did not start")
 
 
-async def throughput(url: str, n: int, concurrency: int) -> dict[str, float]:
+async def requests_load(url: str, seconds: float, connections: int) -> dict[str, float]:
+    """Closed loop of non-streaming requests for `seconds`."""
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
     latencies: list[float] = []
-    remaining = iter(range(n))
-    conn = aiohttp.TCPConnector(limit=concurrency)
-
+    conn = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=conn) as s:
+        stop_at = time.perf_counter() + seconds
 
         async def worker() -> None:
-            for _ in remaining:
-                t = time.perf_counter()
+            while (t := time.perf_counter()) < stop_at:
                 async with s.post(url + "/v1/chat/completions", json=payload) as r:
                     await r.read()
                     assert r.status == 200
                 latencies.append(time.perf_counter() - t)
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(connections)))
         wall = time.perf_counter() - start
     return {
-        "requests": n,
-        "rps": n / wall,
-        "p50_ms": _pct(latencies, 50) * 1e3,
-        "p99_ms": _pct(latencies, 99) * 1e3,
+        "requests": len(latencies),
+        "rps": len(latencies) / wall,
+        "p50_ms": pct(latencies, 50) * 1e3,
+        "p99_ms": pct(latencies, 99) * 1e3,
     }
 
 
-async def stream_ttft(url: str, n: int) -> dict[str, float]:
+class StreamStats:
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.streams = 0
+        self.ttft: list[float] = []
+        self.gaps: list[float] = []
+
+
+async def read_stream(r: aiohttp.ClientResponse, t0: float, tokens: int, st: StreamStats) -> None:
+    """Count content events (the 2nd..tokens+1th event; the first is the role chunk)."""
+    events, last_byte, last_at = 0, 0, 0.0
+    async for data in r.content.iter_any():
+        now = time.perf_counter()
+        before = events
+        events += data.count(b"\n\n") + (last_byte == 10 and data[0] == 10)
+        last_byte = data[-1]
+        content = min(events - 1, tokens) - max(before - 1, 0)
+        if content <= 0:
+            continue
+        if before <= 1:
+            st.ttft.append(now - t0)
+        else:
+            st.gaps.append(now - last_at)
+        last_at = now
+        st.chunks += content
+    assert events >= tokens + 2, (events, tokens)
+    st.streams += 1
+
+
+async def stream_load(url: str, seconds: float, clients: int, tokens: int) -> dict[str, float]:
+    """`clients` concurrent clients, each opening streams back to back for `seconds`."""
+    payload = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": tokens,
+        "stream": True,
+    }
+    st = StreamStats()
+    conn = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        stop_at = time.perf_counter() + seconds
+
+        async def client() -> None:
+            while (t0 := time.perf_counter()) < stop_at:
+                async with s.post(url + "/v1/chat/completions", json=payload) as r:
+                    assert r.status == 200
+                    await read_stream(r, t0, tokens, st)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return {
+        "streams": st.streams,
+        "chunks": st.chunks,
+        "chunks_per_s": st.chunks / wall,
+        "ttft_p50_ms": pct(st.ttft, 50) * 1e3,
+        "ttft_p99_ms": pct(st.ttft, 99) * 1e3,
+        "gap_p99_ms": pct(st.gaps, 99) * 1e3,
+    }
+
+
+async def idle_ttft(url: str, n: int) -> dict[str, float]:
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    ttfts: list[float] = []
+    st = StreamStats()
     async with aiohttp.ClientSession() as s:
         for _ in range(n):
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             async with s.post(url + "/v1/chat/completions", json=payload) as r:
-                first = await r.content.readany()
-                ttfts.append(time.perf_counter() - t)
-                assert first.startswith(b"data:")
-                await r.read()
-    return {
-        "requests": n,
-        "ttft_p50_ms": _pct(ttfts, 50) * 1e3,
-        "ttft_p90_ms": _pct(ttfts, 90) * 1e3,
-    }
+                await read_stream(r, t0, 16, st)
+    return {"ttft_p50_ms": pct(st.ttft, 50) * 1e3, "ttft_p90_ms": pct(st.ttft, 90) * 1e3}
 
 
-def _pct(values: list[float], p: float) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
-        if len(values) > 1
-        else values[0]
-    )
+def pct(values: list[float], p: float) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
 
 
 # --- orchestration --------------------------------------------------------------------------------
 
 
-def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        args,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
+def spawn(args: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+
+
+PRICES = f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
+
+
+def tollbooth_config(kind: str, files: Path) -> str:
+    if kind == "metering":  # metering, pricing and metrics only
+        return "logging:\n  access_log: off\n  level: WARNING\naudit:\n  enabled: false\n"
+    # what a production deployment has on: the ledger, the JSON access log, audit capture
+    return (
+        f"ledger:\n  path: {files}-ledger.db\n"
+        f"logging:\n  access_log: {files}-access.log\n  level: WARNING\n"
+        f"audit:\n  path: {files}-audit.jsonl\n"
     )
+
+
+def start_paths(
+    tmp: Path, compare: Path | None
+) -> tuple[dict[str, str], dict[str, int], list[subprocess.Popen[bytes]]]:
+    up_port, min_port = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
+    procs = {
+        "direct": spawn([sys.executable, __file__, "_upstream", str(up_port)]),
+        "minimal_proxy": spawn([sys.executable, __file__, "_minimal", str(min_port), upstream]),
+    }
+    urls = {"direct": upstream, "minimal_proxy": f"http://127.0.0.1:{min_port}"}
+    trees = {"tollbooth": Path(__file__).resolve().parent.parent}
+    if compare is not None:  # the same configurations from another checkout, in the same run
+        trees["compare"] = compare.resolve()
+    for prefix, tree in trees.items():
+        for kind in ("metering", "default"):
+            name = f"{prefix}_{kind}"
+            conf = tmp / f"{name}.yaml"
+            conf.write_text(PRICES + tollbooth_config(kind, tmp / name))
+            port, admin = free_port(), free_port()
+            cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(conf)]
+            cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
+            procs[name] = spawn([*cmd, "--admin-listen", f"127.0.0.1:{admin}"], cwd=tree)
+            urls[name] = f"http://127.0.0.1:{port}"
+    pids = {name: p.pid for name, p in procs.items()}
+    return urls, pids, list(procs.values())
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)  # the load generator too: it shares the CPUs
+    except ImportError:
+        return asyncio.run(coro)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=4000)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--stream-requests", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=3, help="alternate the paths this many times")
+    ap.add_argument("--rounds", type=int, default=8, help="alternate the paths this many times")
+    ap.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")
+    ap.add_argument("--tokens", type=int, default=256, help="one-token chunks per stream")
+    ap.add_argument("--stream-seconds", type=float, default=3.0)
+    ap.add_argument("--connections", type=int, default=8, help="non-streaming connections")
+    ap.add_argument("--request-seconds", type=float, default=2.0)
+    ap.add_argument("--idle-streams", type=int, default=50, help="sequential, for idle TTFT")
+    ap.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
+    ap.add_argument(
+        "--compare",
+        type=Path,
+        help="also run tollbooth from this checkout (e.g. `git worktree` of the previous commit)",
+    )
     args = ap.parse_args()
 
-    up_port, min_port, tb_port, admin_port, full_port, full_admin = (free_port() for _ in range(6))
-    upstream = f"http://127.0.0.1:{up_port}"
-    procs = [
-        spawn([sys.executable, __file__, "_upstream", str(up_port)]),
-        spawn([sys.executable, __file__, "_minimal", str(min_port), upstream]),
-    ]
     tmp = Path(tempfile.mkdtemp())
-    cfg = tmp / "bench.yaml"
-    cfg.write_text(
-        f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
-        "logging:\n  access_log: off\n  level: WARNING\n"
-    )
-    full = tmp / "full.yaml"  # what a production deployment turns on: ledger, access log, audit
-    full.write_text(
-        f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
-        f"ledger:\n  path: {tmp / 'ledger.db'}\n"
-        f"logging:\n  access_log: {tmp / 'access.log'}\n  level: WARNING\n"
-        f"audit:\n  path: {tmp / 'audit.jsonl'}\n"
-    )
-    for conf, port, admin in ((cfg, tb_port, admin_port), (full, full_port, full_admin)):
-        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(conf)]
-        cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
-        procs.append(spawn([*cmd, "--admin-listen", f"127.0.0.1:{admin}"]))
-    paths = {
-        "direct": upstream,
-        "minimal_proxy": f"http://127.0.0.1:{min_port}",
-        "tollbooth": f"http://127.0.0.1:{tb_port}",
-        "tollbooth_full": f"http://127.0.0.1:{full_port}",
-    }
+    urls, pids, procs = start_paths(tmp, args.compare)
+    load_before = os.getloadavg()
     try:
-        results = asyncio.run(_measure(paths, args))
+        results = _run(_measure(urls, pids, args))
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=30)
-    report(results, args)
+    report(results, args, load_before, os.getloadavg())
 
 
-async def _measure(paths: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    for url in paths.values():
+async def _measure(
+    urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace
+) -> dict[str, Any]:
+    for url in urls.values():
         await wait_ready(url)
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {k: {"tp": [], "ttft": []} for k in paths}
-    for url in paths.values():  # warm-up: connections, JIT-free but caches and pools
-        await throughput(url, 300, args.concurrency)
-    for _ in range(args.rounds):
-        for name, url in paths.items():
-            runs[name]["tp"].append(await throughput(url, args.requests, args.concurrency))
-            runs[name]["ttft"].append(await stream_ttft(url, args.stream_requests))
+    await asyncio.sleep(1.0)  # let start-up settle before reading idle memory
+    idle_rss = {name: memory(pid)["VmRSS"] for name, pid in pids.items()}
+    for url in urls.values():  # warm-up: connection pools, caches
+        await requests_load(url, 0.5, args.connections)
+        await stream_load(url, 0.5, args.streams, args.tokens)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        k: {"stream": [], "req": [], "idle": []} for k in urls
+    }
+    names = list(urls)
+    for i in range(args.rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # each goes first in turn
+            url, pid = urls[name], pids[name]
+            cpu = cpu_seconds(pid)
+            r = await stream_load(url, args.stream_seconds, args.streams, args.tokens)
+            r["cpu_ms_per_1k_chunks"] = (cpu_seconds(pid) - cpu) / r["chunks"] * 1e6
+            runs[name]["stream"].append(r)
+            cpu = cpu_seconds(pid)
+            r = await requests_load(url, args.request_seconds, args.connections)
+            r["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu) / r["requests"] * 1e3
+            runs[name]["req"].append(r)
+            runs[name]["idle"].append(await idle_ttft(url, args.idle_streams))
     out: dict[str, Any] = {}
+    base = runs["minimal_proxy"]
     for name, r in runs.items():
         out[name] = {
-            "rps": statistics.median(x["rps"] for x in r["tp"]),
-            "latency_p50_ms": statistics.median(x["p50_ms"] for x in r["tp"]),
-            "latency_p99_ms": statistics.median(x["p99_ms"] for x in r["tp"]),
-            "stream_ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in r["ttft"]),
-            "stream_ttft_p90_ms": statistics.median(x["ttft_p90_ms"] for x in r["ttft"]),
+            "stream": _medians(r["stream"]),
+            "requests": _medians(r["req"]),
+            "idle": _medians(r["idle"]),
+            "rss_mib": {"idle": idle_rss[name], "loaded_peak": memory(pids[name])["VmHWM"]},
+            # paired with the minimal proxy's run of the same round, then the median
+            "vs_minimal": {
+                "chunks_per_s": _paired(r["stream"], base["stream"], "chunks_per_s"),
+                "rps": _paired(r["req"], base["req"], "rps"),
+            },
+            "rounds": {"stream": r["stream"], "requests": r["req"]},
         }
     return out
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    direct, minimal, tb = results["direct"], results["minimal_proxy"], results["tollbooth"]
-    full = results["tollbooth_full"]
+def _paired(runs: list[dict[str, float]], base: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] / b[key] for r, b in zip(runs, base, strict=True))
+
+
+def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def report(
+    results: dict[str, Any],
+    args: argparse.Namespace,
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+) -> None:
     summary = {
-        "tollbooth_rps_vs_minimal": tb["rps"] / minimal["rps"],
-        "tollbooth_full_rps_vs_minimal": full["rps"] / minimal["rps"],
-        "tollbooth_full_added_ttft_p50_ms_vs_direct": full["stream_ttft_p50_ms"]
-        - direct["stream_ttft_p50_ms"],
-        "tollbooth_added_ttft_p50_ms_vs_direct": tb["stream_ttft_p50_ms"]
-        - direct["stream_ttft_p50_ms"],
-        "minimal_added_ttft_p50_ms_vs_direct": minimal["stream_ttft_p50_ms"]
-        - direct["stream_ttft_p50_ms"],
+        name: {
+            "chunks_per_s_vs_minimal": r["vs_minimal"]["chunks_per_s"],
+            "rps_vs_minimal": r["vs_minimal"]["rps"],
+        }
+        for name, r in results.items()
+        if name not in ("direct", "minimal_proxy")
     }
     conditions = {
         "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "aiohttp": aiohttp.__version__,
-        "requests_per_round": args.requests,
-        "concurrency": args.concurrency,
-        "stream_requests_per_round": args.stream_requests,
         "rounds": args.rounds,
-        "stream_chunks": CHUNKS,
-        "note": "load generator, upstream and proxy share the same machine; medians of rounds",
-        "tollbooth": "metering, pricing, metrics; no ledger, access log off",
-        "tollbooth_full": "plus SQLite ledger, JSON access log to a file, audit capture",
+        "stream_clients": args.streams,
+        "stream_tokens": args.tokens,
+        "stream_seconds_per_round": args.stream_seconds,
+        "request_connections": args.connections,
+        "request_seconds_per_round": args.request_seconds,
+        "reply_tokens": REPLY_TOKENS,
+        "idle_ttft_streams": args.idle_streams,
+        "note": "load generator, upstream and proxies share the machine; medians of rounds; "
+        "x minimal: each round's figure over the minimal proxy's in the same round, median",
+        "tollbooth_metering": "metering, pricing, metrics; ledger, access log and audit off",
+        "tollbooth_default": "plus SQLite ledger, JSON access log to a file, audit capture",
+        "compare": str(args.compare) if args.compare else None,
+        "cpu_of_direct": "the upstream's own CPU (direct has no proxy)",
     }
     doc = {
         "conditions": conditions,
@@ -328,18 +489,30 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         "summary": summary,
         "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "overhead.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(
-        f"{'path':<14} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'TTFT p50 ms':>12} {'TTFT p90 ms':>12}"
-    )
-    for name, r in results.items():
-        print(
-            f"{name:<14} {r['rps']:8.0f} {r['latency_p50_ms']:8.2f} {r['latency_p99_ms']:8.2f} "
-            f"{r['stream_ttft_p50_ms']:12.3f} {r['stream_ttft_p90_ms']:12.3f}"
-        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(table(results))
     print(json.dumps(summary, indent=2))
+
+
+def table(results: dict[str, Any]) -> str:
+    head = (
+        f"{'path':<20} {'chunks/s':>9} {'x min':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'gap p99':>8} {'req/s':>7} {'x min':>5} {'p50':>6} {'p99':>6} {'idle TTFT':>9} "
+        f"{'ms CPU/1k ch':>12} {'ms CPU/req':>10} {'RSS idle':>8} {'RSS peak':>8}"
+    )
+    lines = [head]
+    for name, r in results.items():
+        s, q, x = r["stream"], r["requests"], r["vs_minimal"]
+        lines.append(
+            f"{name:<20} {s['chunks_per_s']:9.0f} {x['chunks_per_s']:5.2f} "
+            f"{s['ttft_p50_ms']:9.2f} {s['ttft_p99_ms']:9.2f} {s['gap_p99_ms']:8.2f} "
+            f"{q['rps']:7.0f} {x['rps']:5.2f} {q['p50_ms']:6.2f} {q['p99_ms']:6.2f} "
+            f"{r['idle']['ttft_p50_ms']:9.3f} {s['cpu_ms_per_1k_chunks']:12.1f} "
+            f"{q['cpu_ms_per_request']:10.3f} {r['rss_mib']['idle']:8.1f} "
+            f"{r['rss_mib']['loaded_peak']:8.1f}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,19 @@ over the limit (by default the per-request alert threshold, $0.10).
 Owns: the decision (strictly above the limit), the record (access-log fields, request parameters,
 prompt size, allow-listed headers, finish reasons, trace id; text only when `capture_text` is on,
 truncated), the sinks (rotating JSONL, or the ledger's `audit` table), and `tollbooth audit`.
-Never: delays or fails a request (records are written by a background thread, errors counted),
-or captures text unless explicitly enabled.
+Never: delays or fails a request (a request only decides and appends; the record is made and
+written by a background thread, errors counted), or captures text unless explicitly enabled.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import logging.handlers
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from aiohttp import web
 from .accesslog import fields
 from .config import AuditConfig
 from .identity import api_key_id
-from .logs import queued
+from .logs import BatchWriter, json_line
 from .meter import Exchange, priced_model
 from .metrics import Metrics
 from .pricing import PriceBook
@@ -61,6 +62,7 @@ def redact(headers: Mapping[str, str]) -> dict[str, str]:
     for k, v in headers.items():
         if len(out) >= MAX_HEADERS:
             break
+        k = str(k)  # a plain str: aiohttp's header names are a subclass, which orjson refuses
         name = k.lower()
         if name in RECORDED_HEADERS:
             out[k[:64]] = v[:256]
@@ -69,6 +71,11 @@ def redact(headers: Mapping[str, str]) -> dict[str, str]:
         else:
             out[k[:64]] = REDACTED
     return out
+
+
+# Records waiting for the writer hold their exchange (request body included): few may wait.
+MAX_PENDING = 1000
+Pending = tuple[Exchange, list[str], float | None]  # (exchange, reasons, input cost)
 
 
 class _Rotating(logging.handlers.RotatingFileHandler):
@@ -107,30 +114,42 @@ class Audit:
             if config.total_cost_usd is not None
             else thresholds.request_cost_usd
         )
-        self.logger = logging.getLogger("tollbooth.audit.records")
-        self.logger.propagate = False
-        self._listener: logging.handlers.QueueListener | None = None
+        self._writer: BatchWriter[Pending] | None = None
+        self._handler: _Rotating | None = None
 
     # --- lifecycle
 
     def start(self) -> None:
         if self.config.sink != "jsonl":
-            return
+            return  # the ledger's writer makes and writes the records
         handler = _Rotating(
             self.config.path, self.config.max_bytes, self.config.backups, self.metrics.audit_errors
         )
         handler.setFormatter(logging.Formatter("%(message)s"))
-        front, self._listener = queued(handler)
-        self.logger.handlers[:] = [front]
-        self.logger.setLevel(logging.INFO)
+
+        def write(lines: Sequence[str]) -> None:
+            for line in lines:  # few lines; one at a time keeps the rotation exact
+                handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
+
+        self._writer = BatchWriter(
+            "tollbooth-audit",
+            self.line,
+            write,
+            max_pending=MAX_PENDING,
+            on_drop=self.metrics.log_dropped.labels("audit").inc,
+            on_error=self.metrics.audit_errors.inc,
+        )
+        self._handler = handler
+        self._writer.start()
 
     def stop(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.stop()
-            for h in listener.handlers:
-                h.close()
-        self.logger.handlers[:] = []
+        """Write what is pending, then close the file."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.stop()
+        handler, self._handler = self._handler, None
+        if handler is not None:
+            handler.close()
 
     # --- the sink
 
@@ -147,20 +166,35 @@ class Audit:
         return reasons, input_cost
 
     def check(self, ex: Exchange) -> None:
+        """A sink, on the event loop: decide, count, and hand the record to a writer."""
         reasons, input_cost = self.reasons(ex)
         if not reasons:
             return
         ex.audited = True
-        record = self.record(ex, reasons, input_cost)
-        line = json.dumps(record, default=str, separators=(",", ":"))
         reason = ",".join(reasons)
         self.metrics.audit_captures.labels(ex.model, reason).inc()
-        if self.config.sink == "ledger":
-            self.ledger.append_audit(
-                (ex.started_at, ex.request_id, ex.trace_id, ex.model, ex.user_id, reason, line)
-            )
-        else:
-            self.logger.info(line)
+        if self.config.sink == "ledger" and self.ledger is not None:
+            self.ledger.append_audit(functools.partial(self.ledger_row, (ex, reasons, input_cost)))
+        elif self._writer is not None:
+            self._writer.put((ex, reasons, input_cost))
+
+    def line(self, pending: Pending) -> str:
+        """The JSON line of an audit record (in a writer thread)."""
+        return json_line(self.record(*pending))
+
+    def ledger_row(self, pending: Pending) -> tuple[Any, ...]:
+        """The ledger's `audit` row of a record (in the ledger's writer thread)."""
+        ex, reasons, _ = pending
+        reason = ",".join(reasons)
+        return (
+            ex.started_at,
+            ex.request_id,
+            ex.trace_id,
+            ex.model,
+            ex.user_id,
+            reason,
+            self.line(pending),
+        )
 
     def record(self, ex: Exchange, reasons: list[str], input_cost: float | None) -> dict[str, Any]:
         info = ex.info

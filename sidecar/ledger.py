@@ -1,10 +1,11 @@
 """The usage ledger: one SQLite row per request, written off the event loop in batches.
 
-Owns: the schema, a writer thread that commits every `flush_interval_s` (so a hard kill loses at
-most that much), retrying rows after a failed write, reopening the file when it was deleted or
-replaced under it (checked before each write), retention, and the reads that restore today's
-spend and feed `tollbooth report`.
-Never: blocks the event loop (the proxy only appends to an in-memory queue), or fails a request.
+Owns: the schema, a writer thread that makes the rows and commits them every `flush_interval_s`
+(so a hard kill loses at most that much), retrying rows after a failed write, reopening the file
+when it was deleted or replaced under it (checked before each write), retention, and the reads
+that restore today's spend and feed `tollbooth report`.
+Never: blocks the event loop (a request only appends a reference to an in-memory queue), or fails
+a request.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import sqlite3
@@ -19,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias, cast
 
 from aiohttp import web
 
@@ -66,6 +69,9 @@ CREATE INDEX IF NOT EXISTS audit_ts ON audit (ts);
 """
 
 RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
+
+# What waits for the writer: the values of a row, or a function that makes them (in the thread).
+Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
@@ -154,7 +160,7 @@ class Ledger:
         assert config.path is not None
         self.config = config
         self.metrics = metrics
-        self._pending: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+        self._pending: collections.deque[tuple[str, Values]] = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,12 +172,14 @@ class Ledger:
     # --- event-loop side (never blocks on disk)
 
     def append(self, ex: Exchange) -> None:
-        self._put(INSERT, row_of(ex))
+        """A sink. The row is made by the writer thread at its next flush (the exchange is
+        complete and no longer changes); until then the queue holds a reference, not a copy."""
+        self._put(INSERT, functools.partial(row_of, ex))
 
-    def append_audit(self, values: tuple[Any, ...]) -> None:
+    def append_audit(self, values: Values) -> None:
         self._put(INSERT_AUDIT, values)
 
-    def _put(self, sql: str, values: tuple[Any, ...]) -> None:
+    def _put(self, sql: str, values: Values) -> None:
         with self._lock:
             if len(self._pending) >= self.config.max_pending_rows:
                 self._pending.popleft()
@@ -265,6 +273,7 @@ class Ledger:
             batch, self._pending = self._pending, collections.deque()
         if not batch:
             return
+        batch = self._made(batch)  # rows from here on, also when the write fails and is retried
         try:
             self._write(batch)
         except sqlite3.Error as exc:
@@ -279,16 +288,55 @@ class Ledger:
                     self.metrics.ledger_dropped.inc()
                 self._pending = batch
 
-    def _write(self, batch: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+    def _made(
+        self, batch: collections.deque[tuple[str, Values]]
+    ) -> collections.deque[tuple[str, Values]]:
+        """The batch with every row made (a row that cannot be made is logged and left out)."""
+        out: collections.deque[tuple[str, Values]] = collections.deque()
+        for sql, values in batch:
+            if callable(values):
+                try:
+                    values = values()
+                except Exception:
+                    log.exception("a ledger row could not be made")
+                    self.metrics.metering_errors.labels("ledger").inc()
+                    continue
+            out.append((sql, values))
+        return out
+
+    def _write(self, batch: Iterable[tuple[str, Values]]) -> None:
         self._reopen_if_replaced()
         reconnect_due = time.monotonic() >= self._retry_at
         if self._conn is None and not (reconnect_due and self._try_connect()):
             raise sqlite3.OperationalError("ledger not open")
         assert self._conn is not None
         with self._conn:
-            for sql, values in batch:
-                self._conn.execute(sql, values)
+            for sql, run in itertools.groupby(batch, key=lambda item: item[0]):
+                rows = [cast(tuple[Any, ...], values) for _, values in run]  # made by _made
+                self._insert(self._conn, sql, rows)
         self.problem = None
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        """Many rows per statement. SQLite runs a statement without the GIL: one statement per
+        row (executemany) made this thread and the event loop trade the GIL row by row."""
+        most = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(rows[0]))
+        i = 0
+        while i < len(rows):
+            n = next(k for k in ROWS_PER_STATEMENT if k <= most and k <= len(rows) - i)
+            conn.execute(_multi_row(sql, n), [v for row in rows[i : i + n] for v in row])
+            i += n
+
+
+# Statement sizes, largest first: few distinct statements, so SQLite's statement cache holds them.
+ROWS_PER_STATEMENT = (256, 64, 16, 4, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _multi_row(sql: str, n: int) -> str:
+    """`INSERT ... VALUES (?, ...)` for n rows: the same statement with n value lists."""
+    head, _, values = sql.partition(" VALUES ")
+    return f"{head} VALUES {', '.join([values] * n)}"
 
 
 def _file_id(path: str | Path | None) -> tuple[int, int] | None:

@@ -1,12 +1,15 @@
 """Logging, configured in one place: JSON lines (or text), trace-correlated.
 
 Owns: the formatter, the per-request context (request, trace and span ids) that every log line
-made inside a request carries, and `setup()`. Never: prints, or logs a prompt, completion or key.
+made inside a request carries, `setup()`, and `BatchWriter`, which turns per-request records
+(access log, audit) into lines on a background thread. Never: prints, or logs a prompt,
+completion or key.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextvars
 import copy
 import json
@@ -15,8 +18,12 @@ import logging.handlers
 import queue
 import re
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import orjson
 
 # Set by the proxy for the duration of a request; read by the formatter.
 REQUEST_CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -32,7 +39,7 @@ _STD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "time": _iso(record.created),
+            "time": iso_time(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -55,7 +62,8 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_iso(record.created)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        stamp = iso_time(record.created)
+        line = f"{stamp} {record.levelname:<7} {record.name}: {record.getMessage()}"
         extras = {
             k: v
             for k, v in record.__dict__.items()
@@ -73,8 +81,14 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+_second: tuple[int, str] = (-1, "")  # the last second formatted: lines come many a second
+
+
+def iso_time(ts: float) -> str:
+    global _second
+    if (last := _second)[0] != (whole := int(ts)):
+        last = _second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)))
+    return f"{last[1]}.{int(ts % 1 * 1000):03d}Z"
 
 
 # A credential can reach a log line without our code putting it there: aiohttp logs the start of a
@@ -141,3 +155,90 @@ def setup(level: str = "INFO", fmt: str = "json") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+# --- per-request records written in batches ------------------------------------------------------
+
+T = TypeVar("T")
+log = logging.getLogger("tollbooth.logs")
+
+
+def json_line(obj: dict[str, Any]) -> str:
+    """One JSON line. orjson: measured 5-10x faster than json.dumps on access-log lines
+    (benchmarks/encoders.py); values it cannot encode are written as str(), as before."""
+    return orjson.dumps(obj, default=str).decode()
+
+
+class BatchWriter(Generic[T]):
+    """Records appended on the event loop; a thread renders them and writes the lines in batches.
+
+    The event loop's share is one `deque.append` (atomic, no lock, nothing woken). Every
+    `interval_s` the thread takes what is pending, renders each record with `render` and hands all
+    the lines to `write` at once (one write, one flush). At most `max_pending` records wait: past
+    that the oldest is dropped and `on_drop` counts it. `stop()` writes what is pending, then ends.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        render: Callable[[T], str],
+        write: Callable[[Sequence[str]], None],
+        *,
+        interval_s: float = 0.1,
+        max_pending: int = 100_000,
+        on_drop: Callable[[], None] | None = None,
+        on_error: Callable[[], None] | None = None,
+    ) -> None:
+        self.name = name
+        self._render, self._write = render, write
+        self.interval_s = interval_s
+        self._pending: collections.deque[T] = collections.deque(maxlen=max_pending)
+        self._on_drop, self._on_error = on_drop, on_error
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def put(self, record: T) -> None:
+        pending = self._pending
+        if len(pending) == pending.maxlen and self._on_drop is not None:
+            self._on_drop()  # the append below drops the oldest
+        pending.append(record)
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.drain()
+        self.drain()
+
+    def drain(self) -> None:
+        """Render and write what is pending (the writer thread; tests may call it directly)."""
+        pending = self._pending
+        # popleft, not a swap of the deque: an append racing with the drain is never lost
+        records = [pending.popleft() for _ in range(len(pending))]
+        if not records:
+            return
+        lines = []
+        for record in records:
+            try:
+                lines.append(self._render(record))
+            except Exception:
+                log.exception("%s: a record could not be rendered", self.name)
+                self._error()
+        try:
+            self._write(lines)
+        except Exception:
+            log.exception("%s: %d lines could not be written", self.name, len(lines))
+            self._error()
+
+    def _error(self) -> None:
+        if self._on_error is not None:
+            self._on_error()

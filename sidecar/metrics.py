@@ -413,6 +413,12 @@ class Metrics:
         self.audit_errors = Counter(
             "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
         )
+        self.log_dropped = Counter(
+            "tollbooth_log_records_dropped",
+            "Access-log lines and audit records dropped because the writer's queue was full.",
+            ["log"],
+            registry=r,
+        )
 
 
 # The inference servers' own scheduler state, as vLLM (V1 engine) and TGI's router export it. The

@@ -9,13 +9,12 @@ every event's `raw` plus `finish()` equals the input, byte for byte.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _EOL = re.compile(rb"\r\n|\r|\n")
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):  # a tuple: built once per event, the cheapest record Python has
     raw: bytes  # the event's bytes, including the blank line that ended it
     data: str | None  # data lines joined by "\n"; None when the event had no data field
     event: str | None  # the `event:` field, if any
@@ -36,6 +35,53 @@ class SSEParser:
         self._event: str | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if b"\r" in chunk:
+            return self._feed_lines(chunk)
+        if not self._buf:
+            return self._feed_lf(chunk)
+        # An event began in an earlier chunk: the general path reads up to the first `\n\n`
+        # (reading in two pieces is reading in one). The second `\n` of it is a blank line that
+        # dispatches, so nothing is held after it and the fast path can take the rest.
+        end = chunk.find(b"\n\n") + 2
+        if end < 2:
+            return self._feed_lines(chunk)
+        return self._feed_lines(chunk[:end]) + self._feed_lf(chunk[end:])
+
+    def _feed_lf(self, chunk: bytes) -> list[Event]:
+        """The fast path: whole events ended by `\n\n`, each found with one search.
+
+        Relies on: nothing held from earlier chunks (an empty buffer: no event half built) and
+        no CR in the chunk (`\n` is the only line ending). Then a segment up to the next `\n\n`
+        that is not empty and does not start with `\n` is one event made of non-empty lines,
+        which is what `_feed_lines` would make of it. At anything else (a blank line ending an
+        event without fields, an unterminated rest) the rest of the chunk goes to `_feed_lines`,
+        with the parser in the state reading line by line would have left it in.
+        """
+        last = len(chunk) - 2
+        if chunk.find(b"\n") == last and chunk[-1:] == b"\n" and chunk.startswith(b"data:"):
+            # the commonest chunk of all: one event, one data line (its raw is the chunk)
+            data = chunk[6 if chunk[5] == 0x20 else 5 : last].decode("utf-8", "replace")
+            return [Event(chunk if self._keep_raw else b"", data, None)]
+        events: list[Event] = []
+        pos = 0
+        while (end := chunk.find(b"\n\n", pos)) > pos and chunk[pos] != 0x0A:
+            if chunk.startswith(b"data:", pos) and chunk.find(b"\n", pos, end) < 0:
+                start = pos + 6 if chunk[pos + 5] == 0x20 else pos + 5  # one data line: usual
+                text: str | None = chunk[start:end].decode("utf-8", "replace")
+                event = None
+            else:
+                for line in chunk[pos:end].split(b"\n"):
+                    self._field(line)
+                text = "\n".join(self._data) if self._data else None
+                event, self._data, self._event = self._event, [], None
+            events.append(Event(chunk[pos : end + 2] if self._keep_raw else b"", text, event))
+            pos = end + 2
+        if pos < len(chunk):
+            events += self._feed_lines(chunk[pos:])
+        return events
+
+    def _feed_lines(self, chunk: bytes) -> list[Event]:
+        """The general path: any line endings, events split anywhere across chunks."""
         self._buf += chunk
         events: list[Event] = []
         buf = self._buf
@@ -84,7 +130,7 @@ class SSEParser:
     def _dispatch(self) -> Event:
         raw = bytes(self._buf[self._event_start : self._pos]) if self._keep_raw else b""
         data = "\n".join(self._data) if self._data else None
-        ev = Event(raw=raw, data=data, event=self._event)
+        ev = Event(raw, data, self._event)
         self._event_start = self._pos
         self._data, self._event = [], None
         return ev

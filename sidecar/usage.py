@@ -491,6 +491,8 @@ class StreamMeter:
         self._tgi_details: Mapping[str, Any] | None = None
         self.done = False  # saw [DONE], a final TGI event or a terminal Responses event
         self.passthrough = False  # set after an accounting failure: forward, stop parsing
+        openai = not (endpoint.is_tgi_native or endpoint is Endpoint.RESPONSES)
+        self._shape = _TokenShape() if openai else None  # the fast path for text-only chunks
 
     @property
     def token_events(self) -> int:
@@ -499,21 +501,26 @@ class StreamMeter:
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
             return chunk
+        held = self._parser.pending
         events = self._parser.feed(chunk)
         if not self._rewrite:
             for ev in events:
                 self._on_event(ev)
             return chunk
-        out = bytearray()
+        out: list[bytes] = []
+        changed = False
         for ev in events:
             if self._on_event(ev):
-                continue
-            if self._cut:
+                changed = True  # an event we caused (the usage chunk) is dropped
+            elif self._cut:
                 self._cut = False
-                out += _without_usage(ev)
+                changed = True
+                out.append(_without_usage(ev))  # running usage we asked for is cut out
             else:
-                out += ev.raw
-        return bytes(out)
+                out.append(ev.raw)
+        if not changed and not held and not self._parser.pending:
+            return chunk  # nothing changed, and this chunk's events are exactly the chunk
+        return b"".join(out)
 
     def finish(self) -> tuple[bytes, Usage]:
         """The upstream stream ended. Returns bytes still held (an unterminated event) and usage."""
@@ -565,6 +572,13 @@ class StreamMeter:
     def _on_event(self, ev: Event) -> bool:
         if ev.data is None:
             return False
+        if self._shape is not None and (carries := self._shape.carries(ev.data)) is not None:
+            self._s.token_events += carries
+            return False
+        if self.endpoint.is_tgi_native and _TGI_TOKEN_EVENT.fullmatch(ev.data):
+            self._tgi_tokens += 1  # all that `_tgi_event` does with it
+            self._s.token_events += 1
+            return False
         if ev.data == "[DONE]":
             self.done = True
             return False
@@ -582,6 +596,8 @@ class StreamMeter:
         if self.endpoint.is_tgi_native:
             self._tgi_event(obj)
             return False
+        if self._shape is not None:
+            self._shape.learn(ev.data, obj)
         return self._openai_chunk(obj)
 
     def _openai_chunk(self, obj: Mapping[str, Any]) -> bool:
@@ -673,6 +689,107 @@ class StreamMeter:
         else:
             reason = None if inp is not None else "no_input_length"
         return replace(base, input_tokens=inp, output_tokens=out, unknown_reason=reason)
+
+
+class _TokenShape:
+    """The fast path of `StreamMeter._on_event` for the commonest event on OpenAI routes: a chunk
+    with one choice whose text is the only thing in it that changes.
+
+    Relies on: a server writing those chunks with the same bytes around the text (vLLM and TGI
+    do: same id, created, model, key order; only the token's text differs), and on
+    `_openai_chunk` reading from a chunk only the model, id, error, usage, finish reasons and
+    whether a choice carries output. The shape is learnt from a decoded chunk that sets nothing
+    but the token count: its bytes before and after the text, confirmed by decoding it once more
+    with other text in the slot. A later chunk with that prefix and suffix whose text has no
+    quote, backslash or control character tokenises exactly like the learnt one, so it decodes
+    to the same object but for the text: the meter's only change is a token event when the text
+    is not empty. Every other event is decoded.
+    """
+
+    __slots__ = ("prefix", "suffix", "tries")
+
+    def __init__(self) -> None:
+        self.prefix = self.suffix = ""
+        self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
+
+    def carries(self, data: str) -> bool | None:
+        """Does this chunk of the learnt shape carry output? None: not that shape, decode it."""
+        p, s = self.prefix, self.suffix
+        if not p or len(data) < len(p) + len(s) or not data.startswith(p):
+            return None
+        if not data.endswith(s) or not _plain(text := data[len(p) : len(data) - len(s)]):
+            return None
+        self.tries = _SHAPE_TRIES
+        return text != ""
+
+    def learn(self, data: str, obj: Mapping[str, Any]) -> None:
+        if self.tries <= 0 or (found := _text_slot(obj)) is None:
+            return
+        key, text = found
+        at = data.find(marker := f'"{key}":"')
+        if at < 0:
+            at = data.find(marker := f'"{key}": "')
+        start = at + len(marker)
+        end = start + len(text)
+        if at < 0 or data[start:end] != text or data[end : end + 1] != '"':
+            return
+        self.tries -= 1
+        if _is_the_slot(data[:start], data[end:], key, text):
+            self.prefix, self.suffix = data[:start], data[end:]
+
+
+_SHAPE_TRIES = 8
+
+# The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
+# writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
+# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits. Such an
+# event decodes to a dict with a `token` object, null `generated_text` and `details`, and no
+# `error`: `_tgi_event` only counts it.
+_TGI_TOKEN_EVENT = re.compile(
+    r'\{"index":(?:0|[1-9][0-9]*),"token":\{"id":(?:0|[1-9][0-9]*),'
+    r'"text":"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*",'
+    r'"logprob":(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|null),'
+    r'"special":(?:true|false)\},"generated_text":null,"details":null\}'
+)
+
+
+def _plain(text: str) -> bool:
+    """Text a JSON string holds as it is: no quote, backslash or control character."""
+    return '"' not in text and "\\" not in text and text.isprintable()
+
+
+def _text_slot(obj: Mapping[str, Any]) -> tuple[str, str] | None:
+    """("content" or "text", the text) of a chunk whose only effect is a token event, else None."""
+    choices = obj.get("choices")
+    if obj.get("error") is not None or isinstance(obj.get("usage"), dict):
+        return None
+    if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)):
+        return None
+    choice = choices[0]
+    if _str(choice.get("finish_reason")) is not None:
+        return None
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        if any(delta.get(k) for k in _DELTA_OUTPUT if k != "content"):
+            return None
+        key, text = "content", delta.get("content")
+    else:
+        key, text = "text", choice.get("text")
+    return (key, text) if isinstance(text, str) and _plain(text) else None
+
+
+def _is_the_slot(prefix: str, suffix: str, key: str, text: str) -> bool:
+    """Other text between `prefix` and `suffix` lands in the choice's text slot.
+
+    The span is a whole JSON string (it follows `":"`, holds plain text and ends at a quote),
+    so other plain text there changes that one string of the decoded chunk and nothing else.
+    """
+    other = "y" if text == "x" else "x"
+    try:
+        choice = json.loads(prefix + other + suffix)["choices"][0]
+        return bool((choice["delta"] if key == "content" else choice)[key] == other)
+    except (ValueError, LookupError, TypeError):
+        return False
 
 
 _DELTA_OUTPUT = (

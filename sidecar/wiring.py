@@ -84,7 +84,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.extra_contexts.append(audit_context(audit))
         sc.meter.add_sink("audit", audit.check)  # before the access log: audited lines are kept
     if cfg.logging.access_log != "off":
-        access = sc.access_log = AccessLog(cfg.logging)
+        access = sc.access_log = AccessLog(cfg.logging, metrics=sc.metrics)
         sc.extra_contexts.append(access_log_context(access))
         sc.meter.add_sink("access_log", access.write)
     if sc.attribution is not None:  # the last gate: GPU time counts from admission, not arrival

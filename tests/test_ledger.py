@@ -252,3 +252,42 @@ def test_writer_retries_rows_after_a_failure(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "l.db")
     assert conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 1
     assert metrics.registry.get_sample_value("llm_ledger_errors_total") == 1
+
+
+def test_rows_are_made_in_the_writer_and_a_bad_one_loses_only_itself(tmp_path: Path) -> None:
+    from sidecar.config import LedgerConfig
+
+    metrics = Metrics()
+    ledger = Ledger(LedgerConfig(path=str(tmp_path / "l.db"), flush_interval_s=0.05), metrics)
+    ledger.open()
+
+    def broken() -> tuple[Any, ...]:
+        raise ValueError("no row")
+
+    ledger.append_audit(broken)
+    ledger.append_audit(lambda: (time.time(), "r2", None, "m", "u", "test", "{}"))
+    ledger.close()
+    conn = sqlite3.connect(tmp_path / "l.db")
+    assert conn.execute("SELECT request_id FROM audit").fetchall() == [("r2",)]
+    assert (
+        metrics.registry.get_sample_value("tollbooth_metering_errors_total", {"stage": "ledger"})
+        == 1
+    )
+
+
+@pytest.mark.parametrize("limit", [None, 80])  # SQLite's limit on variables per statement
+def test_rows_go_in_many_per_statement_all_of_them_in_order(tmp_path: Path, limit: Any) -> None:
+    from sidecar.ledger import INSERT, ROWS_PER_STATEMENT
+
+    conn = connect(tmp_path / "l.db")
+    if limit is not None:
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)  # 4 rows of 18 columns
+    sent = []
+    for n in (1, 5, sum(ROWS_PER_STATEMENT) + 300):
+        rows = [(float(i), f"r{len(sent) + i}", None, "m", "/e", "u", i, None, 1, 0.5, "200", 1,
+                 None, None, 0.1, None, None, None) for i in range(n)]  # fmt: skip
+        with conn:
+            Ledger._insert(conn, INSERT, rows)
+        sent += [r[1] for r in rows]
+    got = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY id")]
+    assert got == sent

@@ -211,31 +211,34 @@ async def test_audit_to_ledger_and_cli(start_sidecar: StartSidecar, tmp_path: Pa
 
 
 def test_rotation_is_bounded(tmp_path: Path) -> None:
-    from sidecar.audit import Audit
+    from sidecar.audit import Audit, read_records
     from sidecar.config import AuditConfig, PricingConfig
+    from sidecar.meter import Exchange
     from sidecar.metrics import Metrics
-    from sidecar.pricing import PriceBook
+    from sidecar.pricing import Cost, PriceBook
     from sidecar.thresholds import DEFAULT
+    from sidecar.usage import Endpoint, RequestInfo, Usage
 
     path = tmp_path / "a.jsonl"
     audit = Audit(
-        AuditConfig(path=str(path), max_bytes=2000, backups=2),
+        AuditConfig(path=str(path), max_bytes=3000, backups=2),
         DEFAULT,
         PriceBook(PricingConfig()),
         Metrics(),
     )
     audit.start()
+    info = RequestInfo(endpoint=Endpoint.CHAT, body=b"{}", parsed=True)
     for i in range(200):
-        audit.logger.info(json.dumps({"time": 1e9 + i, "i": i, "pad": "x" * 100}))
+        ex = Exchange(f"r{i:03d}", Endpoint.CHAT, info, "u", "u", MODEL, started_at=1e9 + i)
+        ex.usage, ex.cost = Usage(input_tokens=10**6, output_tokens=1), Cost(1.0, 0.5)
+        audit.check(ex)
     audit.stop()
     files = sorted(tmp_path.glob("a.jsonl*"))
     assert [f.name for f in files] == ["a.jsonl", "a.jsonl.1", "a.jsonl.2"]
-    assert all(f.stat().st_size <= 2000 for f in files)
-    from sidecar.audit import read_records
-
+    assert all(f.stat().st_size <= 3000 for f in files)
     kept = read_records(0, path=str(path))
-    assert [r["i"] for r in kept] == sorted(r["i"] for r in kept)
-    assert kept[-1]["i"] == 199
+    assert [r["time"] for r in kept] == sorted(r["time"] for r in kept)
+    assert kept[-1]["request_id"] == "r199" and len(kept) < 200
 
 
 async def test_refused_requests_are_not_unmeasured_in_the_log_either(
@@ -329,3 +332,52 @@ async def test_user_id_lengths_are_what_the_docs_say(
     )
     docs = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
     assert "cut to 128 characters; the `user_id` label cuts it to 64" in " ".join(docs.split())
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_batched_access_lines_are_the_lines_logging_wrote(failed: bool) -> None:
+    """The access log left `logging` for a batching writer; its lines did not change."""
+    from sidecar.accesslog import fields, render_json, render_text, snapshot
+    from sidecar.logs import JsonFormatter, TextFormatter
+    from sidecar.meter import Exchange
+    from sidecar.pricing import Cost
+    from sidecar.usage import Endpoint, RequestInfo, Usage
+
+    info = RequestInfo(endpoint=Endpoint.CHAT, body=b"{}", parsed=True, stream=True)
+    ex = Exchange("r1", Endpoint.CHAT, info, "u", "u", MODEL, status=200, bytes_out=12)
+    ex.usage, ex.cost, ex.error = Usage(input_tokens=3), Cost(1e-05, 0.0), "x" if failed else None
+    ex.upstream_start, ex.first_token_at, ex.duration_s = 1.0, 1.25, 2.0000004
+    rec = logging.LogRecord(
+        "tollbooth.access", logging.WARNING if failed else logging.INFO, "", 0, "request", (), None
+    )
+    rec.created, rec.access, rec.request_id = 1.7e9 + 0.123, fields(ex), "r1"
+    record = (rec.created, failed, snapshot(ex))
+    old, new = JsonFormatter().format(rec), render_json(record)
+    assert list(json.loads(new).items()) == list(json.loads(old).items())
+    assert render_text(record) == TextFormatter().format(rec)
+
+
+def test_batch_writer_is_bounded_counts_what_it_loses_and_drains_on_stop() -> None:
+    from sidecar.logs import BatchWriter
+
+    written: list[str] = []
+    dropped, errors = [], []
+
+    def render(n: int) -> str:
+        return f"line {10 // (n - 3)}"  # record 3 cannot be rendered
+
+    writer = BatchWriter(
+        "test",
+        render,
+        written.extend,
+        interval_s=60,
+        max_pending=5,
+        on_drop=lambda: dropped.append(1),
+        on_error=lambda: errors.append(1),
+    )
+    for i in range(8):
+        writer.put(i)  # 0, 1, 2 make room for 5, 6, 7
+    writer.start()
+    writer.stop()  # long before the interval: stopping writes what waits
+    assert written == ["line 10", "line 5", "line 3", "line 2"]
+    assert (len(dropped), len(errors)) == (3, 1)
