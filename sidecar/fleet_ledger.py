@@ -415,17 +415,9 @@ def local_spend_since(path: str, since: float) -> tuple[dict[str, float], dict[s
     """One sidecar's spend from its own SQLite ledger, on a connection of its own."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
     try:
-        by: list[dict[str, float]] = []
-        for column in ("user", "team"):
-            cur = conn.execute(
-                f"SELECT {q(column)}, SUM(cost_usd) FROM requests WHERE ts >= ? "
-                f"AND cost_usd IS NOT NULL AND {q(column)} IS NOT NULL GROUP BY {q(column)}",
-                (since,),
-            )
-            by.append({key: float(total) for key, total in cur.fetchall()})
+        return ledger.spend_by_user_and_team(conn, since)
     finally:
         conn.close()
-    return by[0], by[1]
 
 
 def shipper_contexts(

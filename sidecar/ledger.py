@@ -238,15 +238,7 @@ class Ledger:
         if self._conn is None:
             log.error("ledger unavailable: today's spend starts from zero")
             return {}, {}
-        by: list[dict[str, float]] = []
-        for column in ("user", "team"):
-            cur = self._conn.execute(
-                f"SELECT {column}, SUM(cost_usd) FROM requests WHERE ts >= ? "
-                f"AND cost_usd IS NOT NULL AND {column} IS NOT NULL GROUP BY {column}",
-                (since,),
-            )
-            by.append({key: float(total) for key, total in cur.fetchall()})
-        return by[0], by[1]
+        return spend_by_user_and_team(self._conn, since)
 
     def close(self) -> None:
         self._stop.set()
@@ -337,6 +329,21 @@ def _multi_row(sql: str, n: int) -> str:
     """`INSERT ... VALUES (?, ...)` for n rows: the same statement with n value lists."""
     head, _, values = sql.partition(" VALUES ")
     return f"{head} VALUES {', '.join([values] * n)}"
+
+
+def spend_by_user_and_team(
+    conn: sqlite3.Connection, since: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Known spend in a ledger since `since`, by billed user and by team."""
+    by: list[dict[str, float]] = []
+    for column in ("user", "team"):
+        cur = conn.execute(
+            f'SELECT "{column}", SUM(cost_usd) FROM requests WHERE ts >= ? '
+            f'AND cost_usd IS NOT NULL AND "{column}" IS NOT NULL GROUP BY "{column}"',
+            (since,),
+        )
+        by.append({key: float(total) for key, total in cur.fetchall()})
+    return by[0], by[1]
 
 
 def _file_id(path: str | Path | None) -> tuple[int, int] | None:
