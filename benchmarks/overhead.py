@@ -18,9 +18,11 @@ loaded (the peak, VmHWM).
 
 The upstream is a fast fake in its own process that writes one SSE event per token and yields to
 its event loop between events, so 64 streams interleave as a batched engine's do; every server
-runs in its own process (uvloop). Results go to benchmarks/results/overhead.json with the
-conditions (CPU count, load average, versions). Nothing here is asserted: speed is reported,
-never tested.
+runs in its own process (uvloop). It answers `stream_options` as vLLM does: the usage chunk for
+`include_usage`, and running totals on every chunk for `continuous_usage_stats`, which tollbooth
+asks for by default (`metering.continuous_usage`) and cuts back out, so that work is measured.
+Results go to benchmarks/results/overhead.json with the conditions (CPU count, load average,
+versions). Nothing here is asserted: speed is reported, never tested.
 """
 
 from __future__ import annotations
@@ -57,22 +59,32 @@ def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+def _chunk(delta: dict[str, Any], finish: str | None = None, running: int | None = None) -> bytes:
+    """A chunk as vLLM writes it; with `running`, its running totals last (continuous_usage_stats,
+    in vLLM's field order)."""
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return _event(
-        {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion.chunk",
-            "created": 1700000000,
-            "model": MODEL,
-            "choices": [choice],
+    chunk: dict[str, Any] = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": MODEL,
+        "choices": [choice],
+    }
+    if running is not None:
+        chunk["usage"] = {
+            "prompt_tokens": 12,
+            "total_tokens": 12 + running,
+            "completion_tokens": running,
         }
-    )
+    return _event(chunk)
 
 
 WORDS = ["the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."]
 ROLE = _chunk({"role": "assistant", "content": ""})
 TOKENS = [_chunk({"content": WORDS[i % len(WORDS)]}) for i in range(4096)]
+# with running totals: what vLLM sends when asked for continuous_usage_stats (tollbooth asks)
+ROLE_RUNNING = _chunk({"role": "assistant", "content": ""}, running=0)
+TOKENS_RUNNING = [_chunk({"content": WORDS[i % len(WORDS)]}, running=i + 1) for i in range(4096)]
 DONE = b"data: [DONE]\n\n"
 
 
@@ -104,14 +116,17 @@ async def upstream_handler(request: web.Request) -> web.StreamResponse:
     if not body.get("stream"):
         return web.Response(body=BODY, content_type="application/json")
     n = min(int(body.get("max_tokens") or 16), len(TOKENS))
+    options = body.get("stream_options") or {}
+    running = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
+    tokens = TOKENS_RUNNING if running else TOKENS
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(ROLE)
+    await resp.write(ROLE_RUNNING if running else ROLE)
     for i in range(n):
         await asyncio.sleep(0)  # one event per write; other streams' events go between them
-        await resp.write(TOKENS[i])
-    await resp.write(_chunk({}, "length"))
-    if (body.get("stream_options") or {}).get("include_usage"):
+        await resp.write(tokens[i])
+    await resp.write(_chunk({}, "length", n if running else None))
+    if options.get("include_usage"):
         final = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000}
         await resp.write(_event({**final, "model": MODEL, "choices": [], "usage": _usage(n)}))
     await resp.write(DONE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -486,13 +486,15 @@ class StreamMeter:
         self._parser = SSEParser(keep_raw=self._rewrite)  # raw bytes only needed to rewrite
         self._s = _StreamState()
         self._final_usage: list[Mapping[str, Any]] = []  # usage-only chunks: request totals
-        self._choice_usage: dict[int, Mapping[str, Any]] = {}  # usage riding on a choice (TGI)
+        # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
+        self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
         self._tgi_tokens = 0
         self._tgi_details: Mapping[str, Any] | None = None
         self.done = False  # saw [DONE], a final TGI event or a terminal Responses event
         self.passthrough = False  # set after an accounting failure: forward, stop parsing
         openai = not (endpoint.is_tgi_native or endpoint is Endpoint.RESPONSES)
-        self._shape = _TokenShape() if openai else None  # the fast path for text-only chunks
+        self._shape = _TokenShape() if openai else None  # the fast paths for text-only chunks
+        self._tgi_wire = _TGI_WIRE if endpoint.is_tgi_native else None
 
     @property
     def token_events(self) -> int:
@@ -501,6 +503,56 @@ class StreamMeter:
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
             return chunk
+        if self._shape is not None and self._shape.head:
+            return self._feed_wire(self._shape.at, chunk)
+        if self._tgi_wire is not None:
+            return self._feed_wire(_tgi_at, chunk)
+        return self._feed_events(chunk)
+
+    def _feed_wire(self, at: Callable[[bytes, int], _WireEvent | None], chunk: bytes) -> bytes:
+        """The fast path of `feed`: whole events of one known shape (`at` recognises one on the
+        bytes), neither SSE-parsed nor decoded; any other event, and anything the parser holds
+        from an earlier read, goes to the general path up to the end of that event.
+
+        Relies on: `at` matching only events whose effect is known without decoding them (see
+        `_TokenShape.at`, `_tgi_at`), and a segment ending in a blank line leaving the parser
+        holding nothing (its last `\\n` ends an empty line, which dispatches), so the next event
+        starts where reading event by event would start it.
+        """
+        pos, size, tokens = 0, len(chunk), 0
+        out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
+        kept = 0  # chunk[kept:pos] goes to the client as it came
+        while pos < size:
+            if self._parser.pending or (found := at(chunk, pos)) is None:
+                end = chunk.find(b"\n\n", pos) + 2
+                end = end if end > 1 else size
+                got = self._feed_events(piece := chunk[pos:end])
+                if got != piece:
+                    out += (chunk[kept:pos], got)
+                    kept = end
+                pos = end
+                continue
+            end, text, cut = found
+            tokens += text
+            if cut >= 0 and self._shape is not None:  # running usage: decoded if it is read
+                self._choice_usage[self._shape.index] = chunk[cut + _USAGE_KEY : end - 3]
+                if self._strip_chunk:
+                    out.append(chunk[kept:cut])
+                    kept = end - 3  # the object's closing brace and the blank line stay
+            pos = end
+        if tokens:
+            self._s.token_events += tokens
+            if self._shape is None:
+                self._tgi_tokens += tokens
+            else:
+                self._shape.tries = _SHAPE_TRIES
+        if not out:
+            return chunk
+        out.append(chunk[kept:])
+        return b"".join(out)
+
+    def _feed_events(self, chunk: bytes) -> bytes:
+        """The general path: SSE events parsed, each one read by `_on_event`."""
         held = self._parser.pending
         events = self._parser.feed(chunk)
         if not self._rewrite:
@@ -543,7 +595,7 @@ class StreamMeter:
         running = self._choice_usage
         if self._final_usage or len(running) < 2 or self.endpoint.is_tgi_native:
             return self._usage()
-        parts = {i: read_usage(u, self.endpoint) for i, u in running.items()}
+        parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
         inp = self._running_input(parts)
         return replace(
             self._usage(),
@@ -665,10 +717,12 @@ class StreamMeter:
         )
         if self.endpoint.is_tgi_native:
             return self._tgi_usage(base)
-        totals = self._final_usage or list(self._choice_usage.values())
+        totals: list[Mapping[str, Any] | bytes] = [*self._final_usage] or [
+            *self._choice_usage.values()
+        ]
         if not totals:
             return replace(base, unknown_reason="stream_without_usage")
-        parts = [read_usage(u, self.endpoint) for u in totals]
+        parts = [read_usage(_decoded(u), self.endpoint) for u in totals]
         return replace(
             base,
             input_tokens=_sum(p.input_tokens for p in parts),
@@ -706,11 +760,13 @@ class _TokenShape:
     is not empty. Every other event is decoded.
     """
 
-    __slots__ = ("prefix", "suffix", "tries")
+    __slots__ = ("head", "index", "mid", "prefix", "suffix", "tries")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = ""
         self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
+        self.head = self.mid = b""  # the shape on the wire (see `at`); no head: not usable there
+        self.index = 0  # the choice's index: running usage is kept per choice
 
     def carries(self, data: str) -> bool | None:
         """Does this chunk of the learnt shape carry output? None: not that shape, decode it."""
@@ -723,7 +779,10 @@ class _TokenShape:
         return text != ""
 
     def learn(self, data: str, obj: Mapping[str, Any]) -> None:
-        if self.tries <= 0 or (found := _text_slot(obj)) is None:
+        if self.tries <= 0:
+            return
+        data, obj = _without_running_usage(data, obj)
+        if (found := _text_slot(obj)) is None:
             return
         key, text = found
         at = data.find(marker := f'"{key}":"')
@@ -736,9 +795,78 @@ class _TokenShape:
         self.tries -= 1
         if _is_the_slot(data[:start], data[end:], key, text):
             self.prefix, self.suffix = data[:start], data[end:]
+            self.head, self.mid = _on_the_wire(self.prefix, self.suffix)
+            self.index = _int(obj["choices"][0].get("index")) or 0
+
+    def at(self, chunk: bytes, pos: int) -> _WireEvent | None:
+        """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional
+        running usage before its closing brace: (its end, whether its text is not empty, where
+        its usage member starts or -1). None when it is not one.
+
+        Relies on what `carries` relies on, in bytes: the text is printable ASCII but quote and
+        backslash, or bytes of multi-byte characters (read with "replace" these never make a
+        quote or a control character, nor an empty text), so the event decodes to the learnt
+        chunk with other text in its slot. The usage member is the object's last, so it is the
+        value a JSON reader keeps (the dict `_openai_chunk` keeps); it is what `_without_usage`
+        cuts, as that regex's match must end on a brace followed by `}` and a newline, which
+        only this flat member's closing brace is.
+        """
+        if chunk.startswith(b"data: ", pos):
+            pos += 6
+        elif chunk.startswith(b"data:", pos):
+            pos += 5
+        else:
+            return None
+        if not chunk.startswith(self.head, pos):
+            return None
+        start = pos + len(self.head)
+        end = chunk.find(b'"', start)  # the text's closing quote: the suffix starts with it
+        if end < 0 or not _PLAIN_BYTES.fullmatch(chunk, start, end):
+            return None
+        if not chunk.startswith(self.mid, end):
+            return None
+        at = end + len(self.mid)
+        if chunk.startswith(b"}\n\n", at):
+            return at + 3, end > start, -1
+        if not chunk.startswith(b',"usage":', at):
+            return None
+        usage = _USAGE_OBJECT.match(chunk, at + _USAGE_KEY)
+        if usage is None or not chunk.startswith(b"}\n\n", usage.end()):
+            return None
+        return usage.end() + 3, end > start, at
 
 
 _SHAPE_TRIES = 8
+
+# The running totals vLLM puts last on each chunk (`continuous_usage_stats`): a flat object of
+# integers (or null), as pydantic writes it. Nothing else is learnt past or cut by the wire path.
+_USAGE_OBJECT = re.compile(
+    rb'\{"[a-z_]+":(?:0|[1-9][0-9]{0,17}|null)(?:,"[a-z_]+":(?:0|[1-9][0-9]{0,17}|null))*\}'
+)
+_USAGE_KEY = len(b',"usage":')
+_RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
+_PLAIN_BYTES = re.compile(rb"[ !#-\[\]-~\x80-\xff]*")  # `_plain` text, and UTF-8's other bytes
+_WireEvent = tuple[int, bool, int]
+
+
+def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """A chunk ending in running usage, as the same chunk without it; any other as it is."""
+    if not isinstance(obj.get("usage"), dict) or not (m := _RUNNING_USAGE_TEXT.search(data)):
+        return data, obj
+    base = data[: m.start()] + "}"
+    if '"usage"' in base:  # another member of that name: the dict left out is not its value
+        return data, obj
+    return base, {k: v for k, v in obj.items() if k != "usage"}
+
+
+def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, bytes]:
+    """(head, mid) for `_TokenShape.at`: the prefix, and the suffix but its closing brace; no
+    head when the shape is not one `data:` line of a JSON object."""
+    p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
+    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s:
+        return b"", b""
+    return p, s[:-1]
+
 
 # The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
 # writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
@@ -751,6 +879,25 @@ _TGI_TOKEN_EVENT = re.compile(
     r'"logprob":(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|null),'
     r'"special":(?:true|false)\},"generated_text":null,"details":null\}'
 )
+
+
+# `_TGI_TOKEN_EVENT` as a whole SSE event on the wire (read with "replace", a byte outside ASCII
+# is a character the pattern admits, and never makes a quote, backslash or control character).
+_TGI_WIRE = re.compile(rb"data: ?" + _TGI_TOKEN_EVENT.pattern.encode("ascii") + rb"\n\n")
+
+
+def _tgi_at(chunk: bytes, pos: int) -> _WireEvent | None:
+    """The wire fast path on /generate_stream: a token event at `pos`, or None."""
+    m = _TGI_WIRE.match(chunk, pos)
+    return (m.end(), True, -1) if m is not None else None
+
+
+def _decoded(usage: Mapping[str, Any] | bytes) -> Mapping[str, Any]:
+    """Running usage the wire fast path kept as bytes (an object of numbers), decoded."""
+    if isinstance(usage, bytes):
+        decoded: Mapping[str, Any] = json.loads(usage)
+        return decoded
+    return usage
 
 
 def _plain(text: str) -> bool:

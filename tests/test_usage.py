@@ -572,27 +572,43 @@ def test_responses_stream_is_finished_between_output_items() -> None:
 NEVER = re.compile(r"(?!)")
 
 
-def meter_pair(endpoint: Endpoint, strip: bool) -> tuple[StreamMeter, StreamMeter]:
-    ref = StreamMeter(endpoint, strip_usage=strip)
-    ref._shape = None
-    ref._parser = LinesOnly(keep_raw=strip)  # and the general SSE path
-    return StreamMeter(endpoint, strip_usage=strip), ref
+def meter_pair(
+    endpoint: Endpoint, strip: bool, strip_chunk: bool = False
+) -> tuple[StreamMeter, StreamMeter]:
+    def meter() -> StreamMeter:
+        return StreamMeter(endpoint, strip_usage=strip, strip_chunk_usage=strip_chunk)
+
+    ref = meter()
+    ref._shape = None  # no fast path for OpenAI chunks, as text or on the wire
+    ref._tgi_wire = None
+    ref._parser = LinesOnly(keep_raw=strip or strip_chunk)  # and the general SSE path
+    return meter(), ref
 
 
-def run_pair(endpoint: Endpoint, wire: bytes, cuts: list[int], strip: bool) -> Usage:
+def run_pair(
+    endpoint: Endpoint, wire: bytes, cuts: list[int], strip: bool, strip_chunk: bool = False
+) -> Usage:
     """Feed both meters the same pieces; after every piece they agree on the bytes for the client
-    and the token events (TTFT is read there); at the end, on usage and `done`."""
-    fast, ref = meter_pair(endpoint, strip)
+    and the token events (TTFT is read there); at the end, on usage and `done`, and on what a
+    client leaving at that point would be billed."""
+    fast, ref = meter_pair(endpoint, strip, strip_chunk)
     last = 0
     for c in [*sorted(set(cuts)), len(wire)]:
         out = fast.feed(wire[last:c])
         with mock.patch.object(usage_module, "_TGI_TOKEN_EVENT", NEVER):
             assert out == ref.feed(wire[last:c]), (wire, cuts, c)
         assert fast.token_events == ref.token_events, (wire, cuts, c)
+        assert fast.usage_so_far() == ref.usage_so_far(), (wire, cuts, c)
         last = c
     got = fast.finish()
     assert got == ref.finish() and fast.done == ref.done
     return got[1]
+
+
+def boundaries(wire: bytes) -> list[int]:
+    """Where each event ends: the cuts a server's one write per event makes (where the wire fast
+    path starts reading)."""
+    return [m.end() for m in re.finditer(rb"\n\n", wire)]
 
 
 def compact(obj: object) -> str:
@@ -624,6 +640,11 @@ VLLM_STREAM = [
     chunk(" world", finish="stop"),
     {**chunk(None), "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}},
 ]
+
+
+def running(tokens: int) -> dict[str, int]:
+    """vLLM's running totals, in its field order."""
+    return {"prompt_tokens": 3, "total_tokens": 3 + tokens, "completion_tokens": tokens}
 
 
 def sse_of(datas: list[str], sep: str = " ") -> bytes:
@@ -664,6 +685,63 @@ def test_the_shape_is_learnt_and_used() -> None:
     assert m.token_events == 8
 
 
+RUNNING_STREAM = [
+    {**chunk(""), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    *(chunk(t, usage=running(i)) for i, t in enumerate(["Hello", " x", "y", "", "caf\u00e9"])),
+    chunk('say "hi"', usage=running(6)),
+    chunk(" world", finish="stop", usage=running(7)),
+    {**chunk(None), "choices": [], "usage": running(7)},
+]
+
+
+def test_running_usage_is_cut_the_same_at_every_cut_near_the_markers() -> None:
+    """vLLM's running totals, asked for by us (cut out) or by the client (kept)."""
+    wire = sse_of([compact(e) for e in RUNNING_STREAM])
+    markers = [
+        i
+        for i in range(len(wire))
+        if wire.startswith((b'"content":"', b',"usage":', b"}\n\n", b"data:"), i)
+    ]
+    near = sorted({p for m in markers for p in range(m - 3, m + 4) if 0 <= p <= len(wire)})
+    whole = run_pair(Endpoint.CHAT, wire, [], True, True)
+    assert (whole.input_tokens, whole.output_tokens) == (3, 7)
+    for a in range(len(wire) + 1):
+        run_pair(Endpoint.CHAT, wire, [a], True, a % 2 == 0)
+    for i, a in enumerate(near):
+        for b in near[i : i + 8]:
+            run_pair(Endpoint.CHAT, wire, [a, b], True, True)
+
+
+def test_the_wire_path_waits_for_an_event_begun_in_an_earlier_read() -> None:
+    """A read that ends inside a line: the next read's bytes continue that line, even when they
+    look like a whole event of the learnt shape."""
+    token = f"data: {compact(chunk('a', usage=running(1)))}\n\n".encode()
+    for head in (b"data: ", b": comment", b"data: x\n", b"event: e"):
+        wire = token * 3 + head + token * 2 + b"data: [DONE]\n\n"
+        cut = len(token) * 3 + len(head)
+        for strips in ((True, True), (False, False)):
+            got = run_pair(Endpoint.CHAT, wire, [len(token), 2 * len(token), cut], *strips)
+            assert got.output_tokens == 1
+
+
+def test_running_usage_chunks_take_the_wire_path() -> None:
+    """Not a speed test: plain running-usage chunks are neither decoded nor parsed as SSE, their
+    usage is cut out byte for byte, and a client leaving is billed the last running totals."""
+    wire = sse_of([compact(e) for e in RUNNING_STREAM[:5]])
+    m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    calls: list[object] = []
+    real = json.loads
+    with mock.patch.object(usage_module.json, "loads", lambda s: calls.append(s) or real(s)):
+        events = wire.split(b"\n\n")[:-1]
+        out = b"".join(m.feed(e + b"\n\n") for e in events)
+    cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
+    assert out == sse_of(cut)
+    # decoded: the role chunk and "Hello", each learnt and confirmed once more; not " x", "y", ""
+    assert len([c for c in calls if isinstance(c, str)]) == 4
+    assert m.token_events == 3
+    assert (m.usage_so_far().input_tokens, m.usage_so_far().output_tokens) == (3, 3)
+
+
 TEXTS = st.text(alphabet=st.sampled_from(["a", "x", "y", '"', "\\", "\n", "\x01", "é", " ", "}"]))
 RAW = st.text(alphabet=st.sampled_from(["a", '"', "\\", "u", "0", ",", ":", "{", "}", "]", "n"]))
 
@@ -689,6 +767,15 @@ TEMPLATES: list[Any] = [
     lambda t: {**chunk(t), "choices": [{"index": 0, "text": t, "delta": None}]},
     lambda t: {**chunk(t), "model": t, "id": ""},
     lambda t: {**chunk(t), "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}},
+    # vLLM's running totals (continuous_usage_stats), and what only looks like them
+    lambda t: chunk(t, usage=running(len(t))),
+    lambda t: chunk(t, usage={**running(len(t)), "prompt_tokens_details": None}),
+    lambda t: chunk(t, usage={**running(len(t)), "prompt_tokens_details": {"cached_tokens": 1}}),
+    lambda t: chunk(t, usage={"prompt_tokens": 2.0, "completion_tokens": -1}),
+    lambda t: chunk(t, usage={"prompt_tokens": 10**30, "completion_tokens": 1}),
+    lambda t: chunk(t, usage={}),
+    lambda t: {"usage": running(len(t)), **chunk(t)},  # usage first, not last
+    lambda t: {**chunk(t, usage=running(1)), "usage": running(len(t))},
 ]
 
 
@@ -721,6 +808,22 @@ def test_openai_fast_path_agrees_with_decoding_every_event(
 ) -> None:
     wire = sse_of(datas, sep="")
     run_pair(endpoint, wire, [c for c in cuts if c <= len(wire)], strip)
+    run_pair(endpoint, wire, boundaries(wire), strip)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    openai_stream(),
+    st.lists(st.integers(min_value=0, max_value=3000), max_size=6),
+    st.sampled_from([(True, True), (False, True), (True, False)]),
+    st.sampled_from([" ", ""]),
+)
+def test_wire_fast_path_agrees_with_decoding_every_event_when_usage_is_cut(
+    datas: list[str], cuts: list[int], strips: tuple[bool, bool], sep: str
+) -> None:
+    wire = sse_of(datas, sep=sep)
+    run_pair(Endpoint.CHAT, wire, [c for c in cuts if c <= len(wire)], *strips)
+    run_pair(Endpoint.CHAT, wire, boundaries(wire) + cuts[:1], *strips)
 
 
 @pytest.mark.parametrize(
@@ -736,11 +839,62 @@ def test_openai_fast_path_agrees_with_decoding_every_event(
         # the text between the learnt prefix and suffix changes the structure
         [compact(chunk("")), compact(chunk("")).replace('"content":""', '"content":"a","x":""')],
         [compact(chunk("a")), compact(chunk("a")).replace('"a"', '"a\\"')],
+        # the same length of bytes after the text, but not the same bytes: a finish reason
+        [compact(chunk("a")), compact(chunk("b", finish="ab"))],
         [compact(chunk("a")), compact(chunk("a")).replace('"a"', '"\t"')],
     ],
 )
 def test_fast_path_is_not_fooled(datas: list[str]) -> None:
-    run_pair(Endpoint.CHAT, sse_of(datas, sep=""), [], False)
+    for sep in ("", " ", "  "):
+        wire = sse_of(datas * 2, sep=sep)
+        run_pair(Endpoint.CHAT, wire, [], False)
+        run_pair(Endpoint.CHAT, wire, boundaries(wire), False)
+        run_pair(Endpoint.CHAT, wire, boundaries(wire), True, True)
+
+
+TOP = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"}}]%s}'
+RUNNING = ',"usage":{"prompt_tokens":3,"completion_tokens":%d}'
+
+
+@pytest.mark.parametrize(
+    "datas",
+    [
+        # TGI writes "usage":null on every chunk; vLLM's running totals are appended last
+        [TOP % ("a", ',"usage":null'), TOP % ("b", ',"usage":null' + RUNNING % 2)],
+        # a repeated key: the first "usage" is not the one a reader keeps, nor the one cut
+        [TOP % ("a", ',"usage":{"x":1}' + RUNNING % 1), TOP % ("b", ',"usage":{"x":1}')],
+        [
+            TOP % ("a", ',"usage":{"x":1}' + RUNNING % 1),
+            TOP % ("b", ',"usage":{"x":1}' + RUNNING % 2),
+        ],
+        [TOP % ("a", ',"usage":null'), TOP % ("b", ',"usage":{"x":{"y":1}}' + RUNNING % 2)],
+        [
+            '{"usage":{"x":1},' + (TOP % ("a", RUNNING % 1))[1:],
+            '{"usage":{"x":1},' + (TOP % ("b", ""))[1:],
+        ],
+        # not JSON: a number with a leading zero
+        [
+            TOP % ("a", RUNNING % 1),
+            TOP % ("b", RUNNING % 2),
+            TOP % ("c", RUNNING.replace("%d", "02")),
+        ],
+        [TOP % ("a", RUNNING % 1), TOP % ("b", RUNNING.replace(":3", ":03") % 2)],
+        # two choices, each with its own running totals: kept apart
+        [TOP % ("a", RUNNING % 1)] * 3
+        + [(TOP % ("b", RUNNING % 5)).replace('"index":0', '"index":1')] * 3
+        + [TOP % ("c", RUNNING % 2)],
+        # a shape learnt anew inside one read: the totals after it are that choice's
+        [TOP % ("a", RUNNING % 1), '{"id":"c","choices":[{"index":1,"text":""}]}']
+        + [TOP % ("b", RUNNING % 2)] * 2,
+    ],
+)
+def test_running_usage_on_the_wire_is_not_fooled(datas: list[str]) -> None:
+    wire = sse_of(datas * 2)
+    for strips in ((True, True), (False, False), (True, False)):
+        run_pair(Endpoint.CHAT, wire, [], *strips)
+        run_pair(Endpoint.CHAT, wire, boundaries(wire), *strips)
+        for cut in boundaries(wire):  # the rest in one read
+            run_pair(Endpoint.CHAT, wire, [cut], *strips)
 
 
 def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> None:
@@ -780,12 +934,14 @@ def tgi_event(text: str, logprob: str, tail: str = '"generated_text":null,"detai
         max_size=10,
     ),
     st.lists(st.integers(min_value=0, max_value=2000), max_size=5),
+    st.sampled_from(["", " ", "  "]),
 )
 def test_tgi_fast_path_agrees_with_decoding_every_event(
-    events: list[tuple[str, str, str]], cuts: list[int]
+    events: list[tuple[str, str, str]], cuts: list[int], sep: str
 ) -> None:
-    wire = b"".join(f"data:{tgi_event(*e)}\n\n".encode() for e in events)
+    wire = b"".join(f"data:{sep}{tgi_event(*e)}\n\n".encode() for e in events)
     run_pair(Endpoint.TGI_GENERATE_STREAM, wire, [c for c in cuts if c <= len(wire)], False)
+    run_pair(Endpoint.TGI_GENERATE_STREAM, wire, boundaries(wire), False)
 
 
 def test_tgi_token_events_take_the_fast_path_and_count() -> None:
