@@ -11,6 +11,7 @@ and metrics. A count that cannot be read is None, with the reason in `Usage.unkn
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -522,8 +523,9 @@ class StreamMeter:
         pos, size, tokens = 0, len(chunk), 0
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
+        held = self._parser.pending
         while pos < size:
-            if self._parser.pending or (found := at(chunk, pos)) is None:
+            if held or (found := at(chunk, pos)) is None:
                 end = chunk.find(b"\n\n", pos) + 2
                 end = end if end > 1 else size
                 got = self._feed_events(piece := chunk[pos:end])
@@ -531,6 +533,7 @@ class StreamMeter:
                     out += (chunk[kept:pos], got)
                     kept = end
                 pos = end
+                held = self._parser.pending
                 continue
             end, text, cut = found
             tokens += text
@@ -623,6 +626,15 @@ class StreamMeter:
     # Returns True when the event must not reach the client.
     def _on_event(self, ev: Event) -> bool:
         if ev.data is None:
+            return False
+        shape = self._shape
+        found = shape.at(ev.raw, 0) if shape is not None and ev.raw else None
+        if shape is not None and found is not None and found[0] == len(ev.raw):
+            # the wire path's shape, met here (an event split across reads, or after another)
+            self._s.token_events += found[1]
+            if found[2] >= 0:
+                self._choice_usage[shape.index] = ev.raw[found[2] + _USAGE_KEY : -3]
+                self._cut = self._strip_chunk
             return False
         if self._shape is not None and (carries := self._shape.carries(ev.data)) is not None:
             self._s.token_events += carries
@@ -760,12 +772,13 @@ class _TokenShape:
     is not empty. Every other event is decoded.
     """
 
-    __slots__ = ("head", "index", "mid", "prefix", "suffix", "tries")
+    __slots__ = ("head", "index", "prefix", "suffix", "tail", "tries")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = ""
         self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
-        self.head = self.mid = b""  # the shape on the wire (see `at`); no head: not usable there
+        self.head = b""  # the shape on the wire (see `at`); no head: not usable there
+        self.tail = _NEVER
         self.index = 0  # the choice's index: running usage is kept per choice
 
     def carries(self, data: str) -> bool | None:
@@ -795,7 +808,7 @@ class _TokenShape:
         self.tries -= 1
         if _is_the_slot(data[:start], data[end:], key, text):
             self.prefix, self.suffix = data[:start], data[end:]
-            self.head, self.mid = _on_the_wire(self.prefix, self.suffix)
+            self.head, self.tail = _on_the_wire(self.prefix, self.suffix)
             self.index = _int(obj["choices"][0].get("index")) or 0
 
     def at(self, chunk: bytes, pos: int) -> _WireEvent | None:
@@ -811,29 +824,17 @@ class _TokenShape:
         cuts, as that regex's match must end on a brace followed by `}` and a newline, which
         only this flat member's closing brace is.
         """
-        if chunk.startswith(b"data: ", pos):
-            pos += 6
-        elif chunk.startswith(b"data:", pos):
-            pos += 5
+        head = self.head
+        if chunk.startswith(head, pos):
+            start = pos + len(head)
+        elif chunk.startswith(head[6:], pos + 5) and chunk.startswith(b"data:", pos):
+            start = pos + len(head) - 1  # `data:` without the space
         else:
             return None
-        if not chunk.startswith(self.head, pos):
+        m = self.tail.match(chunk, start)
+        if m is None:
             return None
-        start = pos + len(self.head)
-        end = chunk.find(b'"', start)  # the text's closing quote: the suffix starts with it
-        if end < 0 or not _PLAIN_BYTES.fullmatch(chunk, start, end):
-            return None
-        if not chunk.startswith(self.mid, end):
-            return None
-        at = end + len(self.mid)
-        if chunk.startswith(b"}\n\n", at):
-            return at + 3, end > start, -1
-        if not chunk.startswith(b',"usage":', at):
-            return None
-        usage = _USAGE_OBJECT.match(chunk, at + _USAGE_KEY)
-        if usage is None or not chunk.startswith(b"}\n\n", usage.end()):
-            return None
-        return usage.end() + 3, end > start, at
+        return m.end(), m.end(1) > start, m.start(2)
 
 
 _SHAPE_TRIES = 8
@@ -841,11 +842,11 @@ _SHAPE_TRIES = 8
 # The running totals vLLM puts last on each chunk (`continuous_usage_stats`): a flat object of
 # integers (or null), as pydantic writes it. Nothing else is learnt past or cut by the wire path.
 _USAGE_OBJECT = re.compile(
-    rb'\{"[a-z_]+":(?:0|[1-9][0-9]{0,17}|null)(?:,"[a-z_]+":(?:0|[1-9][0-9]{0,17}|null))*\}'
+    rb'\{"[a-z_]+":(?:[1-9][0-9]{0,17}|0|null)(?:,"[a-z_]+":(?:[1-9][0-9]{0,17}|0|null))*\}'
 )
 _USAGE_KEY = len(b',"usage":')
 _RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
-_PLAIN_BYTES = re.compile(rb"[ !#-\[\]-~\x80-\xff]*")  # `_plain` text, and UTF-8's other bytes
+_NEVER = re.compile(rb"(?!)")
 _WireEvent = tuple[int, bool, int]
 
 
@@ -859,13 +860,23 @@ def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapp
     return base, {k: v for k, v in obj.items() if k != "usage"}
 
 
-def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, bytes]:
-    """(head, mid) for `_TokenShape.at`: the prefix, and the suffix but its closing brace; no
-    head when the shape is not one `data:` line of a JSON object."""
+def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes]]:
+    """(head, tail) for `_TokenShape.at`: `data: ` and the prefix; the text, the suffix and
+    optional running usage before its closing brace. No head when the shape is not one `data:`
+    line of a JSON object."""
     p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
     if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s:
-        return b"", b""
-    return p, s[:-1]
+        return b"", _NEVER
+    return b"data: " + p, _tail(s[:-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _tail(suffix: bytes) -> re.Pattern[bytes]:
+    """The part of the shape after the prefix, compiled once per suffix. A chunk's suffix holds
+    no id (vLLM's: `"},"logprobs":null,"finish_reason":null}]`), so streams share it."""
+    text = rb"([ !#-\[\]-~\x80-\xff]*)"  # `_plain` text, and the other bytes of UTF-8
+    usage = rb'(?:(,"usage":)' + _USAGE_OBJECT.pattern + b")?"
+    return re.compile(text + re.escape(suffix) + usage + rb"\}\n\n")
 
 
 # The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
