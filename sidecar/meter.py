@@ -133,7 +133,7 @@ class Meter:
                 self.metrics.metering_errors.labels(stage).inc()
 
     def _count(self, ex: Exchange) -> None:
-        m, ep, u, c = self.metrics, ex.endpoint.value, ex.usage, self.metrics.child
+        m, ep, u, c = self.metrics, ex.endpoint.label, ex.usage, self.metrics.child
         c(m.requests, ex.model, ep, ex.status_label).inc()
         if ex.duration_s is not None:
             c(m.duration, ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
@@ -157,7 +157,7 @@ class Meter:
     def _price(self, ex: Exchange) -> None:
         if not consumed(ex):
             return
-        m, ep, c = self.metrics, ex.endpoint.value, self.metrics.child
+        m, ep, c = self.metrics, ex.endpoint.label, self.metrics.child
         cost = price_cost(self.prices, ex)
         if cost is None:
             # Each measured direction is spent even if the other is unknown.

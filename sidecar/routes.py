@@ -8,6 +8,7 @@ Never: decides on a path other than the one forwarded, or guesses what an ambigu
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -29,9 +30,14 @@ class Endpoint(StrEnum):
     # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
     OTHER = "other"
 
-    @property
-    def is_tgi_native(self) -> bool:
+    @functools.cached_property
+    def is_tgi_native(self) -> bool:  # cached: a member's attribute after the first read
         return self in _TGI_NATIVE
+
+    @functools.cached_property
+    def label(self) -> str:
+        """The value as a plain str (an Enum's `.value` is a property, read on every request)."""
+        return str(self.value)
 
     @property
     def operation(self) -> str:
@@ -66,6 +72,9 @@ class AmbiguousPath(ValueError):
 # An encoded slash or backslash is a separator to some servers and a character to others
 # (uvicorn decodes %2F before routing, axum does not); an encoded NUL is never a route.
 _AMBIGUOUS = re.compile(r"%(2f|5c|00)", re.IGNORECASE)
+# A path the normalisation leaves as it is: segments of printable ASCII without `%`, none empty,
+# `.` or `..` (a segment may hold a dot, not be one), no trailing slash.
+_PLAIN_PATH = re.compile(r"(?:/(?!\.\.?(?:/|\Z))[!-$&-.0-~]+)+")
 
 
 def routing_path(raw_path: str) -> str:
@@ -75,6 +84,12 @@ def routing_path(raw_path: str) -> str:
     above the root), no trailing slash. Raises AmbiguousPath for an encoded `/`, `\\` or NUL, a
     control character, or bytes that are not UTF-8.
     """
+    if _PLAIN_PATH.fullmatch(raw_path):
+        return raw_path  # already what `_normalised` makes of it (the usual path: no work)
+    return _normalised(raw_path)
+
+
+def _normalised(raw_path: str) -> str:
     if _AMBIGUOUS.search(raw_path):
         raise AmbiguousPath("the path contains an encoded '/', '\\' or NUL")
     try:

@@ -100,11 +100,18 @@ def inspect_request(
     params = params if isinstance(params, dict) else {}
     n = _positive(lax_int(params.get("n"))) if not endpoint.is_tgi_native else None
     text_chars, prompt_ids = body_size(obj)
-    info = RequestInfo(
+    stream = _stream_flag(endpoint, obj)
+    injected = None
+    if inject_usage and stream and endpoint in _INJECTABLE and text is not None:
+        injected = _with_usage_requested(text, obj, continuous_usage)
+    sent, injected_usage, strip_chunk_usage = injected or (body, False, False)
+    return RequestInfo(
         endpoint=endpoint,
-        body=body,
+        body=sent,
         parsed=True,
-        stream=_stream_flag(endpoint, obj),
+        stream=stream,
+        injected_usage=injected_usage,
+        strip_chunk_usage=strip_chunk_usage,
         model=_str(obj.get("model")),
         user=_str(obj.get("user")),
         max_tokens=_max_tokens(endpoint, obj, params),
@@ -119,9 +126,6 @@ def inspect_request(
         prompt_ids=prompt_ids,
         unreadable=_unreadable(params if endpoint.is_tgi_native else obj, endpoint),
     )
-    if inject_usage and info.stream and endpoint in _INJECTABLE and text is not None:
-        info = _with_usage_requested(info, text, obj, continuous_usage)
-    return info
 
 
 def _parse(body: bytes) -> tuple[str | None, object]:
@@ -273,34 +277,38 @@ def body_size(obj: object) -> tuple[int, int]:
 
 
 def _with_usage_requested(
-    info: RequestInfo, text: str, obj: Mapping[str, Any], continuous: bool
-) -> RequestInfo:
-    """Ask for the usage the client did not, by splicing bytes; never by re-serialising."""
+    text: str, obj: Mapping[str, Any], continuous: bool
+) -> tuple[bytes, bool, bool] | None:
+    """Ask for the usage the client did not, by splicing bytes; never by re-serialising.
+
+    Returns (the body to send, injected_usage, strip_chunk_usage), or None to send it as it is.
+    """
     opts = obj.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        return info  # the server refuses it anyway: forward untouched
+        return None  # the server refuses it anyway: forward untouched
     opts = opts or {}
     asked_usage = lax_true(opts.get("include_usage"))
     asked_running = lax_true(opts.get("continuous_usage_stats"))
     want_running = continuous or asked_running
     if asked_usage and (asked_running or not continuous):
-        return info  # the client asked for everything we would add
+        return None  # the client asked for everything we would add
     body = _splice_stream_options(text, obj, want_running)
     if body is None:
-        return info
-    return replace(
-        info,
-        body=body.encode("utf-8"),
-        injected_usage=not asked_usage,
-        # the server now sends per-chunk usage; the client would have seen it only if it asked
-        # for both (vLLM sends running totals only together with include_usage)
-        strip_chunk_usage=want_running and not (asked_usage and asked_running),
+        return None
+    # the server now sends per-chunk usage; the client would have seen it only if it asked for
+    # both (vLLM sends running totals only together with include_usage)
+    return (
+        body.encode("utf-8"),
+        not asked_usage,
+        want_running and not (asked_usage and asked_running),
     )
 
 
 def _splice_stream_options(text: str, obj: Mapping[str, Any], running: bool) -> str | None:
     """`text` with stream_options.include_usage (and continuous_usage_stats) set to true."""
     wanted = '"include_usage":true' + (',"continuous_usage_stats":true' if running else "")
+    if "stream_options" not in obj:  # no member decodes to that key: the usual case, no scan
+        return splice.insert_first(text, text.index("{"), '"stream_options":{' + wanted + "}")
     top = splice.members(text)
     if top is None:
         return None
@@ -377,9 +385,7 @@ def usage_from_body(endpoint: Endpoint, body: bytes, headers: Mapping[str, str])
         return Usage(
             model=model, response_id=rid, finish_reasons=reasons, unknown_reason="no_usage"
         )
-    return replace(
-        read_usage(usage, endpoint), model=model, response_id=rid, finish_reasons=reasons
-    )
+    return read_usage(usage, endpoint, model=model, response_id=rid, finish_reasons=reasons)
 
 
 def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
@@ -411,8 +417,16 @@ def _vertex_body_usage(obj: object) -> Usage:
     return Usage(unknown_reason="no_usage")
 
 
-def read_usage(usage: Mapping[str, Any], endpoint: Endpoint) -> Usage:
-    """An OpenAI-style `usage` object (chat/completions/embeddings or the Responses API's)."""
+def read_usage(
+    usage: Mapping[str, Any],
+    endpoint: Endpoint,
+    *,
+    model: str | None = None,
+    response_id: str | None = None,
+    finish_reasons: tuple[str, ...] = (),
+) -> Usage:
+    """An OpenAI-style `usage` object (chat/completions/embeddings or the Responses API's), with
+    the response's other fields when they are known."""
     if endpoint is Endpoint.RESPONSES:
         inp, out = _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
         details = usage.get("input_tokens_details")
@@ -427,6 +441,9 @@ def read_usage(usage: Mapping[str, Any], endpoint: Endpoint) -> Usage:
         input_tokens=inp,
         output_tokens=out,
         cached_input_tokens=cached,
+        model=model,
+        response_id=response_id,
+        finish_reasons=finish_reasons,
         unknown_reason="incomplete_usage" if missing else None,
     )
 

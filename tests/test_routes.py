@@ -14,9 +14,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from sidecar import routes
+from sidecar.routes import AmbiguousPath
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 from tests.rawhttp import raw_request
@@ -323,3 +327,24 @@ def _as(user: str) -> dict[str, str]:
 
 async def aiohttp_sleep() -> None:
     await asyncio.sleep(0.02)
+
+
+PATH_PIECES = ["/", ".", "%", "%2f", "%41", "a", "\\", " ", "\x00", "\x7f", "é", "-", "~"]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(PATH_PIECES)).map("".join))
+def test_a_plain_path_is_left_as_normalisation_leaves_it(tail: str) -> None:
+    """The fast path (a path already normal) agrees with the normalisation, raising or not."""
+    raw = "/" + tail
+    try:
+        expected: str | type[Exception] = routes._normalised(raw)
+    except AmbiguousPath:
+        expected = AmbiguousPath
+    try:
+        got: str | type[Exception] = routes.routing_path(raw)
+    except AmbiguousPath:
+        got = AmbiguousPath
+    assert got == expected, raw
+    if routes._PLAIN_PATH.fullmatch(raw):
+        assert got == raw
