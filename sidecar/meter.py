@@ -40,6 +40,9 @@ STATUS_CLIENT_CLOSED = 499  # nginx's convention: the client went away before th
 UPSTREAM_FAILED = "upstream_error"
 
 
+_NOTHING_MEASURED = Usage()  # a shared default: Usage is frozen
+
+
 @dataclass(slots=True)
 class Exchange:
     """Mutable while the request runs; read-only once handed to `Meter.record`."""
@@ -58,7 +61,7 @@ class Exchange:
     upstream_start: float | None = None
     first_token_at: float | None = None
     duration_s: float | None = None
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = _NOTHING_MEASURED
     cost: Cost | None = None
     cost_unknown_reason: str | None = None
     bytes_in: int = 0

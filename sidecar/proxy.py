@@ -68,9 +68,10 @@ class Refusal(Exception):
 # --- pure helpers ---------------------------------------------------------------------------------
 
 
-def _end_to_end(src: Mapping[str, str], also_drop: frozenset[str]) -> CIMultiDict[str]:
-    """`src` without hop-by-hop headers (fixed, and those named in Connection) and `also_drop`."""
-    drop = _connection_listed(src) | HOP_BY_HOP | also_drop
+def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """`src` without the headers in `drop` (lower case) and those named in its Connection."""
+    if "Connection" in src:
+        drop = drop | _connection_listed(src)
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in src.items():
         if k.lower() not in drop:
@@ -78,8 +79,8 @@ def _end_to_end(src: Mapping[str, str], also_drop: frozenset[str]) -> CIMultiDic
     return out
 
 
-_NOT_FORWARDED = frozenset({"host", "content-length"})
-_LENGTH = frozenset({"content-length"})
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+_LENGTH = HOP_BY_HOP | {"content-length"}
 
 
 def request_headers(
@@ -98,7 +99,7 @@ def request_headers(
 
 
 def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
-    return _end_to_end(src, _LENGTH if drop_length else frozenset())
+    return _end_to_end(src, _LENGTH if drop_length else HOP_BY_HOP)
 
 
 def _connection_listed(headers: Mapping[str, str]) -> set[str]:
@@ -225,6 +226,7 @@ class Proxy:
         self.on_start = on_start  # e.g. open a span, set the upstream's traceparent
         self.counter = counter  # exact prompt size for requests whose usage the wire lacked
         self.finishers = finishers or Finishers()  # work after the handler (client left)
+        self._urls: dict[tuple[str, str], URL] = {}
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
@@ -674,12 +676,20 @@ class Proxy:
         """The upstream URL for exactly the path that was classified (already normalised, so the
         client library has nothing left to change), with the client's query string as sent."""
         query = request.rel_url.raw_query_string
-        target = self.s.upstream + quote(path, safe=_PATH_SAFE) + ("?" + query if query else "")
-        return URL(target, encoded=True)
+        key = (path, query)
+        url = self._urls.get(key)
+        if url is None:
+            target = self.s.upstream + quote(path, safe=_PATH_SAFE) + ("?" + query if query else "")
+            url = URL(target, encoded=True)
+            if len(self._urls) >= _URL_CACHE:  # bounded: odd paths and queries come and go
+                self._urls.clear()
+            self._urls[key] = url
+        return url
 
 
 # RFC 3986 pchar and "/": what may stand unencoded in a path.
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
+_URL_CACHE = 1024  # upstream URLs kept by (path, query): most requests share a few
 
 
 def _client_left(ex: Exchange) -> None:
