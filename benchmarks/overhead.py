@@ -333,15 +333,21 @@ def spawn(args: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
 PRICES = f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
 
 
+KINDS = ("metering", "default", "default_no_running")
+
+
 def tollbooth_config(kind: str, files: Path) -> str:
     if kind == "metering":  # metering, pricing and metrics only
         return "logging:\n  access_log: off\n  level: WARNING\naudit:\n  enabled: false\n"
     # what a production deployment has on: the ledger, the JSON access log, audit capture
-    return (
+    conf = (
         f"ledger:\n  path: {files}-ledger.db\n"
         f"logging:\n  access_log: {files}-access.log\n  level: WARNING\n"
         f"audit:\n  path: {files}-audit.jsonl\n"
     )
+    if kind == "default_no_running":  # without vLLM's running totals (exact disconnect billing)
+        conf += "metering:\n  continuous_usage: false\n"
+    return conf
 
 
 def start_paths(
@@ -358,7 +364,7 @@ def start_paths(
     if compare is not None:  # the same configurations from another checkout, in the same run
         trees["compare"] = compare.resolve()
     for prefix, tree in trees.items():
-        for kind in ("metering", "default"):
+        for kind in KINDS:
             name = f"{prefix}_{kind}"
             conf = tmp / f"{name}.yaml"
             conf.write_text(PRICES + tollbooth_config(kind, tmp / name))
@@ -495,6 +501,8 @@ def report(
         "x minimal: each round's figure over the minimal proxy's in the same round, median",
         "tollbooth_metering": "metering, pricing, metrics; ledger, access log and audit off",
         "tollbooth_default": "plus SQLite ledger, JSON access log to a file, audit capture",
+        "tollbooth_default_no_running": "default, with metering.continuous_usage off: no "
+        "running totals asked of vLLM (a client leaving mid-stream is then billed its hold)",
         "compare": str(args.compare) if args.compare else None,
         "cpu_of_direct": "the upstream's own CPU (direct has no proxy)",
     }
@@ -512,7 +520,7 @@ def report(
 
 def table(results: dict[str, Any]) -> str:
     head = (
-        f"{'path':<20} {'chunks/s':>9} {'x min':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'path':<28} {'chunks/s':>9} {'x min':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'gap p99':>8} {'req/s':>7} {'x min':>5} {'p50':>6} {'p99':>6} {'idle TTFT':>9} "
         f"{'ms CPU/1k ch':>12} {'ms CPU/req':>10} {'RSS idle':>8} {'RSS peak':>8}"
     )
@@ -520,7 +528,7 @@ def table(results: dict[str, Any]) -> str:
     for name, r in results.items():
         s, q, x = r["stream"], r["requests"], r["vs_minimal"]
         lines.append(
-            f"{name:<20} {s['chunks_per_s']:9.0f} {x['chunks_per_s']:5.2f} "
+            f"{name:<28} {s['chunks_per_s']:9.0f} {x['chunks_per_s']:5.2f} "
             f"{s['ttft_p50_ms']:9.2f} {s['ttft_p99_ms']:9.2f} {s['gap_p99_ms']:8.2f} "
             f"{q['rps']:7.0f} {x['rps']:5.2f} {q['p50_ms']:6.2f} {q['p99_ms']:6.2f} "
             f"{r['idle']['ttft_p50_ms']:9.3f} {s['cpu_ms_per_1k_chunks']:12.1f} "
