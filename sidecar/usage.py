@@ -881,13 +881,14 @@ def _tail(suffix: bytes) -> re.Pattern[bytes]:
 
 # The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
 # writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
-# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits. Such an
-# event decodes to a dict with a `token` object, null `generated_text` and `details`, and no
-# `error`: `_tgi_event` only counts it.
+# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits, and no
+# integer of more than 18 digits (`json.loads` refuses one of over 4300: such an event counts
+# nothing on the general path). Such an event decodes to a dict with a `token` object, null
+# `generated_text` and `details`, and no `error`: `_tgi_event` only counts it.
 _TGI_TOKEN_EVENT = re.compile(
-    r'\{"index":(?:0|[1-9][0-9]*),"token":\{"id":(?:0|[1-9][0-9]*),'
+    r'\{"index":(?:0|[1-9][0-9]{0,17}),"token":\{"id":(?:0|[1-9][0-9]{0,17}),'
     r'"text":"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*",'
-    r'"logprob":(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|null),'
+    r'"logprob":(?:-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|null),'
     r'"special":(?:true|false)\},"generated_text":null,"details":null\}'
 )
 

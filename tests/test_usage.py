@@ -955,3 +955,19 @@ def test_tgi_token_events_take_the_fast_path_and_count() -> None:
     wire = f"data:{plain}\n\ndata:{final}\n\n".encode()
     got = run_pair(Endpoint.TGI_GENERATE_STREAM, wire, [], False)
     assert (got.input_tokens, got.output_tokens) == (5, 2)
+
+
+def test_tgi_fast_paths_do_not_count_an_integer_json_refuses() -> None:
+    """Python's `json.loads` refuses an integer of over 4300 digits (a ValueError: the general path
+    counts no token for that event), so neither TGI fast path may count one, on the wire (whole
+    reads) or as text (an event split across reads)."""
+    huge = "1" * 5000
+    for odd in (
+        tgi_event("a", "-0.5").replace('"index":1', f'"index":{huge}'),
+        tgi_event("a", "-0.5").replace('"id":7', f'"id":{huge}'),
+        tgi_event("a", f"-{huge}"),
+    ):
+        wire = f"data:{odd}\n\n".encode() * 2
+        for cuts in ([], [7], boundaries(wire)):
+            got = run_pair(Endpoint.TGI_GENERATE_STREAM, wire, cuts, False)
+            assert got.unknown_reason == "no_token_events", cuts
