@@ -860,12 +860,19 @@ def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapp
     return base, {k: v for k, v in obj.items() if k != "usage"}
 
 
+# The longest suffix compiled into a wire pattern. A chunk's suffix is tens of bytes (vLLM's and
+# TGI's); a long one (an echoed completion's prompt logprobs, per-token logprobs) is the client's
+# to choose and rarely repeats, and compiling costs about 2 us per byte on the event loop (a
+# 400 KB suffix: 0.7 s, and 2.6 MB held in `_tail`'s cache). Such shapes use the text fast path.
+_WIRE_SUFFIX_MAX = 512
+
+
 def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes]]:
     """(head, tail) for `_TokenShape.at`: `data: ` and the prefix; the text, the suffix and
     optional running usage before its closing brace. No head when the shape is not one `data:`
     line of a JSON object."""
     p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
-    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s:
+    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s or len(s) > _WIRE_SUFFIX_MAX:
         return b"", _NEVER
     return b"data: " + p, _tail(s[:-1])
 

@@ -971,3 +971,36 @@ def test_tgi_fast_paths_do_not_count_an_integer_json_refuses() -> None:
         for cuts in ([], [7], boundaries(wire)):
             got = run_pair(Endpoint.TGI_GENERATE_STREAM, wire, cuts, False)
             assert got.unknown_reason == "no_token_events", cuts
+
+
+def echoed_completion(tokens: int, text: str) -> dict:
+    """vLLM's first chunk of a completion with `echo` and `logprobs`: the prompt's text and then,
+    after it, the prompt's logprobs (as long as the client's prompt)."""
+    toks = [f" w{i}" for i in range(tokens)]
+    logprobs = {
+        "text_offset": list(range(tokens)),
+        "token_logprobs": [None] + [-1.25] * (tokens - 1),
+        "tokens": toks,
+        "top_logprobs": [None] + [{t: -1.25} for t in toks[1:]],
+    }
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{**choice, "stop_reason": None}]}  # fmt: skip
+
+
+def test_a_long_suffix_is_not_compiled_into_a_wire_pattern() -> None:
+    """Not a speed test: a shape's suffix is the client's to size (the echoed prompt's logprobs
+    follow the text). Compiling a pattern costs about 2 us per byte on the event loop and the
+    pattern stays in a cache shared by streams; such a shape keeps to the text fast path, and the
+    meter still agrees with the reference."""
+    datas = [compact(echoed_completion(400, t)) for t in (" w0 w1", "", " out", " more")]
+    datas.append(compact({**chunk(None), "choices": [], "usage": running(2)}))
+    wire = sse_of(datas)
+    compiled: list[bytes] = []
+    real = usage_module._tail
+    with mock.patch.object(usage_module, "_tail", lambda s: compiled.append(s) or real(s)):
+        m = StreamMeter(Endpoint.COMPLETIONS, strip_usage=True)
+        m.feed(wire)
+    assert compiled == [] and m.token_events == 3
+    for strips in ((True, True), (False, False)):
+        run_pair(Endpoint.COMPLETIONS, wire, boundaries(wire), *strips)
