@@ -877,12 +877,19 @@ def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapp
     return base, {k: v for k, v in obj.items() if k != "usage"}
 
 
+# The longest suffix compiled into a wire pattern. A chunk's suffix is tens of bytes (vLLM's and
+# TGI's); a long one (an echoed completion's prompt logprobs, per-token logprobs) is the client's
+# to choose and rarely repeats, and compiling costs about 2 us per byte on the event loop (a
+# 400 KB suffix: 0.7 s, and 2.6 MB held in `_tail`'s cache). Such shapes use the text fast path.
+_WIRE_SUFFIX_MAX = 512
+
+
 def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes]]:
     """(head, tail) for `_TokenShape.at`: `data: ` and the prefix; the text, the suffix and
     optional running usage before its closing brace. No head when the shape is not one `data:`
     line of a JSON object."""
     p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
-    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s:
+    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s or len(s) > _WIRE_SUFFIX_MAX:
         return b"", _NEVER
     return b"data: " + p, _tail(s[:-1])
 
@@ -898,13 +905,14 @@ def _tail(suffix: bytes) -> re.Pattern[bytes]:
 
 # The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
 # writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
-# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits. Such an
-# event decodes to a dict with a `token` object, null `generated_text` and `details`, and no
-# `error`: `_tgi_event` only counts it.
+# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits, and no
+# integer of more than 18 digits (`json.loads` refuses one of over 4300: such an event counts
+# nothing on the general path). Such an event decodes to a dict with a `token` object, null
+# `generated_text` and `details`, and no `error`: `_tgi_event` only counts it.
 _TGI_TOKEN_EVENT = re.compile(
-    r'\{"index":(?:0|[1-9][0-9]*),"token":\{"id":(?:0|[1-9][0-9]*),'
+    r'\{"index":(?:0|[1-9][0-9]{0,17}),"token":\{"id":(?:0|[1-9][0-9]{0,17}),'
     r'"text":"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*",'
-    r'"logprob":(?:-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|null),'
+    r'"logprob":(?:-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|null),'
     r'"special":(?:true|false)\},"generated_text":null,"details":null\}'
 )
 

@@ -955,3 +955,150 @@ def test_tgi_token_events_take_the_fast_path_and_count() -> None:
     wire = f"data:{plain}\n\ndata:{final}\n\n".encode()
     got = run_pair(Endpoint.TGI_GENERATE_STREAM, wire, [], False)
     assert (got.input_tokens, got.output_tokens) == (5, 2)
+
+
+def test_tgi_fast_paths_do_not_count_an_integer_json_refuses() -> None:
+    """Python's `json.loads` refuses an integer of over 4300 digits (a ValueError: the general path
+    counts no token for that event), so neither TGI fast path may count one, on the wire (whole
+    reads) or as text (an event split across reads)."""
+    huge = "1" * 5000
+    for odd in (
+        tgi_event("a", "-0.5").replace('"index":1', f'"index":{huge}'),
+        tgi_event("a", "-0.5").replace('"id":7', f'"id":{huge}'),
+        tgi_event("a", f"-{huge}"),
+    ):
+        wire = f"data:{odd}\n\n".encode() * 2
+        for cuts in ([], [7], boundaries(wire)):
+            got = run_pair(Endpoint.TGI_GENERATE_STREAM, wire, cuts, False)
+            assert got.unknown_reason == "no_token_events", cuts
+
+
+def echoed_completion(tokens: int, text: str) -> dict:
+    """vLLM's first chunk of a completion with `echo` and `logprobs`: the prompt's text and then,
+    after it, the prompt's logprobs (as long as the client's prompt)."""
+    toks = [f" w{i}" for i in range(tokens)]
+    logprobs = {
+        "text_offset": list(range(tokens)),
+        "token_logprobs": [None] + [-1.25] * (tokens - 1),
+        "tokens": toks,
+        "top_logprobs": [None] + [{t: -1.25} for t in toks[1:]],
+    }
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{**choice, "stop_reason": None}]}  # fmt: skip
+
+
+def test_a_long_suffix_is_not_compiled_into_a_wire_pattern() -> None:
+    """Not a speed test: a shape's suffix is the client's to size (the echoed prompt's logprobs
+    follow the text). Compiling a pattern costs about 2 us per byte on the event loop and the
+    pattern stays in a cache shared by streams; such a shape keeps to the text fast path, and the
+    meter still agrees with the reference."""
+    datas = [compact(echoed_completion(400, t)) for t in (" w0 w1", "", " out", " more")]
+    datas.append(compact({**chunk(None), "choices": [], "usage": running(2)}))
+    wire = sse_of(datas)
+    compiled: list[bytes] = []
+    real = usage_module._tail
+    with mock.patch.object(usage_module, "_tail", lambda s: compiled.append(s) or real(s)):
+        m = StreamMeter(Endpoint.COMPLETIONS, strip_usage=True)
+        m.feed(wire)
+    assert compiled == [] and m.token_events == 3
+    for strips in ((True, True), (False, False)):
+        run_pair(Endpoint.COMPLETIONS, wire, boundaries(wire), *strips)
+
+
+# Bytes put straight into a learnt shape's text slot on the wire: multi-byte and invalid UTF-8,
+# characters that are not printable, what a JSON string must escape, and SSE's line endings.
+SLOT_BYTES = [b"a", b" ", b"}", b"{", b",", b'"', b"\\", b"\x7f", b"\x00", b"\t", b"\r", b"\n"]
+SLOT_BYTES += [
+    b"\xc3\xa9",
+    b"\xe2\x80\xa8",
+    b"\xc2\x85",
+    b"\xff",
+    b"\x80",
+    b"\xe2\x80",
+    b"\xed\xa0\x80",
+]
+SLOT_BYTES += [b"\xef\xbb\xbf", b"data: ", b"\\u0041", b"\xf0\x9f\x98\x80", b',"usage":{"a":1}']
+
+
+def vllm_completion(index: int, text: bytes) -> bytes:
+    head = b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":['
+    tail = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}'
+    return head + b'{"index":%d,"text":"' % index + text + tail
+
+
+def tgi_chat(index: int, text: bytes) -> bytes:
+    """TGI's OpenAI route: the role on every chunk, `"usage":null` last."""
+    head = b'{"object":"chat.completion.chunk","id":"","created":1,"model":"m",'
+    head += b'"system_fingerprint":"3.0.0-sha","choices":[{"index":%d,"delta":' % index
+    tail = b'","tool_calls":null},"logprobs":null,"finish_reason":null}],"usage":null}'
+    return head + b'{"role":"assistant","content":"' + text + tail
+
+
+def vllm_chat(index: int, text: bytes) -> bytes:
+    body = compact(chunk("\x00")).replace('"index":0', f'"index":{index}').encode()
+    return body.replace(b"\\u0000", text)
+
+
+RUNNING_OBJECTS = [
+    b'{"prompt_tokens":3,"total_tokens":%d,"completion_tokens":%d}',
+    b'{"prompt_tokens":3,"completion_tokens":%d,"prompt_tokens_details":null}',
+    b'{"prompt_tokens":3,"completion_tokens":%d,"prompt_tokens_details":{"cached_tokens":1}}',
+    b'{"prompt_tokens":03,"completion_tokens":%d}',
+    b'{"prompt_tokens":3.0,"completion_tokens":%d}',
+    b'{"prompt_tokens": 3,"completion_tokens":%d}',
+    b'{"prompt_tokens":3,"prompt_tokens":5,"completion_tokens":%d}',
+    b'{"prompt_tokens":99999999999999999999,"completion_tokens":%d}',
+    b"{}",
+]
+SSE_HEADS = [b"data: ", b"data:", b"data:  ", b"data:\t", b"\xef\xbb\xbfdata: "]
+SSE_ENDS = [b"\n\n", b"\r\n\r\n", b"\n\r\n", b"\r\r", b"\n\n\n", b"\r\n\n", b" \n\n"]
+SSE_OTHER = [b": ping\n\n", b"event: x\n", b"id: 1\n", b"retry: 5\n", b"\n", b"\r\n", b"data\n"]
+SSE_OTHER += [b"data: [DONE]\n\n", b"data: {}\n\n", b"data:\n\n", b"DATA: x\n\n", b":\n"]
+
+
+@st.composite
+def wire_stream(draw: st.DrawFn) -> bytes:
+    """A stream of one server's token chunks, mostly as it writes them (so that a shape is learnt
+    and met again), with anything in the text slot, running usage, n>1 choices, and every SSE
+    variant now and then: other line endings, no space or two, comments, fields, empty events,
+    data split over lines, a BOM."""
+    make = draw(st.sampled_from([vllm_chat, vllm_completion, tgi_chat]))
+    choices = draw(st.sampled_from([1, 1, 2, 3]))
+    out: list[bytes] = []
+    for k in range(1, draw(st.integers(1, 12)) + 1):
+        if draw(st.integers(0, 12)) == 0:
+            out.append(draw(st.sampled_from(SSE_OTHER)))
+            continue
+        plain = st.sampled_from([b"", b"a", b" x", b"hello"])
+        raw = st.lists(st.sampled_from(SLOT_BYTES), max_size=4).map(b"".join)
+        data = make(draw(st.integers(0, choices - 1)), draw(st.one_of(plain, plain, raw)))
+        if draw(st.integers(0, 3)):  # running usage, last as vLLM puts it
+            usage = draw(st.sampled_from(RUNNING_OBJECTS[:1] * 6 + RUNNING_OBJECTS[1:]))
+            usage = usage % (3 + k, k)[2 - usage.count(b"%d") :]
+            data = data[:-1] + b',"usage":' + usage + b"}"
+        head, end = b"data: ", b"\n\n"
+        if draw(st.integers(0, 5)) == 0:
+            head, end = draw(st.sampled_from(SSE_HEADS)), draw(st.sampled_from(SSE_ENDS))
+        if draw(st.integers(0, 15)) == 0:
+            at = draw(st.integers(0, len(data)))
+            data = data[:at] + b"\ndata:" + data[at:]
+        out.append(head + data + end)
+    out.append(
+        b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9}}\n\n'
+    )
+    return b"".join(out) + b"data: [DONE]\n\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    wire_stream(),
+    st.lists(st.integers(min_value=0, max_value=4000), max_size=5),
+    st.sampled_from([(False, False), (True, False), (True, True), (False, True)]),
+    st.sampled_from([Endpoint.CHAT, Endpoint.COMPLETIONS]),
+)
+def test_wire_fast_path_agrees_on_raw_bytes_and_sse_variants(
+    wire: bytes, cuts: list[int], strips: tuple[bool, bool], endpoint: Endpoint
+) -> None:
+    run_pair(endpoint, wire, [c for c in cuts if c <= len(wire)], *strips)
+    run_pair(endpoint, wire, boundaries(wire), *strips)
