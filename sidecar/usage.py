@@ -789,13 +789,14 @@ class _TokenShape:
     is not empty. Every other event is decoded.
     """
 
-    __slots__ = ("head", "index", "prefix", "suffix", "tail", "tries")
+    __slots__ = ("head", "index", "prefix", "suffix", "tail", "tries", "wired")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = ""
         self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
         self.head = b""  # the shape on the wire (see `at`); no head: not usable there
         self.tail = _NEVER
+        self.wired = False  # `head` and `tail` made for this shape (see `wire`)
         self.index = 0  # the choice's index: running usage is kept per choice
 
     def carries(self, data: str) -> bool | None:
@@ -806,6 +807,8 @@ class _TokenShape:
         if not data.endswith(s) or not _plain(text := data[len(p) : len(data) - len(s)]):
             return None
         self.tries = _SHAPE_TRIES
+        if not self.wired:
+            self.wire()
         return text != ""
 
     def learn(self, data: str, obj: Mapping[str, Any]) -> None:
@@ -824,9 +827,19 @@ class _TokenShape:
             return
         self.tries -= 1
         if _is_the_slot(data[:start], data[end:], key, text):
+            met_before = data[end:] == self.suffix
             self.prefix, self.suffix = data[:start], data[end:]
-            self.head, self.tail = _on_the_wire(self.prefix, self.suffix)
             self.index = _int(obj["choices"][0].get("index")) or 0
+            self.head, self.tail = b"", _NEVER
+            self.wired = False
+            if met_before:
+                self.wire()
+
+    def wire(self) -> None:
+        """Make the shape's wire form, once it has been met twice: a compiled pattern is worth it
+        only for a shape that repeats (a chunk with logprobs has a new suffix every time)."""
+        self.wired = True
+        self.head, self.tail = _on_the_wire(self.prefix, self.suffix)
 
     def at(self, chunk: bytes, pos: int) -> _WireEvent | None:
         """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional

@@ -736,8 +736,9 @@ def test_running_usage_chunks_take_the_wire_path() -> None:
         out = b"".join(m.feed(e + b"\n\n") for e in events)
     cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
     assert out == sse_of(cut)
-    # decoded: the role chunk and "Hello", each learnt and confirmed once more; not " x", "y", ""
-    assert len([c for c in calls if isinstance(c, str)]) == 4
+    # decoded, each learnt and confirmed once more: the role chunk (its suffix is not the
+    # tokens'), "Hello" and " x" (the tokens' shape met twice: now on the wire); not "y", ""
+    assert len([c for c in calls if isinstance(c, str)]) == 6
     assert m.token_events == 3
     assert (m.usage_so_far().input_tokens, m.usage_so_far().output_tokens) == (3, 3)
 
@@ -1004,6 +1005,35 @@ def test_a_long_suffix_is_not_compiled_into_a_wire_pattern() -> None:
     assert compiled == [] and m.token_events == 3
     for strips in ((True, True), (False, False)):
         run_pair(Endpoint.COMPLETIONS, wire, boundaries(wire), *strips)
+
+
+def test_a_shape_met_once_compiles_nothing() -> None:
+    """Not a speed test: with per-token logprobs every chunk has its own suffix, so no pattern is
+    made (each would be used at most once); a shape met twice gets one, then the wire path."""
+
+    def with_logprobs(i: int, t: str) -> dict[str, Any]:
+        lp = {"content": [{"token": t, "logprob": -0.5 * i, "bytes": None, "top_logprobs": []}]}
+        c = chunk(t, usage=running(i))
+        c["choices"][0]["logprobs"] = lp
+        return c
+
+    varying = sse_of([compact(with_logprobs(i, t)) for i, t in enumerate(["a", "b", "c", "d"])])
+    repeating = sse_of([compact(chunk(t, usage=running(i))) for i, t in enumerate("abcd")])
+    plain = sse_of([compact(chunk(t)) for t in "abcd"])  # met again by the text fast path
+    compiled: list[bytes] = []
+    real = usage_module._tail
+    with mock.patch.object(usage_module, "_tail", lambda s: compiled.append(s) or real(s)):
+        for wire, made in ((varying, 0), (repeating, 1), (plain, 1)):
+            compiled.clear()
+            ends = boundaries(wire)
+            pieces = [wire[a:b] for a, b in zip([0, *ends], ends, strict=False)]
+            m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+            for piece in pieces:
+                m.feed(piece)
+            assert len(compiled) == made and m.token_events == 4
+            assert bool(m._shape and m._shape.head) == bool(made)
+    for wire in (varying, repeating, plain):
+        run_pair(Endpoint.CHAT, wire, boundaries(wire), True, True)
 
 
 # Bytes put straight into a learnt shape's text slot on the wire: multi-byte and invalid UTF-8,
