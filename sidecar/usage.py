@@ -39,7 +39,9 @@ class Usage:
     unknown_reason: str | None = None  # why a count is None
 
 
-@dataclass(frozen=True, slots=True)
+# Read-only once made, but not frozen: it is made for every request, and a frozen dataclass's
+# __init__ (one object.__setattr__ per field) took 7.5 us here against 2 us.
+@dataclass(slots=True)
 class RequestInfo:
     endpoint: Endpoint
     body: bytes  # what is sent upstream (the client's bytes unless usage was injected)
