@@ -477,14 +477,21 @@ class Proxy:
             _client_left(ex)
             self._finish_later(ex, up, meter)
             return resp
+        capture, write = self.s.capture_bytes, resp.write
         try:
             async for chunk in up.content.iter_any():  # upstream failures raise here...
                 out = self._feed(meter, chunk, ex)
-                if self.s.capture_bytes:
-                    _sample(ex, out, self.s.capture_bytes)
-                if out and not await self._write(resp, out, ex):
+                if capture:
+                    _sample(ex, out, capture)
+                if not out:
+                    continue
+                try:  # `_write`, inlined: this loop runs once per read of the upstream
+                    await write(out)
+                except ConnectionResetError:
+                    _client_left(ex)
                     self._finish_later(ex, up, meter)  # the client left
                     return resp
+                ex.bytes_out += len(out)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ex.error = "upstream_reset"
             self.metrics.upstream_errors.labels("stream_interrupted").inc()
