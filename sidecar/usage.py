@@ -40,7 +40,7 @@ class Usage:
 
 
 # Read-only once made, but not frozen: it is made for every request, and a frozen dataclass's
-# __init__ (one object.__setattr__ per field) took 7.5 us here against 2 us.
+# __init__ (one object.__setattr__ per field) took 7.5 us here against 1.6 us.
 @dataclass(slots=True)
 class RequestInfo:
     endpoint: Endpoint
