@@ -71,7 +71,9 @@ class MeteringConfig:
     new_series_hold_s: float = 90.0
     # Also ask vLLM for running totals on every chunk (continuous_usage_stats), cut back out of
     # each chunk, so a client that leaves mid-stream is billed the exact tokens generated so far.
-    # Only sent when upstream.api is vllm (TGI has no such option).
+    # Only sent when upstream.api is vllm (TGI has no such option). Metering cost per chunk: 3.1
+    # against 1.9 us without it, in process (README, Overhead). Off: the output of a client that
+    # leaves mid-stream is recorded as unknown, and a budget charges it its whole hold.
     continuous_usage: bool = True
     # POSTs that generate nothing, served without metering. Any other unmetered POST is counted
     # in llm_unmetered_requests_total and goes through the budget gate.
