@@ -647,7 +647,7 @@ class StreamMeter:
         if ev.data is None:
             return False
         shape = self._shape
-        found = shape.at(ev.raw, 0) if shape is not None and ev.raw else None
+        found = shape.at(ev.raw, 0) if shape is not None and shape.head and ev.raw else None
         if shape is not None and found is not None and found[0] == len(ev.raw):
             # the wire path's shape, met here (an event split across reads, or after another)
             self._s.token_events += found[1]

@@ -47,6 +47,15 @@ async def recorded(run: Running, status: str = "499", timeout: float = 5.0) -> N
     raise AssertionError(f"no request recorded with status {status}")
 
 
+async def upstream_cancelled(run: Running, timeout: float = 2.0) -> None:
+    """Wait until the upstream has seen a request cancelled (or the time is up: the caller's
+    assertion on `run.upstream.cancelled` says what was expected)."""
+    for _ in range(int(timeout / 0.02)):
+        if run.upstream.cancelled:
+            return
+        await asyncio.sleep(0.02)
+
+
 def tokens(run: Running, direction: str) -> Any:
     return value(run, "llm_tokens_total", token_type=direction, user_id="anonymous")
 
@@ -118,10 +127,7 @@ async def test_leaving_mid_generation_cancels_the_upstream_and_bills_what_was_me
             seen += await r.content.readany()
         r.close()  # the client goes away after three chunks of 200
     await recorded(run)
-    for _ in range(100):
-        if run.upstream.cancelled:
-            break
-        await asyncio.sleep(0.02)
+    await upstream_cancelled(run)
     assert run.upstream.cancelled == [CHAT]  # the generation was stopped, the GPU freed
     assert tokens(run, "input") == 5  # exact: the server's running totals, or its /tokenize
     out = tokens(run, "output")
@@ -150,10 +156,7 @@ async def test_leaving_before_the_first_byte_bills_the_prompt(start_sidecar: Sta
     assert tokens(run, "input") == 5  # counted by the server's own tokenizer
     assert tokens(run, "output") is None
     assert value(run, "llm_usage_unknown_total", reason="client_disconnected") == 1
-    for _ in range(100):
-        if run.upstream.cancelled:
-            break
-        await asyncio.sleep(0.02)
+    await upstream_cancelled(run)
     assert run.upstream.cancelled == [CHAT]
 
 
@@ -196,8 +199,5 @@ async def test_reading_on_after_the_client_left_is_bounded(start_sidecar: StartS
     await recorded(run, timeout=3.0)  # the drain gave up after 0.3 s, /tokenize took over
     assert tokens(run, "input") == 5 and tokens(run, "output") is None
     assert value(run, "llm_usage_unknown_total", reason="client_disconnected") == 1
-    for _ in range(100):
-        if run.upstream.cancelled:
-            break
-        await asyncio.sleep(0.02)
+    await upstream_cancelled(run)
     assert run.upstream.cancelled == [CHAT]
