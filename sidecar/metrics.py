@@ -127,7 +127,7 @@ class LabelCap:
 class _Cell:
     """One value, prometheus_client's MutexValue interface without the mutex."""
 
-    __slots__ = ("_value", "_exemplar")
+    __slots__ = ("_exemplar", "_value")
 
     def __init__(self) -> None:
         self._value = 0.0

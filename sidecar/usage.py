@@ -100,7 +100,7 @@ def inspect_request(
         return _vertex_info(body, obj)
     params = obj.get("parameters") if endpoint.is_tgi_native else obj
     params = params if isinstance(params, dict) else {}
-    n = _positive(lax_int(params.get("n"))) if not endpoint.is_tgi_native else None
+    max_tokens, n, unreadable = _limits(endpoint, obj, params)
     text_chars, prompt_ids = body_size(obj)
     stream = _stream_flag(endpoint, obj)
     injected = None
@@ -116,7 +116,7 @@ def inspect_request(
         strip_chunk_usage=strip_chunk_usage,
         model=_str(obj.get("model")),
         user=_str(obj.get("user")),
-        max_tokens=_max_tokens(endpoint, obj, params),
+        max_tokens=max_tokens,
         temperature=_num(params.get("temperature")),
         n=n,
         tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
@@ -126,7 +126,7 @@ def inspect_request(
         utf8=text is not None,
         text_chars=text_chars,
         prompt_ids=prompt_ids,
-        unreadable=_unreadable(params if endpoint.is_tgi_native else obj, endpoint),
+        unreadable=unreadable,
     )
 
 
@@ -214,22 +214,31 @@ def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
 _OPENAI_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n")
 
 
-def _max_tokens(
+def _limits(
     endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any]
-) -> int | None:
-    """The output limit as the server resolves it: vLLM takes `max_completion_tokens or
-    max_tokens`, so a 0 (or a missing one) falls through to the next."""
+) -> tuple[int | None, int | None, tuple[str, ...]]:
+    """(the output limit as the server resolves it, n, the limits present that are no integer the
+    server would read). vLLM takes `max_completion_tokens or max_tokens`, so a 0 (or a missing
+    one) falls through to the next."""
     if endpoint.is_tgi_native:
-        return _positive(lax_int(params.get("max_new_tokens")))
-    for key in _OPENAI_LIMITS[:3]:
-        if v := _positive(lax_int(obj.get(key))):
-            return v
-    return None
-
-
-def _unreadable(obj: Mapping[str, Any], endpoint: Endpoint) -> tuple[str, ...]:
-    keys = ("max_new_tokens",) if endpoint.is_tgi_native else _OPENAI_LIMITS
-    return tuple(k for k in keys if obj.get(k) is not None and lax_int(obj[k]) is None)
+        value = params.get("max_new_tokens")
+        limit = lax_int(value)
+        return (
+            _positive(limit),
+            None,
+            ("max_new_tokens",) if value is not None and limit is None else (),
+        )
+    values = [obj.get(key) for key in _OPENAI_LIMITS]
+    read = [v if v is None or type(v) is int else lax_int(v) for v in values]
+    unreadable: tuple[str, ...] = ()
+    if read.count(None) != values.count(None):
+        unreadable = tuple(
+            k
+            for k, v, r in zip(_OPENAI_LIMITS, values, read, strict=True)
+            if r is None and v is not None
+        )
+    limit = next((r for r in read[:3] if r is not None and r > 0), None)
+    return limit, _positive(read[3]), unreadable
 
 
 _LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
@@ -261,21 +270,46 @@ _NOT_TEXT = frozenset({"model", "user"})
 def body_size(obj: object) -> tuple[int, int]:
     """(characters of every string value, integers inside a `prompt` list): what the prompt can
     be made of, for the budget's worst case. Data URLs (base64 media) and the top-level `model`
-    and `user` are not prompt text. Iterative: a deeply nested body cannot exhaust the stack."""
+    and `user` are not prompt text. Iterative: a deeply nested body cannot exhaust the stack.
+
+    Values inside a `prompt` member (at any depth, and inside its lists) wait on their own stack:
+    only there is an integer a token id. A dict's members leave it by their own keys.
+    """
+    if not isinstance(obj, dict):
+        return 0, 0
+    plain: list[object] = []
+    prompt: list[object] = []
+    _members(obj, plain, prompt, _NOT_TEXT)
     chars = ids = 0
-    top = obj.items() if isinstance(obj, dict) else ()
-    stack: list[tuple[object, bool]] = [(v, k == "prompt") for k, v in top if k not in _NOT_TEXT]
-    while stack:
-        value, in_prompt = stack.pop()
+    while plain or prompt:
+        stack = plain or prompt
+        value = stack.pop()
         if isinstance(value, str):
-            chars += 0 if value.startswith("data:") else len(value)
-        elif isinstance(value, dict):
-            stack.extend((v, k == "prompt") for k, v in value.items())
+            if not value.startswith("data:"):
+                chars += len(value)
         elif isinstance(value, list):
-            stack.extend((v, in_prompt) for v in value)
-        elif in_prompt and type(value) is int:
+            stack.extend(value)
+        elif isinstance(value, dict):
+            if "prompt" in value:
+                _members(value, plain, prompt)
+            else:
+                plain.extend(value.values())
+        elif stack is prompt and type(value) is int:
             ids += 1
     return chars, ids
+
+
+def _members(
+    obj: Mapping[str, object],
+    plain: list[object],
+    prompt: list[object],
+    skip: frozenset[str] = frozenset(),
+) -> None:
+    for k, v in obj.items():
+        if k == "prompt":
+            prompt.append(v)
+        elif k not in skip:
+            plain.append(v)
 
 
 def _with_usage_requested(

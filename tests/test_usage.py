@@ -1132,3 +1132,89 @@ def test_wire_fast_path_agrees_on_raw_bytes_and_sse_variants(
 ) -> None:
     run_pair(endpoint, wire, [c for c in cuts if c <= len(wire)], *strips)
     run_pair(endpoint, wire, boundaries(wire), *strips)
+
+
+# --- the budget's worst case: what a body's prompt can be made of -------------------------------
+
+_JSON_KEYS = st.sampled_from(["prompt", "model", "user", "messages", "content", "input", "x"])
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 10**20)
+    | st.floats(allow_nan=False)
+    | st.sampled_from(["", "hi", "data:image/png;base64,AAAA", "prompt", "datą:"])
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_JSON_KEYS, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+def _size_by_recursion(obj: object) -> tuple[int, int]:
+    """The definition, written the obvious way."""
+
+    def walk(value: object, in_prompt: bool) -> tuple[int, int]:
+        if isinstance(value, str):
+            return (0 if value.startswith("data:") else len(value)), 0
+        if isinstance(value, dict | list):
+            parts = (
+                [walk(v, k == "prompt") for k, v in value.items()]
+                if isinstance(value, dict)
+                else [walk(v, in_prompt) for v in value]
+            )
+            return sum(c for c, _ in parts), sum(i for _, i in parts)
+        return 0, int(in_prompt and type(value) is int)
+
+    if not isinstance(obj, dict):
+        return 0, 0
+    return walk({k: v for k, v in obj.items() if k not in ("model", "user")}, False)
+
+
+@given(st.dictionaries(_JSON_KEYS, _JSON, max_size=6) | _JSON)
+def test_body_size_is_its_definition(obj: object) -> None:
+    assert usage_module.body_size(obj) == _size_by_recursion(obj)
+
+
+def test_body_size_counts_token_ids_only_inside_prompts() -> None:
+    body = {
+        "model": "m" * 9,
+        "prompt": [[1, 2, 3], "abc", {"x": 7, "prompt": [4]}],
+        "n": 5,
+        "messages": [{"content": [{"image_url": "data:image/png;base64,AAAA"}, "hi"]}],
+    }
+    assert usage_module.body_size(body) == (5, 4)
+
+
+_LIMIT_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 2**70),
+    st.floats(allow_nan=True),
+    st.sampled_from(["16", " 3_0 ", "+8", "1.0", "1.5", "abc", "", "0"]),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@given(
+    st.sampled_from([Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.TGI_GENERATE]),
+    st.dictionaries(
+        st.sampled_from(["max_completion_tokens", "max_tokens", "max_output_tokens", "n"]),
+        _LIMIT_VALUES,
+    ),
+)
+def test_limits_read_in_one_pass_are_each_read_alone(endpoint: Endpoint, limits: dict) -> None:
+    """The output limit, n and the unreadable limits, against reading each key by itself."""
+    tgi = endpoint is Endpoint.TGI_GENERATE
+    body = {"inputs": "x", "parameters": {"max_new_tokens": limits.get("n")}} if tgi else limits
+    info = inspect_request(endpoint, json.dumps(body).encode(), inject_usage=False)
+    keys = (
+        ["max_new_tokens"] if tgi else ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+    )
+    present = body["parameters"] if tgi else body
+    read = {k: usage_module.lax_int(present.get(k)) for k in [*keys, "n"]}
+    positive = [read[k] for k in keys if read[k] is not None and read[k] > 0]
+    assert info.max_tokens == (positive[0] if positive else None)
+    assert info.n == (None if tgi or not read["n"] or read["n"] <= 0 else read["n"])
+    checked = keys if tgi else [*keys, "n"]
+    assert info.unreadable == tuple(
+        k for k in checked if present.get(k) is not None and read[k] is None
+    )
