@@ -306,7 +306,7 @@ class Budgets:
         day = self.day_start(self.clock())
         if day != self._gauge_day:
             self._gauge_day = day
-            self.metrics.spend_today.clear()
+            self.metrics.clear(self.metrics.spend_today)
         self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
 
     async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:

@@ -209,6 +209,11 @@ class Metrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def clear(self, metric: Any) -> None:
+        """`metric.clear()`, and its cached children: one kept takes updates never scraped."""
+        metric.clear()
+        self._children = {k: c for k, c in self._children.items() if k[0] != id(metric)}
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = registry or CollectorRegistry()

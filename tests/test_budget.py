@@ -388,3 +388,31 @@ def test_a_tgi_stream_without_token_events_has_no_output_count() -> None:
     meter.feed(f"data:{json.dumps(chat)}\n\n".encode())
     _, usage = meter.finish()
     assert usage.output_tokens is None and usage.unknown_reason == "no_token_events"
+
+
+def test_spend_today_starts_again_at_the_next_budget_day() -> None:
+    """The gauge is cleared at the day's start; a user's spend the next day is that day's only,
+    and still exported (a cached child of the cleared gauge used to swallow it)."""
+    from sidecar.budget import DAY, Budgets
+    from sidecar.config import AdmissionConfig, BudgetConfig, PricingConfig
+    from sidecar.metrics import LabelCap, Metrics
+    from sidecar.pricing import PriceBook
+
+    now = [10 * DAY + 100.0]
+    m = Metrics()
+    b = Budgets(
+        BudgetConfig(),
+        AdmissionConfig(),
+        m,
+        LabelCap(10),
+        PriceBook(PricingConfig()),
+        clock=lambda: now[0],
+    )
+    b.restore_gauge({"ann": 0.5})
+    now[0] += DAY
+    b.restore_gauge({"ann": 0.25, "bob": 0.125})
+    spend = {
+        u: m.registry.get_sample_value("llm_spend_today_usd", {"user_id": u})
+        for u in ("ann", "bob")
+    }
+    assert spend == {"ann": 0.25, "bob": 0.125}

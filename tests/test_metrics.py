@@ -52,8 +52,11 @@ def _apply(update: Any, amount: float, exemplar: dict[str, str] | None) -> str:
 
 def _pair(cls: type, loop_cls: type, **kw: Any) -> tuple[CollectorRegistry, Any, Any]:
     a, b = CollectorRegistry(), CollectorRegistry()
-    return a, cls("fam", "doc", ["model", "api_endpoint"], registry=a, **kw), b, loop_cls(
-        "fam", "doc", ["model", "api_endpoint"], registry=b, **kw
+    return (
+        a,
+        cls("fam", "doc", ["model", "api_endpoint"], registry=a, **kw),
+        b,
+        loop_cls("fam", "doc", ["model", "api_endpoint"], registry=b, **kw),
     )
 
 
