@@ -67,7 +67,13 @@ class ConnectionGuard:
 
 
 class GuardedConnection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, with a deadline while no request is in a handler."""
+    """aiohttp's protocol for one connection, with a deadline while no request is in a handler.
+
+    The deadline is kept lazily: moving it is an attribute write, and the one timer, when it fires
+    before the deadline (which moved later) or while a request is in a handler, re-arms for what
+    is left. So a busy kept-alive connection schedules a timer about once per header timeout, not
+    two per request (a cancelled and a new one at each start and end cost 4% of a request here).
+    """
 
     def __init__(self, guard: ConnectionGuard, inner: Any) -> None:
         self.guard, self.inner = guard, inner
@@ -75,6 +81,7 @@ class GuardedConnection(asyncio.Protocol):
         self.busy = 0  # requests in a handler now
         self.heard = False  # a byte of the next request arrived
         self.reason = HEADERS
+        self.deadline: float | None = None  # loop time; None while a request is in a handler
         self.timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol: everything goes on to aiohttp
@@ -96,7 +103,9 @@ class GuardedConnection(asyncio.Protocol):
         return self.inner.eof_received()  # type: ignore[no-any-return]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.guard.open.pop(self.transport, None)
         self.inner.connection_lost(exc)
@@ -111,7 +120,7 @@ class GuardedConnection(asyncio.Protocol):
 
     def request_started(self) -> None:
         self.busy += 1
-        self._disarm()
+        self.deadline = None
 
     def request_ended(self) -> None:
         self.busy -= 1
@@ -122,22 +131,28 @@ class GuardedConnection(asyncio.Protocol):
     # --- the deadline
 
     def _arm(self, seconds: float, reason: str) -> None:
-        self._disarm()
+        loop = asyncio.get_running_loop()
         self.reason = reason
-        self.timer = asyncio.get_running_loop().call_later(seconds, self._expire)
+        self.deadline = deadline = loop.time() + seconds
+        if self.timer is None or self.timer.when() > deadline:  # else it fires first, re-arms
+            self._schedule(loop, deadline)
 
-    def _disarm(self) -> None:
+    def _schedule(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
-            self.timer = None
+        self.timer = loop.call_at(when, self._expire)
 
     def _expire(self) -> None:
         self.timer = None
-        transport = self.transport
-        if self.busy or transport is None or transport.is_closing():
+        transport, deadline = self.transport, self.deadline
+        if self.busy or deadline is None or transport is None or transport.is_closing():
+            return  # request_ended arms again
+        loop = asyncio.get_running_loop()
+        if loop.time() < deadline:  # the deadline moved later since this timer was set
+            self._schedule(loop, deadline)
             return
         if transport.get_write_buffer_size():  # the last response is still being sent
-            self.timer = asyncio.get_running_loop().call_later(WRITE_RECHECK_S, self._expire)
+            self._schedule(loop, loop.time() + WRITE_RECHECK_S)
             return
         self.guard.cut[self.reason].inc()
         log.debug("closing a client connection: %s", self.reason)

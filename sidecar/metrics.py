@@ -212,7 +212,8 @@ class Metrics:
     def clear(self, metric: Any) -> None:
         """`metric.clear()`, and its cached children: one kept takes updates never scraped."""
         metric.clear()
-        self._children = {k: c for k, c in self._children.items() if k[0] != id(metric)}
+        for key in [k for k in self._children if k[0] == id(metric)]:
+            del self._children[key]
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
