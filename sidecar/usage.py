@@ -574,11 +574,14 @@ class StreamMeter:
         starts where reading event by event would start it.
         """
         pos, size, tokens = 0, len(chunk), 0
+        held = self._parser.pending
+        found = None if held else at(chunk, 0)
+        if found is not None and found[0] == size:
+            return self._one_event(chunk, found)
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
-        held = self._parser.pending
         while pos < size:
-            if held or (found := at(chunk, pos)) is None:
+            if found is None and (held or (found := at(chunk, pos)) is None):
                 end = chunk.find(b"\n\n", pos) + 2
                 end = end if end > 1 else size
                 got = self._feed_events(piece := chunk[pos:end])
@@ -589,6 +592,7 @@ class StreamMeter:
                 held = self._parser.pending
                 continue
             end, text, cut = found
+            found = None
             tokens += text
             if cut >= 0 and self._shape is not None:  # running usage: decoded if it is read
                 self._choice_usage[self._shape.index] = chunk[cut + _USAGE_KEY : end - 3]
@@ -606,6 +610,21 @@ class StreamMeter:
             return chunk
         out.append(chunk[kept:])
         return b"".join(out)
+
+    def _one_event(self, chunk: bytes, found: _WireEvent) -> bytes:
+        """`_feed_wire` for the usual read: exactly one whole event of the shape."""
+        end, text, cut = found
+        shape = self._shape
+        if text:
+            self._s.token_events += 1
+            if shape is None:
+                self._tgi_tokens += 1
+            else:
+                shape.tries = _SHAPE_TRIES
+        if cut < 0 or shape is None:
+            return chunk
+        self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : end - 3]
+        return chunk[:cut] + chunk[end - 3 :] if self._strip_chunk else chunk
 
     def _feed_events(self, chunk: bytes) -> bytes:
         """The general path: SSE events parsed, each one read by `_on_event`."""
