@@ -455,13 +455,30 @@ async def _measure(
                 "chunks_per_s": _paired(r["stream"], base["stream"], "chunks_per_s"),
                 "rps": _paired(r["req"], base["req"], "rps"),
             },
+            # how much the per-round ratios vary: the first and third quartiles
+            "vs_minimal_quartiles": {
+                "chunks_per_s": _quartiles(r["stream"], base["stream"], "chunks_per_s"),
+                "rps": _quartiles(r["req"], base["req"], "rps"),
+            },
             "rounds": {"stream": r["stream"], "requests": r["req"]},
         }
     return out
 
 
+def _ratios(runs: list[dict[str, float]], base: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] / b[key] for r, b in zip(runs, base, strict=True)]
+
+
 def _paired(runs: list[dict[str, float]], base: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] / b[key] for r, b in zip(runs, base, strict=True))
+    return statistics.median(_ratios(runs, base, key))
+
+
+def _quartiles(runs: list[dict[str, float]], base: list[dict[str, float]], key: str) -> list[float]:
+    ratios = _ratios(runs, base, key)
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return [q1, q3]
 
 
 def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -515,6 +532,7 @@ def report(
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(table(results))
+    print(spread(results))
     print(json.dumps(summary, indent=2))
 
 
@@ -535,6 +553,20 @@ def table(results: dict[str, Any]) -> str:
             f"{q['cpu_ms_per_request']:10.3f} {r['rss_mib']['idle']:8.1f} "
             f"{r['rss_mib']['loaded_peak']:8.1f}"
         )
+    return "\n".join(lines)
+
+
+def spread(results: dict[str, Any]) -> str:
+    """The x-minimal figures with the quartiles of their per-round ratios: what a rerun may give."""
+    lines = [f"{'x minimal, median (quartiles)':<28} {'chunks/s':>18} {'req/s':>18}"]
+    for name, r in results.items():
+        if name == "minimal_proxy":
+            continue
+        x, q = r["vs_minimal"], r["vs_minimal_quartiles"]
+        cells = [
+            f"{x[k]:.2f} ({q[k][0]:.2f}-{q[k][1]:.2f})".rjust(18) for k in ("chunks_per_s", "rps")
+        ]
+        lines.append(f"{name:<28} {' '.join(cells)}")
     return "\n".join(lines)
 
 
