@@ -303,9 +303,9 @@ class Budgets:
         return to_micros(measured)
 
     def _gauge(self, user: str, amount: float) -> None:
-        day = self.day_start(self.clock())
-        if day != self._gauge_day:
-            self._gauge_day = day
+        now = self.clock()
+        if not self._gauge_day <= now < self._gauge_day + DAY:  # another budget day
+            self._gauge_day = self.day_start(now)
             self.metrics.clear(self.metrics.spend_today)
         self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
 

@@ -321,7 +321,7 @@ class Metrics:
         self.cost_unknown = LoopCounter(
             "llm_cost_unknown", "Requests whose cost is unknown.", ["model", "reason"], registry=r
         )
-        self.spend_today = Gauge(
+        self.spend_today = LoopGauge(
             "llm_spend_today_usd",
             "Spend since the start of the budget day.",
             ["user_id"],

@@ -122,4 +122,5 @@ def test_the_request_paths_families_are_lock_free() -> None:
         "cost",
         "request_cost",
         "cost_unknown",
+        "spend_today",
     }
