@@ -28,6 +28,10 @@ log = logging.getLogger("tollbooth.edge")
 
 HEADERS, IDLE = "header_timeout", "idle_timeout"
 WRITE_RECHECK_S = 1.0  # a response still draining to the client: look again this much later
+# A timer may fire this much before the time it was set for: uvloop keeps time in whole
+# milliseconds and rounds a delay to one. A deadline that near is due (re-arming for the rest
+# would fire again at once, every loop iteration until the clock ticks).
+TIMER_EARLY_S = 0.001
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -148,7 +152,7 @@ class GuardedConnection(asyncio.Protocol):
         if self.busy or deadline is None or transport is None or transport.is_closing():
             return  # request_ended arms again
         loop = asyncio.get_running_loop()
-        if loop.time() < deadline:  # the deadline moved later since this timer was set
+        if loop.time() < deadline - TIMER_EARLY_S:  # it moved later since this timer was set
             self._schedule(loop, deadline)
             return
         if transport.get_write_buffer_size():  # the last response is still being sent

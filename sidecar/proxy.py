@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, MultiMapping
 from yarl import URL
 
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
@@ -103,7 +103,12 @@ def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDic
 
 
 def _connection_listed(headers: Mapping[str, str]) -> set[str]:
-    value = headers.get("Connection", "")
+    """The options named in every Connection field line (RFC 9110 7.6.1: one list, however many
+    lines carry it)."""
+    if isinstance(headers, MultiMapping):
+        value = ",".join(headers.getall("Connection", ()))
+    else:
+        value = headers.get("Connection", "")
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 

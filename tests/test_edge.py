@@ -171,3 +171,72 @@ async def test_slow_and_idle_clients_are_cut_off_and_counted(upstream: Any, tmp_
         assert await metric(tb, "tollbooth_client_connections", listener="proxy") <= 1
     finally:
         await tb.stop(signal.SIGTERM)
+
+
+# --- the lazy deadline, on the loop `tollbooth serve` runs (uvloop) ------------------------------
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class _Inner(asyncio.Protocol):
+    pass
+
+
+def test_each_deadline_fires_its_timer_about_once_on_uvloop() -> None:
+    """uvloop keeps time in whole milliseconds and rounds a timer's delay, so a timer may fire
+    up to a millisecond before the time it was set for. Re-arming for what is left then fires it
+    again at once, every loop iteration until the clock ticks: a busy loop at every deadline. A
+    deadline is due when its timer fires, as it was before it was kept lazily."""
+    import uvloop
+
+    from sidecar.config import ServerConfig
+    from sidecar.edge import ConnectionGuard, GuardedConnection
+    from sidecar.metrics import Metrics
+
+    fired = 0
+
+    async def main() -> list[GuardedConnection]:
+        nonlocal fired
+        # 50.4 ms: uvloop rounds the delay to 50 ms, 0.4 ms early; 60 ms: early by a rounding
+        config = ServerConfig(header_timeout_s=0.0504, keepalive_timeout_s=0.06)
+        guard = ConnectionGuard(config, Metrics(), "proxy")
+        conns = []
+        for i in range(40):
+            conn = GuardedConnection(guard, _Inner())
+            expire = conn._expire
+
+            def counted(expire: Any = expire) -> None:
+                nonlocal fired
+                fired += 1
+                expire()
+
+            conn._expire = counted  # type: ignore[method-assign]
+            conn.connection_made(_Transport())
+            if i % 2:  # a request: the idle deadline is later than the header one's timer
+                conn.request_started()
+                conn.request_ended()
+            conns.append(conn)
+            await asyncio.sleep(0.0013)
+        for _ in range(500):  # all are cut after 0.11 s; a loaded machine may take longer
+            if all(c.transport is not None and c.transport.is_closing() for c in conns):
+                break
+            await asyncio.sleep(0.01)
+        return conns
+
+    conns = uvloop.run(main())
+    assert all(c.transport is not None and c.transport.is_closing() for c in conns)
+    # one timer per connection, and one more where the deadline moved later: 60 in all
+    assert fired <= 60, fired

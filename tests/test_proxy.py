@@ -10,7 +10,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.proxy import HOP_BY_HOP, request_headers, response_headers
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
@@ -455,3 +459,57 @@ async def test_metrics_endpoints(start_sidecar: StartSidecar) -> None:
         ) as r:
             assert r.headers["Content-Type"].startswith("application/openmetrics-text")
             assert (await r.text()).endswith("# EOF\n")
+
+
+# --- end-to-end headers (pure helpers) -----------------------------------------------------------
+
+_HEADER_NAMES = ["Connection", "connection", "CONNECTION", "Keep-Alive", "keep-alive", "TE", "te"]
+_HEADER_NAMES += ["Transfer-Encoding", "Upgrade", "Proxy-Connection", "Host", "Content-Length"]
+_HEADER_NAMES += ["X-A", "x-a", "X-B", "Authorization", "Trailer", "Proxy-Authorization", "Accept"]
+
+
+def _end_to_end_by_definition(items: list[tuple[str, str]], drop: set[str]) -> list[Any]:
+    """RFC 9110 7.6.1, the obvious way: every Connection field line names options (a list,
+    case-insensitive, optional whitespace); those and `drop` go, all else stays in order."""
+    listed = {
+        t.strip(" \t").lower()
+        for k, v in items
+        if k.lower() == "connection"
+        for t in v.split(",")
+        if t.strip(" \t")
+    }
+    return [(k, v) for k, v in items if k.lower() not in drop | listed]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(_HEADER_NAMES),
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["", " ", "\t", " \t"]),
+                    st.sampled_from([*_HEADER_NAMES, "close", "x-c"]),
+                    st.sampled_from([",", ", ", " ,", ",,", ",\t"]),
+                ),
+                max_size=3,
+            ).map(lambda parts: "".join(a + b + c for a, b, c in parts)),
+        ),
+        max_size=8,
+    )
+)
+def test_headers_named_in_any_connection_field_line_are_dropped(
+    items: list[tuple[str, str]],
+) -> None:
+    src = CIMultiDictProxy(CIMultiDict(items))
+    got = response_headers(src, drop_length=False)
+    assert list(got.items()) == _end_to_end_by_definition(items, set(HOP_BY_HOP))
+    got = request_headers(src, peer=None, scheme="http")
+    want = _end_to_end_by_definition(items, {*HOP_BY_HOP, "host", "content-length"})
+    assert list(got.items())[: len(want)] == want
+
+
+def test_a_second_connection_header_is_read_too() -> None:
+    src = CIMultiDict([("Connection", "keep-alive"), ("connection", "X-Hop, x-other")])
+    src.extend([("X-Hop", "1"), ("x-OTHER", "2"), ("X-Keep", "3")])
+    got = request_headers(CIMultiDictProxy(src), peer=None, scheme="http")
+    assert list(got.items()) == [("X-Keep", "3"), ("X-Forwarded-Proto", "http")]
