@@ -267,7 +267,10 @@ class Proxy:
         return await self._metered(request, ex)
 
     async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
-        """Parse the request; a large body is parsed in a thread so the loop keeps serving."""
+        """Parse the request; a large body is parsed in a thread so the loop keeps serving. A
+        failure to read it is a bug in accounting: logged, counted, and the body forwarded as it
+        is, metered like one that is not JSON (its usage from the response, its hold from its
+        size)."""
         inspect = functools.partial(
             inspect_request,
             endpoint,
@@ -276,9 +279,15 @@ class Proxy:
             continuous_usage=self.s.continuous_usage,
             api=self.s.api,
         )
-        if len(body) < PARSE_IN_THREAD_BYTES:
-            return inspect()
-        return await asyncio.to_thread(inspect)
+        try:
+            if len(body) < PARSE_IN_THREAD_BYTES:
+                return inspect()
+            return await asyncio.to_thread(inspect)
+        except Exception:
+            log.exception("could not read a %s request body", endpoint.value)
+            self.metrics.metering_errors.labels("inspect").inc()
+            resolved = Endpoint.OTHER if endpoint is Endpoint.INVOCATIONS else endpoint
+            return RequestInfo(endpoint=resolved, body=body, parsed=False)
 
     def _new_exchange(
         self,

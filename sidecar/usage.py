@@ -151,7 +151,8 @@ def _parse(body: bytes) -> tuple[str | None, object]:
 
 def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request."""
-    instances = [i for i in obj.get("instances") or () if isinstance(i, dict)]
+    given = obj.get("instances")
+    instances = [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
     limits = [_vertex_limit(i) for i in instances]
     text_chars, prompt_ids = body_size(obj)
     return RequestInfo(

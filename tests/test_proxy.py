@@ -513,3 +513,26 @@ def test_a_second_connection_header_is_read_too() -> None:
     src.extend([("X-Hop", "1"), ("x-OTHER", "2"), ("X-Keep", "3")])
     got = request_headers(CIMultiDictProxy(src), peer=None, scheme="http")
     assert list(got.items()) == [("X-Keep", "3"), ("X-Forwarded-Proto", "http")]
+
+
+async def test_a_request_body_the_meter_cannot_read_is_forwarded_and_counted(
+    start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in reading a request is accounting's, not the client's: logged, counted, and the
+    request goes on, metered from the response."""
+    import sidecar.proxy
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a body the meter did not expect")
+
+    monkeypatch.setattr(sidecar.proxy, "inspect_request", broken)
+    run = await start_sidecar()
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 3}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        assert (await r.json())["usage"]["completion_tokens"] == 3
+    assert run.value("tollbooth_metering_errors_total", stage="inspect") == 1
+    assert tokens(run, "output") == 3

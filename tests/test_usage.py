@@ -359,6 +359,14 @@ def test_vertex_request_and_response() -> None:
     assert calls is not None and [p for p, _ in calls] == ["/tokenize", "/chat_tokenize"]
 
 
+@pytest.mark.parametrize("instances", ["1.0", "true", "null", '"ab"', '{"inputs": "x"}'])
+def test_vertex_instances_that_are_no_list_are_none(instances: str) -> None:
+    """TGI refuses such a body (422); the sidecar forwards it, reading no instance from it."""
+    body = ('{"instances": ' + instances + "}").encode()
+    info = inspect_request(Endpoint.TGI_VERTEX, body, inject_usage=True)
+    assert (info.body, info.n, info.choices, info.max_tokens) == (body, 1, 1, None)
+
+
 def test_injection_never_reserialises_the_body() -> None:
     body = (
         b'{"model": "m", "stream": true,  "temperature": 1e999, "x": "caf\\u00e9 \xc3\xa9",\n'
