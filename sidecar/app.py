@@ -158,6 +158,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         upstream=base,
         inject_usage=sc.config.metering.inject_stream_usage,
         max_body=sc.config.server.max_request_body_bytes,
+        body_timeout=sc.config.server.body_timeout_s,
         connect_timeout=up.connect_timeout_s,
         read_timeout=up.read_timeout_s,
         authorization=sc.upstream_auth,

@@ -56,6 +56,9 @@ class ServerConfig:
     header_timeout_s: float = 15.0
     # A kept-alive connection with no request for this long is closed.
     keepalive_timeout_s: float = 75.0
+    # A metered request's body must have arrived this long after its headers: a client that
+    # stops sending it is answered 408 and its connection closed.
+    body_timeout_s: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -408,6 +411,7 @@ def validate(config: Config) -> Config:
     for key, seconds in (
         ("server.header_timeout_s", config.server.header_timeout_s),
         ("server.keepalive_timeout_s", config.server.keepalive_timeout_s),
+        ("server.body_timeout_s", config.server.body_timeout_s),
         ("upstream.probe_interval_s", config.upstream.probe_interval_s),
         ("upstream.probe_timeout_s", config.upstream.probe_timeout_s),
     ):

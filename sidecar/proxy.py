@@ -201,6 +201,7 @@ class ProxySettings:
     refuse_unknown_routes: bool = True
     drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
     size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
+    body_timeout: float = 60.0  # a metered request's body arrives within this after its headers
 
 
 class Proxy:
@@ -251,9 +252,11 @@ class Proxy:
                 principal = principal or self.identity.resolve(request.headers, None)
                 return await self._not_metered(request, path, principal)
             try:
-                body = await request.read()  # bounded by the app's client_max_size
+                body = await self._read_body(request)
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large()
+            except TimeoutError:
+                return self._too_slow(request)
             info = await self._inspect(endpoint, body)
             if principal is None:
                 principal = self.identity.resolve(request.headers, info.user)
@@ -265,6 +268,15 @@ class Proxy:
         model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
         ex = self._new_exchange(request, info, path, model, len(body), principal)
         return await self._metered(request, ex)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, bounded in size by the app's client_max_size and in time by
+        `body_timeout`. A body that is here already (most are: they come with the headers) is
+        read without a timer."""
+        if request.content.is_eof():
+            return await request.read()
+        async with asyncio.timeout(self.s.body_timeout):
+            return await request.read()
 
     async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
         """Parse the request; a large body is parsed in a thread so the loop keeps serving. A
@@ -673,6 +685,17 @@ class Proxy:
             ex.status, ex.error = status, kind
         what = "did not answer in time" if status == 504 else "could not be reached"
         return error_response(status, kind, f"the inference server {what}")
+
+    def _too_slow(self, request: web.Request) -> web.Response:
+        """408, and the connection closed: the rest of the body may still come."""
+        self.metrics.connections_cut.labels("proxy", "body_timeout").inc()
+        resp = error_response(
+            408,
+            "request_timeout",
+            f"the request body did not arrive within {self.s.body_timeout:g} s of its headers",
+        )
+        resp.force_close()
+        return resp
 
     def _too_large(self) -> web.Response:
         return error_response(

@@ -536,3 +536,42 @@ async def test_a_request_body_the_meter_cannot_read_is_forwarded_and_counted(
         assert (await r.json())["usage"]["completion_tokens"] == 3
     assert run.value("tollbooth_metering_errors_total", stage="inspect") == 1
     assert tokens(run, "output") == 3
+
+
+async def _body_in_parts(url: str, body: bytes, parts: int, pause: float) -> bytes:
+    """POST `body` split in `parts` sent `pause` seconds apart (never the rest when parts is 0:
+    half of it, then silence); what came back before the server closed, at most 3 s."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode())
+    size = -(-len(body) // parts) if parts else len(body)
+    pieces = [body[i : i + size] for i in range(0, len(body), size)] if parts else [body[:20]]
+    try:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(pause)
+        return await asyncio.wait_for(reader.read(65536), 3.0)
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_stops_arriving_is_answered_408(start_sidecar: StartSidecar) -> None:
+    """Headers, half the body, silence: 408 after server.body_timeout_s, the connection closed,
+    nothing forwarded, the cut counted. A slow body that arrives in time is served."""
+    run = await start_sidecar({"server": {"body_timeout_s": 0.5}})
+    body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 3}).encode()
+    answer = await _body_in_parts(run.url, body, 0, 0.0)
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head, head
+    assert json.loads(payload)["error"]["type"] == "request_timeout"
+    cut = {"listener": "proxy", "reason": "body_timeout"}
+    assert run.value("tollbooth_connections_cut_total", **cut) == 1
+    assert run.upstream is not None and run.upstream.seen == []
+    answer = await _body_in_parts(run.url, body, 3, 0.1)  # 0.2 s in all: in time
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+    assert run.value("tollbooth_connections_cut_total", **cut) == 1
