@@ -121,7 +121,8 @@ class LabelCap:
 # prometheus_client's; only the cell a value is kept in differs. This leans on its `_metric_init`,
 # `_value`, `_sum`, `_buckets` and `_upper_bounds` (0.20 to 0.26): tests/test_metrics.py compares
 # the exposition of these classes with prometheus_client's own, update for update.
-# Never updated from another thread: an increment without the lock is not atomic.
+# Never updated from another thread while the loop updates them: an increment without the lock is
+# not atomic. (exposition.restore runs in a thread at start, before the listeners open.)
 
 
 class _Cell:
