@@ -76,7 +76,8 @@ class GuardedConnection(asyncio.Protocol):
     The deadline is kept lazily: moving it is an attribute write, and the one timer, when it fires
     before the deadline (which moved later) or while a request is in a handler, re-arms for what
     is left. So a busy kept-alive connection schedules a timer about once per header timeout, not
-    two per request (a cancelled and a new one at each start and end cost 4% of a request here).
+    two per request (cancelling one and starting another at each start and end was about 1% of a
+    request's CPU here, under cProfile).
     """
 
     def __init__(self, guard: ConnectionGuard, inner: Any) -> None:
