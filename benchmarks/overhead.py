@@ -460,6 +460,12 @@ async def _measure(
                 "chunks_per_s": _quartiles(r["stream"], base["stream"], "chunks_per_s"),
                 "rps": _quartiles(r["req"], base["req"], "rps"),
             },
+            # CPU per unit over the minimal proxy's, paired by round: tollbooth's own cost, beside
+            # what the sharing of two cores made of its throughput (it varies as much between runs)
+            "cpu_vs_minimal": {
+                "per_1k_chunks": _paired(r["stream"], base["stream"], "cpu_ms_per_1k_chunks"),
+                "per_request": _paired(r["req"], base["req"], "cpu_ms_per_request"),
+            },
             "rounds": {"stream": r["stream"], "requests": r["req"]},
         }
     return out
@@ -557,15 +563,18 @@ def table(results: dict[str, Any]) -> str:
 
 
 def spread(results: dict[str, Any]) -> str:
-    """The x-minimal figures with the quartiles of their per-round ratios: what a rerun may give."""
-    lines = [f"{'x minimal, median (quartiles)':<28} {'chunks/s':>18} {'req/s':>18}"]
+    """The x-minimal figures with the quartiles of their per-round ratios (what a rerun may give),
+    and CPU per chunk and per request over the minimal proxy's (paired by round, median)."""
+    head = f"{'x minimal, median (quartiles)':<28} {'chunks/s':>18} {'req/s':>18}"
+    lines = [f"{head} {'CPU/chunk':>9} {'CPU/req':>8}"]
     for name, r in results.items():
         if name == "minimal_proxy":
             continue
-        x, q = r["vs_minimal"], r["vs_minimal_quartiles"]
+        x, q, cpu = r["vs_minimal"], r["vs_minimal_quartiles"], r["cpu_vs_minimal"]
         cells = [
             f"{x[k]:.2f} ({q[k][0]:.2f}-{q[k][1]:.2f})".rjust(18) for k in ("chunks_per_s", "rps")
         ]
+        cells += [f"{cpu['per_1k_chunks']:9.2f}", f"{cpu['per_request']:8.2f}"]
         lines.append(f"{name:<28} {' '.join(cells)}")
     return "\n".join(lines)
 
