@@ -59,7 +59,7 @@ class ServerConfig:
     # A metered request's body must have arrived this long after its headers: a client that
     # stops sending it is answered 408 and its connection closed. A total, not a gap between
     # reads, so a trickle cannot hold a handler either: a body of max_request_body_bytes (16 MiB)
-    # then needs about 2.3 Mbit/s. Raise it for big bodies from slow links.
+    # then needs about 2.2 Mbit/s. Raise it for big bodies from slow links.
     body_timeout_s: float = 60.0
 
 
