@@ -575,32 +575,30 @@ class StreamMeter:
         starts where reading event by event would start it.
         """
         pos, size, tokens = 0, len(chunk), 0
-        held = self._parser.pending
-        found = None if held else at(chunk, 0)
+        found = None if self._parser.pending else at(chunk, 0)
         if found is not None and found[0] == size:
             return self._one_event(chunk, found)
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
         while pos < size:
-            if found is None and (held or (found := at(chunk, pos)) is None):
+            if found is None:  # not an event of the shape, or the parser holds part of one
                 end = chunk.find(b"\n\n", pos) + 2
                 end = end if end > 1 else size
                 got = self._feed_events(piece := chunk[pos:end])
                 if got != piece:
                     out += (chunk[kept:pos], got)
                     kept = end
-                pos = end
-                held = self._parser.pending
-                continue
-            end, text, cut = found
-            found = None
-            tokens += text
-            if cut >= 0 and self._shape is not None:  # running usage: decoded if it is read
-                self._choice_usage[self._shape.index] = chunk[cut + _USAGE_KEY : end - 3]
-                if self._strip_chunk:
-                    out.append(chunk[kept:cut])
-                    kept = end - 3  # the object's closing brace and the blank line stay
+            else:
+                end, text, cut = found
+                tokens += text
+                if cut >= 0 and self._shape is not None:  # running usage: decoded if it is read
+                    self._choice_usage[self._shape.index] = chunk[cut + _USAGE_KEY : end - 3]
+                    if self._strip_chunk:
+                        out.append(chunk[kept:cut])
+                        kept = end - 3  # the object's closing brace and the blank line stay
             pos = end
+            # each position is tried once; what the parser holds goes on on the general path
+            found = None if pos >= size or self._parser.pending else at(chunk, pos)
         if tokens:
             self._s.token_events += tokens
             if self._shape is None:
