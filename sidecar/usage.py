@@ -574,7 +574,7 @@ class StreamMeter:
         holding nothing (its last `\\n` ends an empty line, which dispatches), so the next event
         starts where reading event by event would start it.
         """
-        pos, size, tokens = 0, len(chunk), 0
+        pos, size = 0, len(chunk)
         found = None if self._parser.pending else at(chunk, 0)
         if found is not None and found[0] == size:
             return self._one_event(chunk, found)
@@ -589,22 +589,13 @@ class StreamMeter:
                     out += (chunk[kept:pos], got)
                     kept = end
             else:
-                end, text, cut = found
-                tokens += text
-                if cut >= 0 and self._shape is not None:  # running usage: decoded if it is read
-                    self._choice_usage[self._shape.index] = chunk[cut + _USAGE_KEY : end - 3]
-                    if self._strip_chunk:
-                        out.append(chunk[kept:cut])
-                        kept = end - 3  # the object's closing brace and the blank line stay
+                end, _, cut = found
+                if self._wire_event(chunk, found):
+                    out.append(chunk[kept:cut])
+                    kept = end - 3  # the object's closing brace and the blank line stay
             pos = end
             # each position is tried once; what the parser holds goes on on the general path
             found = None if pos >= size or self._parser.pending else at(chunk, pos)
-        if tokens:
-            self._s.token_events += tokens
-            if self._shape is None:
-                self._tgi_tokens += tokens
-            else:
-                self._shape.tries = _SHAPE_TRIES
         if not out:
             return chunk
         out.append(chunk[kept:])
@@ -612,6 +603,14 @@ class StreamMeter:
 
     def _one_event(self, chunk: bytes, found: _WireEvent) -> bytes:
         """`_feed_wire` for the usual read: exactly one whole event of the shape."""
+        if not self._wire_event(chunk, found):
+            return chunk
+        end, _, cut = found
+        return chunk[:cut] + chunk[end - 3 :]
+
+    def _wire_event(self, data: bytes, found: _WireEvent) -> bool:
+        """An event the wire path recognised in `data`: its token counted, its running usage kept
+        as bytes (decoded only if it is read). True when that usage is to be cut out."""
         end, text, cut = found
         shape = self._shape
         if text:
@@ -621,9 +620,9 @@ class StreamMeter:
             else:
                 shape.tries = _SHAPE_TRIES
         if cut < 0 or shape is None:
-            return chunk
-        self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : end - 3]
-        return chunk[:cut] + chunk[end - 3 :] if self._strip_chunk else chunk
+            return False
+        self._choice_usage[shape.index] = data[cut + _USAGE_KEY : end - 3]
+        return self._strip_chunk
 
     def _feed_events(self, chunk: bytes) -> bytes:
         """The general path: SSE events parsed, each one read by `_on_event`."""
@@ -702,10 +701,7 @@ class StreamMeter:
         found = shape.at(ev.raw, 0) if shape is not None and shape.head and ev.raw else None
         if shape is not None and found is not None and found[0] == len(ev.raw):
             # the wire path's shape, met here (an event split across reads, or after another)
-            self._s.token_events += found[1]
-            if found[2] >= 0:
-                self._choice_usage[shape.index] = ev.raw[found[2] + _USAGE_KEY : -3]
-                self._cut = self._strip_chunk
+            self._cut = self._wire_event(ev.raw, found)
             return False
         if self._shape is not None and (carries := self._shape.carries(ev.data)) is not None:
             self._s.token_events += carries
