@@ -256,7 +256,7 @@ class Proxy:
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large()
             except TimeoutError:
-                return self._too_slow(request)
+                return self._too_slow()
             info = await self._inspect(endpoint, body)
             if principal is None:
                 principal = self.identity.resolve(request.headers, info.user)
@@ -686,7 +686,7 @@ class Proxy:
         what = "did not answer in time" if status == 504 else "could not be reached"
         return error_response(status, kind, f"the inference server {what}")
 
-    def _too_slow(self, request: web.Request) -> web.Response:
+    def _too_slow(self) -> web.Response:
         """408, and the connection closed: the rest of the body may still come."""
         self.metrics.connections_cut.labels("proxy", "body_timeout").inc()
         resp = error_response(
