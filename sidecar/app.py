@@ -138,18 +138,25 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     return await proxy.handle(request)
 
 
+_NO_DEFAULT_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+
+
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     up = sc.config.upstream
     connector = aiohttp.TCPConnector(limit=up.max_connections, ttl_dns_cache=300)
     # auto_decompress off: the client gets the upstream's bytes, compressed or not.
+    # No default headers: the upstream gets the client's (aiohttp would add Accept,
+    # Accept-Encoding: gzip, User-Agent and Content-Type to a request without them).
+    # No cookie jar: a cookie the upstream sets for one client is never sent with another's.
     # The upstream key (if any) rides on every call of the session: proxied requests, /tokenize,
     # /info. Proxied requests also set it explicitly, in place of the client's.
     auth = {"Authorization": sc.upstream_auth} if sc.upstream_auth else None
     session = aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
+        skip_auto_headers=_NO_DEFAULT_HEADERS,
+        cookie_jar=aiohttp.DummyCookieJar(),
         headers=auth,
     )
     base = sc.upstream_base

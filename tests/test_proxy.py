@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 import openai
 import pytest
 from hypothesis import given
@@ -575,3 +576,59 @@ async def test_a_body_that_stops_arriving_is_answered_408(start_sidecar: StartSi
     answer = await _body_in_parts(run.url, body, 3, 0.1)  # 0.2 s in all: in time
     assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
     assert run.value("tollbooth_connections_cut_total", **cut) == 1
+
+
+async def _send_raw(url: str, head: str, body: bytes) -> bytes:
+    """One request written byte for byte (no client library adds a header); the whole answer."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/echo"])
+async def test_the_upstream_gets_no_header_the_client_did_not_send(
+    start_sidecar: StartSidecar, path: str
+) -> None:
+    """aiohttp's client adds Accept, Accept-Encoding (gzip: an upstream may then compress a reply
+    the client cannot read), User-Agent and Content-Type to a request that lacks them. The proxy
+    sends none of them: only Host, the body's framing and X-Forwarded-*."""
+    run = await start_sidecar({"metering": {"unknown_routes": "forward"}})  # /echo is unmetered
+    assert run.upstream is not None
+    body = json.dumps({"model": MODEL, "messages": MSGS}).encode()
+    head = f"POST {path} HTTP/1.1\nHost: x\nContent-Length: {len(body)}\nConnection: close\n"
+    answer = await _send_raw(run.url, head, body)
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    sent = {k.lower() for k in run.upstream.seen[-1]["headers"]}
+    framing = {"content-length", "transfer-encoding"}
+    assert sent - framing == {"host", "x-forwarded-for", "x-forwarded-proto"}
+
+
+async def test_a_cookie_the_upstream_sets_is_not_sent_with_another_clients_request(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    """The sidecar's client to the upstream keeps no cookies: one the upstream (or a sticky
+    load balancer in front of it) sets for one client's request reaches that client only, and is
+    never replayed on the requests of others."""
+    cookies: list[str | None] = []
+
+    async def models(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        return web.json_response({"data": []}, headers={"Set-Cookie": "session=alice; Path=/"})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    server = await aiohttp_server(app)
+    run = await start_sidecar(upstream_url=f"http://localhost:{server.port}")  # a host name
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as alice:
+        async with alice.get(run.url + "/v1/models") as r:
+            assert r.headers["Set-Cookie"] == "session=alice; Path=/"
+    async with (
+        aiohttp.ClientSession() as bob,
+        bob.get(run.url + "/v1/models", headers={"Cookie": "mine=bob"}) as r,
+    ):
+        assert r.status == 200
+    assert cookies == [None, "mine=bob"]
