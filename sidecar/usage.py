@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from . import splice
 from .routes import AmbiguousBody, invocation_endpoint
 from .routes import Endpoint as Endpoint
@@ -130,6 +132,26 @@ def inspect_request(
     )
 
 
+# orjson reads an integer of more than 18 digits as a float where json.loads keeps it exact; a
+# body with such a run of digits anywhere (a string too) is read by json.loads.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def loads(data: bytes) -> Any:
+    """`json.loads(data)`, the same value or the same failure, about five times faster.
+
+    orjson reads what it accepts as json.loads does (hypothesis-tested against it), except long
+    integers, which are left to json.loads. What orjson refuses and json.loads reads (NaN, 1e999,
+    lone surrogates, UTF-16 and UTF-32, a UTF-8 BOM), or refuses too, goes to json.loads.
+    """
+    if not _LONG_DIGITS.search(data):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
 def _parse(body: bytes) -> tuple[str | None, object]:
     """(the body as UTF-8 text or None, the parsed JSON or None).
 
@@ -143,7 +165,7 @@ def _parse(body: bytes) -> tuple[str | None, object]:
     if body.startswith(b"\xef\xbb\xbf"):
         text = None  # the server reads past a BOM (json.loads of bytes); we never edit such a body
     try:
-        obj = json.loads(body) if body else None  # bytes, as the server parses them
+        obj = loads(body) if body else None  # bytes, as the server parses them
     except (ValueError, UnicodeDecodeError, RecursionError):
         obj = None
     return text, obj
@@ -401,7 +423,7 @@ def _text_len(value: object) -> int:
 def usage_from_body(endpoint: Endpoint, body: bytes, headers: Mapping[str, str]) -> Usage:
     """Usage of a complete (non-streaming) response."""
     try:
-        obj = json.loads(body) if body else None
+        obj = loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
         obj = None
     if endpoint is Endpoint.TGI_VERTEX:

@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 import openai
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -623,9 +623,8 @@ async def test_a_cookie_the_upstream_sets_is_not_sent_with_another_clients_reque
     app.router.add_get("/v1/models", models)
     server = await aiohttp_server(app)
     run = await start_sidecar(upstream_url=f"http://localhost:{server.port}")  # a host name
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as alice:
-        async with alice.get(run.url + "/v1/models") as r:
-            assert r.headers["Set-Cookie"] == "session=alice; Path=/"
+    async with aiohttp.ClientSession() as alice, alice.get(run.url + "/v1/models") as r:
+        assert r.headers["Set-Cookie"] == "session=alice; Path=/"  # the client gets it
     async with (
         aiohttp.ClientSession() as bob,
         bob.get(run.url + "/v1/models", headers={"Cookie": "mine=bob"}) as r,
