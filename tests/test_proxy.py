@@ -631,3 +631,25 @@ async def test_a_cookie_the_upstream_sets_is_not_sent_with_another_clients_reque
     ):
         assert r.status == 200
     assert cookies == [None, "mine=bob"]
+
+
+async def test_one_clients_body_cannot_stop_the_metering_of_anothers(
+    start_sidecar: StartSidecar,
+) -> None:
+    """Mallory's request names two keys (tests/test_usage.py: USAGE_TWIN is a key that a parser
+    with a hash-only key cache reads as "usage"); Alice's later request is metered all the same."""
+    from tests.test_usage import USAGE_SLOT, USAGE_TWIN
+
+    run = await start_sidecar()
+    chat = {"model": MODEL, "messages": MSGS, "max_tokens": 7}
+    async with aiohttp.ClientSession() as s:
+        mallory = {**chat, USAGE_SLOT: 0, USAGE_TWIN: 0}
+        headers = {"X-Tollbooth-User": "mallory"}
+        async with s.post(run.url + "/v1/chat/completions", json=mallory, headers=headers) as r:
+            assert r.status == 200
+        headers = {"X-Tollbooth-User": "alice"}
+        async with s.post(run.url + "/v1/chat/completions", json=chat, headers=headers) as r:
+            assert r.status == 200
+            assert (await r.json())["usage"]["completion_tokens"] == 7
+    assert tokens(run, "input", user="alice") == 5
+    assert tokens(run, "output", user="alice") == 7

@@ -1290,3 +1290,25 @@ def test_loads_leaves_deep_nesting_and_long_integers_to_json_loads() -> None:
     assert _outcome(usage_module.loads, deep) == _outcome(json.loads, deep) == "too deep"
     big = b'{"usage": {"prompt_tokens": 18446744073709551616}}'
     assert usage_module.loads(big)["usage"]["prompt_tokens"] == 2**64  # orjson: a float
+
+
+# Found for this review: a 64-byte key whose XXH3-64 (seed 0, default secret) equals that of
+# "usage" (four 16-byte blocks summed, Wagner's 4-list method, 2^22 blocks a list), and a key
+# that shares the slot of orjson's 2048-entry key cache. orjson caches keys of up to 64 bytes by
+# their XXH3-64 alone and never compares the text: a key seen once stands for every other key
+# with its hash, in every later body, of every client.
+USAGE_TWIN = "mpvinrekuspkfgbzhjfdpwyieucsyyeuchybkooqjruiqdlbnhxqaayngvnduyrk"
+USAGE_SLOT = "evict4172"
+
+
+def test_loads_reads_each_key_as_it_is_written_whatever_was_read_before() -> None:
+    """One body that names the twin of "usage": every later response's "usage" must still be
+    read as "usage" (json.loads does; a key cache keyed by hash alone does not)."""
+    usage_module.loads(json.dumps({USAGE_SLOT: 0, USAGE_TWIN: 0}).encode())
+    body = b'{"usage": {"prompt_tokens": 5, "completion_tokens": 7}}'
+    assert usage_module.loads(body) == json.loads(body)
+    headers: dict[str, str] = {}
+    assert usage_from_body(Endpoint.CHAT, body, headers).output_tokens == 7
+    twin = json.dumps({USAGE_TWIN: 1}).encode()
+    usage_module.loads(b'{"usage": 0}')
+    assert usage_module.loads(twin) == json.loads(twin)
