@@ -89,13 +89,31 @@ def request_headers(
     """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length; with an
     upstream key configured, its `Authorization` in place of the client's."""
     out = _end_to_end(src, _NOT_FORWARDED)
+    if len(out) != len(out.keys() | ()):  # a name repeated (the keys' set is case-insensitive)
+        out = _one_spelling(out)
     if authorization is not None:
         out["Authorization"] = authorization
     if peer:
-        prior = src.get("X-Forwarded-For")
+        prior = _joined(src, "X-Forwarded-For")
         out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
     out["X-Forwarded-Proto"] = src.get("X-Forwarded-Proto", scheme)
     return out
+
+
+def _one_spelling(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """Every line of a repeated name spelt as its first: aiohttp's client tells names apart by
+    case when it merges its defaults in (`ClientSession._prepare_headers`), and of `x-a: 1` and
+    `X-A: 2` it would send only `X-A: 2`."""
+    first: dict[str, str] = {}
+    return CIMultiDict((first.setdefault(k.lower(), k), v) for k, v in headers.items())
+
+
+def _joined(headers: Mapping[str, str], name: str) -> str | None:
+    """All the field lines of `name` as one list (RFC 9110 5.3), None when there are none."""
+    if isinstance(headers, MultiMapping):
+        values = headers.getall(name, ())
+        return ", ".join(values) if values else None
+    return headers.get(name)
 
 
 def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:

@@ -653,3 +653,31 @@ async def test_one_clients_body_cannot_stop_the_metering_of_anothers(
             assert (await r.json())["usage"]["completion_tokens"] == 7
     assert tokens(run, "input", user="alice") == 5
     assert tokens(run, "output", user="alice") == 7
+
+
+async def test_a_header_sent_twice_reaches_the_upstream_twice_however_its_name_is_spelt(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    """Field lines of one name are one field (RFC 9110 5.3), whatever the case of each name:
+    the upstream gets every value, in order (aiohttp's client kept only the last line of a name
+    spelt two ways), and X-Forwarded-For appends to all of the client's lines, not the first."""
+    got: list[list[tuple[str, str]]] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        got.append([(k.decode().lower(), v.decode()) for k, v in request.raw_headers])
+        return web.Response(body=await request.read())
+
+    app = web.Application()
+    app.router.add_post("/echo", echo)
+    server = await aiohttp_server(app)
+    run = await start_sidecar(
+        {"metering": {"unknown_routes": "forward"}}, upstream_url=f"http://127.0.0.1:{server.port}"
+    )
+    head = (
+        "POST /echo HTTP/1.1\nHost: x\nx-FoO: a\nX-foo: b\nX-Forwarded-For: 10.0.0.1\n"
+        "x-forwarded-for: 10.0.0.2\nContent-Length: 3\nConnection: close\n"
+    )
+    answer = await _send_raw(run.url, head, b"abc")
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert [v for k, v in got[-1] if k == "x-foo"] == ["a", "b"]
+    assert [v for k, v in got[-1] if k == "x-forwarded-for"] == ["10.0.0.1, 10.0.0.2, 127.0.0.1"]
