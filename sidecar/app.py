@@ -116,8 +116,7 @@ SIDECAR = web.AppKey("sidecar", Sidecar)
 PUBLISHED = web.AppKey("published", CollectorRegistry)
 
 
-def create_app(sidecar: Sidecar | Config, guard: ConnectionGuard | None = None) -> web.Application:
-    """The proxy app; with `guard`, its handler tells the guard when a request is in it."""
+def create_app(sidecar: Sidecar | Config) -> web.Application:
     sc = sidecar if isinstance(sidecar, Sidecar) else Sidecar(sidecar)
     app = web.Application(client_max_size=sc.config.server.max_request_body_bytes)
     app[SIDECAR] = sc
@@ -129,7 +128,7 @@ def create_app(sidecar: Sidecar | Config, guard: ConnectionGuard | None = None) 
     for ctx in sc.extra_contexts:
         app.cleanup_ctx.append(ctx)
     app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
-    app.router.add_route("*", "/{tail:.*}", guard.wrap(_handle) if guard else _handle)
+    app.router.add_route("*", "/{tail:.*}", _handle)
     return app
 
 
@@ -269,8 +268,7 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
     grace = cfg.shutdown_grace_s
     proxy_guard = ConnectionGuard(cfg, sc.metrics, "proxy")  # slow and idle clients are cut off
     admin_guard = ConnectionGuard(cfg, sc.metrics, "admin")
-    proxy_app, admin_app = create_app(sc, proxy_guard), create_admin_app(sc)
-    admin_guard.install(admin_app)
+    proxy_app, admin_app = create_app(sc), create_admin_app(sc)  # `listen` puts them behind
     proxy_runner = web.AppRunner(
         proxy_app,
         handler_cancellation=True,

@@ -15,11 +15,13 @@ being written to it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_request import BaseRequest
 
 from .config import ServerConfig
 from .metrics import Metrics
@@ -33,12 +35,12 @@ WRITE_RECHECK_S = 1.0  # a response still draining to the client: look again thi
 # would fire again at once, every loop iteration until the clock ticks).
 TIMER_EARLY_S = 0.001
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
 
 
 class ConnectionGuard:
-    """The deadlines of one listener's connections. `install` it on the app or `wrap` the app's
-    handler (it learns when a request starts and ends), then listen with `protocol_factory`."""
+    """The deadlines of one listener's connections; `listen` puts every connection and every
+    request of a runner behind it."""
 
     def __init__(self, config: ServerConfig, metrics: Metrics, listener: str) -> None:
         self.header_timeout = config.header_timeout_s
@@ -52,21 +54,17 @@ class ConnectionGuard:
         """aiohttp's own keep-alive timeout: later than ours, so ours decides (and counts)."""
         return self.keepalive_timeout + self.header_timeout + 1.0
 
-    def install(self, app: web.Application) -> None:
-        """Cover every route of `app`, with a middleware."""
-        app.middlewares.append(self._middleware)
-
-    def wrap(self, handler: Handler) -> Handler:
-        """Cover one handler: the proxy's single route, where a middleware costs too much (an
-        app with any runs every request through aiohttp's middleware chain, one more frame and
-        a context manager: about 8% of a proxied request's CPU under load, measured)."""
-        return lambda request: self._middleware(request, handler)
-
     def protocol_factory(self, make: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
         return lambda: GuardedConnection(self, make())
 
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    def wrap(self, handler: Handler) -> Handler:
+        """`handler` (the server's: every request, those the router or the Expect handler
+        answer too), telling the connection when a request is in it. Not an app middleware:
+        an app with any runs every request through aiohttp's middleware chain, one more frame
+        and a context manager (about 8% of a proxied request's CPU under load, measured)."""
+        return functools.partial(self._guarded, handler=handler)
+
+    async def _guarded(self, request: BaseRequest, handler: Handler) -> web.StreamResponse:
         conn = self.open.get(request.transport) if request.transport is not None else None
         if conn is None:
             return await handler(request)
@@ -128,7 +126,7 @@ class GuardedConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.inner.resume_writing()
 
-    # --- requests, from the middleware
+    # --- requests, from the guard's wrapper of the server's handler
 
     def request_started(self) -> None:
         self.busy += 1
@@ -174,9 +172,12 @@ class GuardedConnection(asyncio.Protocol):
 async def listen(
     runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int
 ) -> asyncio.AbstractServer:
-    """Accept connections for `runner`'s app, each behind `guard`. Close the returned server
-    before `runner.cleanup()` (as a site would be stopped)."""
+    """Accept connections for `runner`'s app, each (and each of its requests) behind `guard`.
+    Close the returned server before `runner.cleanup()` (as a site would be stopped)."""
     assert runner.server is not None, "call runner.setup() first"
+    # A connection takes the server's handler when it is made: every request comes through here,
+    # the ones aiohttp answers before the app's handler (404 from the router, 417) included.
+    runner.server.request_handler = guard.wrap(runner.server.request_handler)
     loop = asyncio.get_running_loop()
     return await loop.create_server(
         guard.protocol_factory(runner.server), host, port, reuse_address=True, backlog=128
