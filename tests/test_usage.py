@@ -1228,75 +1228,9 @@ def test_limits_read_in_one_pass_are_each_read_alone(endpoint: Endpoint, limits:
     )
 
 
-# --- loads: json.loads's value or failure, faster ------------------------------------------------
+# --- loads: what the server reads, for every body, whatever came before ------------------------
+# The differential tests of orjson against json.loads went with orjson (see `usage.loads`).
 
-_json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
-_number_text = st.from_regex(
-    r"-?(0|[1-9][0-9]{0,24})(\.[0-9]{1,24})?([eE][-+]?[0-9]{1,3})?", fullmatch=True
-)
-
-
-def _outcome(read: Any, data: bytes) -> str:
-    """repr of the value (it tells 1 from 1.0 and True, and keeps key order), or the failure."""
-    try:
-        return repr(read(data))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        return "refused" if not isinstance(exc, RecursionError) else "too deep"
-
-
-@settings(max_examples=600)
-@given(
-    value=_json_values,
-    ensure_ascii=st.booleans(),
-    encoding=st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32"]),
-    cut=st.none() | st.integers(0, 200),
-    noise=st.binary(max_size=3),
-)
-def test_loads_reads_what_json_loads_reads(
-    value: Any, ensure_ascii: bool, encoding: str, cut: int | None, noise: bytes
-) -> None:
-    """Lone surrogates, NaN, infinities, long integers, other encodings, and bodies cut short or
-    with bytes added: the same value or the same refusal as json.loads."""
-    text = json.dumps(value, ensure_ascii=ensure_ascii)
-    try:
-        data = text.encode(encoding)
-    except UnicodeEncodeError:  # a lone surrogate written raw: the bytes a client could send
-        data = text.encode("utf-8", "surrogatepass")
-    if cut is not None:
-        data = data[:cut] + noise + data[cut:]
-    assert _outcome(usage_module.loads, data) == _outcome(json.loads, data)
-
-
-@settings(max_examples=600)
-@given(_number_text, st.sampled_from(["{}", '{{"usage": {{"n": {}}}}}', "[{}, 1]"]))
-def test_loads_reads_numbers_exactly_as_json_loads(number: str, frame: str) -> None:
-    data = frame.format(number).encode()
-    assert _outcome(usage_module.loads, data) == _outcome(json.loads, data)
-
-
-def test_loads_leaves_deep_nesting_and_long_integers_to_json_loads() -> None:
-    deep = b"[" * 5000 + b"]" * 5000
-    assert _outcome(usage_module.loads, deep) == _outcome(json.loads, deep) == "too deep"
-    big = b'{"usage": {"prompt_tokens": 18446744073709551616}}'
-    assert usage_module.loads(big)["usage"]["prompt_tokens"] == 2**64  # orjson: a float
-
-
-# Found for this review: a 64-byte key whose XXH3-64 (seed 0, default secret) equals that of
-# "usage" (four 16-byte blocks summed, Wagner's 4-list method, 2^22 blocks a list), and a key
-# that shares the slot of orjson's 2048-entry key cache. orjson caches keys of up to 64 bytes by
-# their XXH3-64 alone and never compares the text: a key seen once stands for every other key
-# with its hash, in every later body, of every client.
 USAGE_TWIN = "mpvinrekuspkfgbzhjfdpwyieucsyyeuchybkooqjruiqdlbnhxqaayngvnduyrk"
 USAGE_SLOT = "evict4172"
 
