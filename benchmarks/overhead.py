@@ -119,11 +119,12 @@ async def upstream_handler(request: web.Request) -> web.StreamResponse:
     options = body.get("stream_options") or {}
     running = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
     tokens = TOKENS_RUNNING if running else TOKENS
+    pace = float(body.get("bench_pace_s") or 0)  # benchmarks/instructions.py: one event a read
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     await resp.write(ROLE_RUNNING if running else ROLE)
     for i in range(n):
-        await asyncio.sleep(0)  # one event per write; other streams' events go between them
+        await asyncio.sleep(pace)  # one event per write; other streams' events go between them
         await resp.write(tokens[i])
     await resp.write(_chunk({}, "length", n if running else None))
     if options.get("include_usage"):
