@@ -524,7 +524,12 @@ class Proxy:
         capture, write = self.s.capture_bytes, resp.write
         try:
             async for chunk in up.content.iter_any():  # upstream failures raise here...
-                out = self._feed(meter, chunk, ex)
+                try:  # `_feed`, inlined: this loop runs once per read of the upstream
+                    out = meter.feed(chunk)
+                except Exception:
+                    out = self._meter_failed(meter, chunk, ex)
+                if ex.first_token_at is None and meter.token_events:
+                    ex.first_token_at = time.perf_counter()
                 if capture:
                     _sample(ex, out, capture)
                 if not out:
@@ -612,18 +617,12 @@ class Proxy:
             if up is not None:
                 up.release()
 
-    def _feed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
-        try:
-            out = meter.feed(chunk)
-        except Exception:
-            # Accounting broke: stop metering this stream, keep forwarding the bytes unchanged.
-            log.exception("stream metering failed for request %s", ex.request_id)
-            self.metrics.metering_errors.labels("stream").inc()
-            meter.passthrough = True
-            return chunk
-        if ex.first_token_at is None and meter.token_events:
-            ex.first_token_at = time.perf_counter()
-        return out
+    def _meter_failed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
+        """Accounting broke: stop metering this stream, keep forwarding the bytes unchanged."""
+        log.exception("stream metering failed for request %s", ex.request_id)
+        self.metrics.metering_errors.labels("stream").inc()
+        meter.passthrough = True
+        return chunk
 
     def _end_stream(self, ex: Exchange, meter: StreamMeter) -> bytes:
         try:

@@ -569,15 +569,25 @@ class StreamMeter:
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
             return chunk
-        if self._shape is not None and self._shape.head:
-            return self._feed_wire(self._shape.at, chunk)
-        if self._tgi_wire is not None:
-            return self._feed_wire(_tgi_at, chunk)
-        return self._feed_events(chunk)
+        shape = self._shape
+        at: Callable[[bytes, int], _WireEvent | None]
+        if shape is not None and shape.head:
+            at = shape.at
+        elif self._tgi_wire is not None:
+            at = _tgi_at
+        else:
+            return self._feed_events(chunk)
+        found = None if self._parser.pending else at(chunk, 0)
+        if found is not None and found[0] == len(chunk):
+            return self._one_event(chunk, found)  # the usual read: exactly one event of the shape
+        return self._feed_wire(at, chunk, found)
 
-    def _feed_wire(self, at: Callable[[bytes, int], _WireEvent | None], chunk: bytes) -> bytes:
+    def _feed_wire(
+        self, at: Callable[[bytes, int], _WireEvent | None], chunk: bytes, found: _WireEvent | None
+    ) -> bytes:
         """The fast path of `feed`: whole events of one known shape (`at` recognises one on the
-        bytes), neither SSE-parsed nor decoded; any other event, and anything the parser holds
+        bytes; `found` is what it found at the start, None when the parser holds part of an
+        event), neither SSE-parsed nor decoded; any other event, and anything the parser holds
         from an earlier read, goes to the general path up to the end of that event.
 
         Relies on: `at` matching only events whose effect is known without decoding them (see
@@ -586,9 +596,6 @@ class StreamMeter:
         starts where reading event by event would start it.
         """
         pos, size = 0, len(chunk)
-        found = None if self._parser.pending else at(chunk, 0)
-        if found is not None and found[0] == size:
-            return self._one_event(chunk, found)
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
         while pos < size:

@@ -681,3 +681,34 @@ async def test_a_header_sent_twice_reaches_the_upstream_twice_however_its_name_i
     assert answer.startswith(b"HTTP/1.1 200 "), answer
     assert [v for k, v in got[-1] if k == "x-foo"] == ["a", "b"]
     assert [v for k, v in got[-1] if k == "x-forwarded-for"] == ["10.0.0.1, 10.0.0.2, 127.0.0.1"]
+
+
+async def test_a_meter_that_fails_on_a_stream_forwards_it_unchanged(
+    start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accounting never breaks traffic: the meter raising on a read of a stream leaves the client
+    with the upstream's bytes (nothing injected here, so nothing to cut), the failure counted,
+    and the stream's usage unknown rather than invented."""
+    from sidecar import usage
+
+    run = await start_sidecar({"metering": {"inject_stream_usage": False}, "pricing": PRICING})
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 6}
+
+    async def stream(url: str) -> bytes:
+        async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+            return await r.read()
+
+    direct = await stream(run.sc.config.upstream.url + "/v1/chat/completions")
+    feed, reads = usage.StreamMeter.feed, [0]
+
+    def failing(self: usage.StreamMeter, chunk: bytes) -> bytes:
+        reads[0] += 1
+        if reads[0] == 1:
+            raise RuntimeError("a bug in metering")
+        return feed(self, chunk)
+
+    monkeypatch.setattr(usage.StreamMeter, "feed", failing)
+    assert await stream(run.url + "/v1/chat/completions") == direct
+    assert reads[0] >= 1
+    assert run.value("tollbooth_metering_errors_total", stage="stream") == 1
+    assert tokens(run, "output") is None
