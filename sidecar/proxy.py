@@ -79,15 +79,17 @@ def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str
     return out
 
 
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+# Expect: the sidecar answers a 100-continue itself (aiohttp's server sends the 100 before the
+# handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
 _LENGTH = HOP_BY_HOP | {"content-length"}
 
 
 def request_headers(
     src: Mapping[str, str], *, peer: str | None, scheme: str, authorization: str | None = None
 ) -> CIMultiDict[str]:
-    """Headers for the upstream: the client's minus hop-by-hop, Host and Content-Length; with an
-    upstream key configured, its `Authorization` in place of the client's."""
+    """Headers for the upstream: the client's minus hop-by-hop, Host, Content-Length and Expect;
+    with an upstream key configured, its `Authorization` in place of the client's."""
     out = _end_to_end(src, _NOT_FORWARDED)
     if len(out) != len(out.keys() | ()):  # a name repeated (the keys' set is case-insensitive)
         out = _one_spelling(out)

@@ -712,3 +712,58 @@ async def test_a_meter_that_fails_on_a_stream_forwards_it_unchanged(
     assert reads[0] >= 1
     assert run.value("tollbooth_metering_errors_total", stage="stream") == 1
     assert tokens(run, "output") is None
+
+
+async def test_a_client_expecting_100_continue_is_answered_by_the_sidecar_alone(
+    start_sidecar: StartSidecar,
+) -> None:
+    """The sidecar answers `Expect: 100-continue` itself (aiohttp's server sends the 100) and
+    reads the body; it does not pass the expectation on. Passed on, aiohttp's client would hold
+    the body until the upstream sent its own 100, and an upstream that never does (it may ignore
+    the header) would see no body until it gave up."""
+    reply = json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "ok"}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        }
+    ).encode()
+    seen: list[bytes] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")  # answers no Expect: waits for the body
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        try:
+            await asyncio.wait_for(reader.readexactly(length), 2.0)
+        except TimeoutError:
+            writer.close()
+            return
+        seen.append(head)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(reply)}\r\n\r\n".encode()
+            + reply
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    run = await start_sidecar({"pricing": PRICING}, upstream_url=f"http://127.0.0.1:{port}")
+    body = json.dumps({"model": MODEL, "messages": MSGS}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+        f"Content-Length: {len(body)}\nExpect: 100-continue\nConnection: close\n"
+    )
+    answer = await _send_raw(run.url, head, body)
+    server.close()
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 "), answer[:80]
+    assert b"expect" not in seen[0].lower()
+    assert tokens(run, "output") == 1
