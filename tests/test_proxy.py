@@ -466,7 +466,16 @@ async def test_metrics_endpoints(start_sidecar: StartSidecar) -> None:
 
 _HEADER_NAMES = ["Connection", "connection", "CONNECTION", "Keep-Alive", "keep-alive", "TE", "te"]
 _HEADER_NAMES += ["Transfer-Encoding", "Upgrade", "Proxy-Connection", "Host", "Content-Length"]
-_HEADER_NAMES += ["X-A", "x-a", "X-B", "Authorization", "Trailer", "Proxy-Authorization", "Accept"]
+_HEADER_NAMES += [
+    "X-A",
+    "x-a",
+    "X-B",
+    "Authorization",
+    "Trailer",
+    "Proxy-Authorization",
+    "Accept",
+    "Expect",
+]
 
 
 def _end_to_end_by_definition(items: list[tuple[str, str]], drop: set[str]) -> list[Any]:
@@ -505,7 +514,9 @@ def test_headers_named_in_any_connection_field_line_are_dropped(
     got = response_headers(src, drop_length=False)
     assert list(got.items()) == _end_to_end_by_definition(items, set(HOP_BY_HOP))
     got = request_headers(src, peer=None, scheme="http")
-    want = _end_to_end_by_definition(items, {*HOP_BY_HOP, "host", "content-length"})
+    kept = _end_to_end_by_definition(items, {*HOP_BY_HOP, "host", "content-length", "expect"})
+    first: dict[str, str] = {}  # upstream: a repeated name spelt as its first line (aiohttp)
+    want = [(first.setdefault(k.lower(), k), v) for k, v in kept]
     assert list(got.items())[: len(want)] == want
 
 
