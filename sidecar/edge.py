@@ -60,8 +60,9 @@ class ConnectionGuard:
     def wrap(self, handler: Handler) -> Handler:
         """`handler` (the server's: every request, those the router or the Expect handler
         answer too), telling the connection when a request is in it. Not an app middleware:
-        an app with any runs every request through aiohttp's middleware chain, one more frame
-        and a context manager (about 8% of a proxied request's CPU under load, measured)."""
+        that covers only what reaches the app's router, and an app with any runs every request
+        through aiohttp's middleware chain and a context manager. The guard, middleware and
+        protocol together, counted under callgrind: about 8k of a request's 980k instructions."""
         return functools.partial(self._guarded, handler=handler)
 
     async def _guarded(self, request: BaseRequest, handler: Handler) -> web.StreamResponse:
