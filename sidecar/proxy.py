@@ -125,10 +125,7 @@ def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDic
 def _connection_listed(headers: Mapping[str, str]) -> set[str]:
     """The options named in every Connection field line (RFC 9110 7.6.1: one list, however many
     lines carry it)."""
-    if isinstance(headers, MultiMapping):
-        value = ",".join(headers.getall("Connection", ()))
-    else:
-        value = headers.get("Connection", "")
+    value = _joined(headers, "Connection") or ""
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
@@ -526,7 +523,7 @@ class Proxy:
         capture, write = self.s.capture_bytes, resp.write
         try:
             async for chunk in up.content.iter_any():  # upstream failures raise here...
-                try:  # `_feed`, inlined: this loop runs once per read of the upstream
+                try:  # the meter, called here: this loop runs once per read of the upstream
                     out = meter.feed(chunk)
                 except Exception:
                     out = self._meter_failed(meter, chunk, ex)
