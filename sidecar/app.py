@@ -33,6 +33,7 @@ from .metrics import LabelCap, Metrics
 from .pricing import PriceBook, load_pricing_file
 from .proxy import Gate, Proxy, ProxySettings, TgiModelName
 from .routes import routing_path
+from .upstream import Upstream
 from .usage import Endpoint
 
 log = logging.getLogger("tollbooth")
@@ -184,9 +185,17 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     tgi = TgiModelName(session, base, up.model_name)
     counter = PromptCounter(lambda: session, base, up.api, sc.metrics)
+    # Metered requests go through a leaner pool of their own (sidecar/upstream.py).
+    upstream = Upstream(
+        base,
+        connect_timeout=up.connect_timeout_s,
+        read_timeout=up.read_timeout_s,
+        limit=up.max_connections,
+    )
     sc.proxy = Proxy(
         settings,
         session,
+        upstream,
         sc.metrics,
         sc.meter,
         sc.users,
@@ -199,6 +208,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         finishers=Finishers(),
     )
     yield
+    await upstream.close()
     await session.close()
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from .metrics import Metrics
+from .upstream import UpstreamResponse
 from .usage import Endpoint, RequestInfo, StreamMeter, Usage
 
 log = logging.getLogger("tollbooth.finishers")
@@ -204,7 +205,7 @@ def _count(data: object) -> int | None:
 # --- after the client left ------------------------------------------------------------------------
 
 
-async def stream_usage(up: aiohttp.ClientResponse, meter: StreamMeter, drain_s: float) -> Usage:
+async def stream_usage(up: UpstreamResponse, meter: StreamMeter, drain_s: float) -> Usage:
     """Usage of a stream whose client left. A finished generation is read on (at most `drain_s`)
     to its usage chunk; one still generating is cancelled by the caller closing `up`."""
     if meter.finished and not meter.done:

@@ -31,6 +31,7 @@ from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, new_uid, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .routes import AmbiguousPath, Endpoint, classify, endpoint_class, routing_path
+from .upstream import Upstream, UpstreamResponse
 from .usage import RequestInfo, StreamMeter, Usage, inspect_request, usage_from_body
 
 log = logging.getLogger("tollbooth.proxy")
@@ -226,6 +227,7 @@ class Proxy:
         self,
         settings: ProxySettings,
         session: aiohttp.ClientSession,
+        upstream: Upstream,
         metrics: Metrics,
         meter: Meter,
         users: LabelCap,
@@ -239,7 +241,8 @@ class Proxy:
     ) -> None:
         self.s = settings
         self.identity = identity
-        self.session = session
+        self.session = session  # requests whose body is streamed, and the sidecar's own calls
+        self.upstream = upstream  # metered requests (their bodies are in memory)
         self.metrics = metrics
         self.meter = meter
         self.users = users
@@ -436,16 +439,9 @@ class Proxy:
         headers = self._upstream_headers(request)
         headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
-        up: aiohttp.ClientResponse | None = None
+        up: UpstreamResponse | None = None
         try:
-            up = await self.session.request(
-                request.method,
-                self._url(ex.path, request),
-                headers=headers,
-                data=self._request_body(request, ex),
-                allow_redirects=False,
-                timeout=self.timeout,
-            )
+            up = await self._send(request, ex, headers)
             ex.status = up.status
             if ex.endpoint is Endpoint.OTHER:
                 ex.usage = Usage(unknown_reason="unmetered_route")
@@ -468,13 +464,24 @@ class Proxy:
             if up is not None and ex.finisher is None:
                 up.release()  # closes the connection (cancelling the upstream) if unread
 
-    def _request_body(self, request: web.Request, ex: Exchange) -> Any:
-        if ex.info.body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
-            return ex.info.body
-        return request.content  # an unmetered route's body is streamed, never read whole
+    async def _send(
+        self, request: web.Request, ex: Exchange, headers: CIMultiDict[str]
+    ) -> UpstreamResponse:
+        url = self._url(ex.path, request)
+        body = ex.info.body
+        if body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
+            return await self.upstream.request(request.method, url.raw_path_qs, headers, body)
+        return await self.session.request(  # an unmetered route's body is streamed, never read
+            request.method,
+            url,
+            headers=headers,
+            data=request.content,
+            allow_redirects=False,
+            timeout=self.timeout,
+        )
 
     async def _buffered(
-        self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
+        self, request: web.Request, ex: Exchange, up: UpstreamResponse
     ) -> web.StreamResponse:
         if up.content_length is not None and up.content_length > MAX_METERED_RESPONSE_BYTES:
             ex.usage = Usage(unknown_reason="response_too_large")
@@ -499,7 +506,7 @@ class Proxy:
         return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
 
     async def _stream(
-        self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse
+        self, request: web.Request, ex: Exchange, up: UpstreamResponse
     ) -> web.StreamResponse:
         info = ex.info
         meter = StreamMeter(
@@ -575,7 +582,7 @@ class Proxy:
         return True
 
     def _finish_later(
-        self, ex: Exchange, up: aiohttp.ClientResponse | None, meter: StreamMeter | None
+        self, ex: Exchange, up: UpstreamResponse | None, meter: StreamMeter | None
     ) -> None:
         """Hand the exchange to a background finisher, which owns `up` from now on and ends
         when the usage is settled; the meter records the exchange after it."""
@@ -592,7 +599,7 @@ class Proxy:
                 self._set_usage(ex, usage)
 
     async def _finish(
-        self, ex: Exchange, up: aiohttp.ClientResponse | None, meter: StreamMeter | None
+        self, ex: Exchange, up: UpstreamResponse | None, meter: StreamMeter | None
     ) -> None:
         left = ex.status == STATUS_CLIENT_CLOSED
         try:
@@ -654,7 +661,7 @@ class Proxy:
         return cost.total_usd if cost is not None else None
 
     async def _relay(
-        self, request: web.Request, up: aiohttp.ClientResponse, ex: Exchange | None = None
+        self, request: web.Request, up: UpstreamResponse, ex: Exchange | None = None
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             status=up.status,

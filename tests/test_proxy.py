@@ -593,7 +593,7 @@ async def _send_raw(url: str, head: str, body: bytes) -> bytes:
     """One request written byte for byte (no client library adds a header); the whole answer."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+    writer.write(head.replace("\n", "\r\n").encode("utf-8", "surrogateescape") + b"\r\n" + body)
     await writer.drain()
     answer = await reader.read()
     writer.close()
@@ -616,6 +616,21 @@ async def test_the_upstream_gets_no_header_the_client_did_not_send(
     sent = {k.lower() for k in run.upstream.seen[-1]["headers"]}
     framing = {"content-length", "transfer-encoding"}
     assert sent - framing == {"host", "x-forwarded-for", "x-forwarded-proto"}
+
+
+async def test_header_bytes_that_are_not_utf8_reach_the_upstream_as_the_client_sent_them(
+    start_sidecar: StartSidecar,
+) -> None:
+    """HTTP allows any byte above 0x7f in a header value (obs-text). aiohttp's client dropped
+    such a byte; a metered request's headers now reach the upstream byte for byte."""
+    run = await start_sidecar()
+    assert run.upstream is not None
+    body = json.dumps({"model": MODEL, "messages": MSGS}).encode()
+    head = "POST /v1/chat/completions HTTP/1.1\nHost: x\nX-Note: caf\udce9 \udcff!\n"
+    head += f"Content-Length: {len(body)}\nConnection: close\n"
+    assert (await _send_raw(run.url, head, body)).startswith(b"HTTP/1.1 200 ")
+    # the fake upstream (aiohttp's server) reads bytes that are not UTF-8 as surrogates
+    assert run.upstream.seen[-1]["headers"]["X-Note"] == "caf\udce9 \udcff!"
 
 
 async def test_a_cookie_the_upstream_sets_is_not_sent_with_another_clients_request(
