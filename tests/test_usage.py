@@ -1246,3 +1246,48 @@ def test_loads_reads_each_key_as_it_is_written_whatever_was_read_before() -> Non
     twin = json.dumps({USAGE_TWIN: 1}).encode()
     usage_module.loads(b'{"usage": 0}')
     assert usage_module.loads(twin) == json.loads(twin)
+
+
+def _outcome(read: Any, data: bytes) -> str:
+    try:
+        return repr(read(data))  # repr: tells 1 from 1.0 and True, and NaN equals itself
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "refused"
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=12),
+        st.tuples(
+            _JSON_VALUES,
+            st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32"]),
+            st.sampled_from([b"", b"\x00", b"\xef\xbb\xbf", b"\xed\xa0\x80", b" "]),
+            st.booleans(),
+        ).map(
+            lambda t: (
+                (t[2] if t[3] else b"")
+                + json.dumps(t[0], ensure_ascii=False).encode(t[1], "surrogatepass")
+                + (b"" if t[3] else t[2])
+            )
+        ),
+    )
+)
+def test_loads_reads_every_body_as_json_loads_reads_its_bytes(data: bytes) -> None:
+    """Read from text where that is the same (`usage.loads`): for any bytes, in any encoding the
+    server reads, with a BOM, a NUL or an encoded surrogate, the value (or the refusal) is
+    `json.loads`'s of the bytes."""
+    expected = _outcome(json.loads, data)
+    assert _outcome(usage_module.loads, data) == expected
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    assert _outcome(lambda d: usage_module.loads(d, text), data) == expected
