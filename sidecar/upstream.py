@@ -256,6 +256,10 @@ class Upstream:
             conn.close()  # connection_lost (soon) gives its place back
             return
         conn.idle_since = conn._loop.time()
+        # The response just read may still be in its reader's buffer: the protocol forgets it,
+        # so a failure of the next request on this connection (read timeout, lost connection)
+        # is not set on that reader too, breaking a response that arrived whole.
+        conn._payload = None
         self.idle.append(conn)
         self._wake()
 

@@ -1,0 +1,124 @@
+"""The metered requests' pool (sidecar/upstream.py) against a hostile or buggy upstream and clients
+that leave at awkward moments: one request's failure must never reach another's response, the
+pool must count its connections exactly, and no answer may hang a request."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from sidecar import upstream as pool_module
+from tests.conftest import StartSidecar
+from tests.fakes import MODEL
+from tests.test_upstream import OK, Serve, Server, upstream_answering
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def first_then_silent(first: bytes, *, rest: bytes = b"") -> Any:
+    """The first request gets `first` (then `rest` a little later); any later one on the same
+    connection gets nothing at all (the upstream is busy)."""
+
+    def make(server: Server) -> Serve:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await server.head(reader):
+                if len(server.heads) > 1:
+                    await reader.read()  # until the pool gives up and closes the connection
+                    return
+                writer.write(first)
+                await writer.drain()
+                if rest:
+                    await asyncio.sleep(0.05)  # the rest in a later read: headers are in first
+                    writer.write(rest)
+                    await writer.drain()
+
+        return serve
+
+    return make
+
+
+async def test_a_failure_on_a_reused_connection_does_not_reach_the_response_read_before() -> None:
+    """A's body arrived whole (the connection went back to the pool at once) but A's handler has
+    not read all of it yet: a slow client holds it in a write. B's request then times out on that
+    connection. Before the fix, the protocol still held A's body as its current payload and set
+    B's timeout on it: A's stream broke with B's error, its usage chunk (the last bytes) unread,
+    so A went unbilled."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 12\r\n\r\n"
+    make = first_then_silent(head, rest=b"data: A-end\n")
+    async with upstream_answering(make, read_timeout=0.3, limit=1) as (server, up):
+        a = await up.request("POST", "/v1/chat/completions", CIMultiDict(), b"{}")
+        await asyncio.wait_for(_until(lambda: bool(up.idle)), 2)
+        assert a.content.is_eof()  # A's body is all in its reader, unread; the connection is idle
+        with pytest.raises(aiohttp.SocketTimeoutError):
+            await up.request("POST", "/v1/chat/completions", CIMultiDict(), b"{}")
+        assert server.accepted == 1  # B went on A's connection
+        assert await a.content.read() == b"data: A-end\n"
+
+
+RawUpstream = Callable[[Callable[[bytes], bytes]], Awaitable[str]]
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    """Start loopback upstreams that read each request (head, and a Content-Length body) and write
+    `answer(head)`; each gives its URL. Closed at teardown."""
+    servers: list[asyncio.Server] = []
+
+    async def start(answer: Callable[[bytes], bytes]) -> str:
+        srv = await asyncio.start_server(functools.partial(_serve_raw, answer), "127.0.0.1", 0)
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+
+    yield start
+    for srv in servers:
+        srv.close()
+
+
+async def _serve_raw(
+    answer: Callable[[bytes], bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    try:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            lines = head.lower().split(b"\r\n")
+            length = [int(x.split(b":")[1]) for x in lines if x.startswith(b"content-length:")]
+            await reader.readexactly(length[0] if length else 0)
+            writer.write(answer(head))
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _answer_each(
+    server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes
+) -> None:
+    while await server.head(reader):
+        writer.write(data)
+        await writer.drain()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def _serving(server: Server, data: bytes) -> Serve:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _answer_each(server, reader, writer, data)
+
+    return serve
+
+
+async def _post(up: pool_module.Upstream) -> bytes:
+    resp = await up.request("POST", "/v1/completions", CIMultiDict(), b"{}")
+    try:
+        return await resp.read()
+    finally:
+        resp.release()
