@@ -177,6 +177,8 @@ class Upstream:
                     message, payload = await conn.read()
                 except HttpProcessingError as exc:
                     raise BadResponse(f"invalid response from the upstream: {exc.message}") from exc
+                if message.code == 101:  # never asked for (Upgrade is not forwarded)
+                    raise BadResponse("the upstream switched protocols (101) unasked")
                 if not 100 <= message.code <= 199:  # an interim 1xx is read past, as aiohttp does
                     break
         except BaseException:

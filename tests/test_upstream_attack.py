@@ -61,6 +61,30 @@ async def test_a_failure_on_a_reused_connection_does_not_reach_the_response_read
         assert await a.content.read() == b"data: A-end\n"
 
 
+async def test_a_101_the_sidecar_never_asked_for_is_a_bad_response_not_a_hang() -> None:
+    """A 101 ends HTTP on the connection; read past like a 100, the pool waited for a final
+    answer that could never be parsed, with the read timeout dropped: the request hung until its
+    client gave up, holding a place in the pool. aiohttp's client returned the 101."""
+    switched = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    async with upstream_answering(first_then_silent(switched), read_timeout=0.3) as (_, up):
+        with pytest.raises(pool_module.BadResponse):
+            await asyncio.wait_for(up.request("POST", "/v1/completions", CIMultiDict(), b"{}"), 3)
+        await asyncio.sleep(0.05)
+        assert up.opened == 0
+
+
+async def test_a_101_through_the_sidecar_is_a_502(
+    start_sidecar: StartSidecar, raw_upstream: RawUpstream
+) -> None:
+    switched = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    run = await start_sidecar(upstream_url=await raw_upstream(lambda head: switched))
+    async with aiohttp.ClientSession() as s:
+        post = s.post(run.url + "/v1/chat/completions", json=CHAT)
+        async with await asyncio.wait_for(post, 5) as r:
+            assert r.status == 502
+            assert (await r.json())["error"]["type"] == "upstream_unreachable"
+
+
 RawUpstream = Callable[[Callable[[bytes], bytes]], Awaitable[str]]
 
 
