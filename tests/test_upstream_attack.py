@@ -128,6 +128,32 @@ async def _answer_each(
         await writer.drain()
 
 
+async def test_a_request_cancelled_as_its_connection_is_made_gives_its_place_back_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client leaves in the instant the upstream's connection comes up: asyncio closes the
+    new transport, whose connection_lost gives the place back; the failed open gave it back as
+    well, so the pool counted -1 open and went past its limit from then on."""
+    async with upstream_answering(lambda server: _serving(server, OK), limit=1) as (server, up):
+        opener: list[asyncio.Task[Any]] = []
+        made = pool_module.Connection.connection_made
+
+        def made_then_cancelled(conn: Any, transport: asyncio.BaseTransport) -> None:
+            made(conn, transport)
+            opener[0].cancel()
+
+        monkeypatch.setattr(pool_module.Connection, "connection_made", made_then_cancelled)
+        opener.append(asyncio.ensure_future(up._acquire()))
+        with pytest.raises(asyncio.CancelledError):
+            await opener[0]
+        monkeypatch.undo()
+        await asyncio.sleep(0.05)  # the closed transport's connection_lost
+        assert up.opened == 0
+        # limit 1: two requests at once, never two connections open
+        await asyncio.gather(*(_post(up) for _ in range(2)))
+        assert server.most_open == 1
+
+
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         await asyncio.sleep(0.01)
