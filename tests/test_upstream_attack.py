@@ -172,3 +172,35 @@ async def _post(up: pool_module.Upstream) -> bytes:
         return await resp.read()
     finally:
         resp.release()
+
+
+async def test_an_ipv6_upstream_with_a_path_prefix_gets_the_prefix_and_its_host(
+    start_sidecar: StartSidecar,
+) -> None:
+    """`http://[::1]:port/prefix`: the pool connects to ::1, writes `Host: [::1]:port`, and the
+    request target keeps the prefix (as aiohttp's client did)."""
+    heads: list[bytes] = []
+    body = b'{"usage": {"prompt_tokens": 2, "completion_tokens": 1}}'
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+    def record(head: bytes) -> bytes:
+        heads.append(head)
+        return answer % len(body) + body
+
+    try:
+        srv = await asyncio.start_server(functools.partial(_serve_raw, record), "::1", 0)
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        run = await start_sidecar(upstream_url=f"http://[::1]:{port}/prefix")
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(run.url + "/v1/chat/completions?a=1", json=CHAT) as r,
+        ):
+            assert r.status == 200 and await r.read() == body
+    finally:
+        srv.close()
+    sent = [h for h in heads if h.startswith(b"POST")]
+    assert sent[0].startswith(b"POST /prefix/v1/chat/completions?a=1 HTTP/1.1\r\n")
+    assert f"\r\nHost: [::1]:{port}\r\n".encode() in sent[0]
