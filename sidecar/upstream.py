@@ -54,6 +54,7 @@ class Connection(ResponseHandler):
         super().__init__(loop)
         self.pool = pool
         self.idle_since = 0.0  # loop time it was put back in the pool
+        self.made = False  # connected: from now on connection_lost gives its place back
         self._deadline: float | None = None
         self._watch: asyncio.TimerHandle | None = None
 
@@ -78,6 +79,10 @@ class Connection(ResponseHandler):
             return
         self._deadline = None
         self._on_read_timeout()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.made = True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         super().connection_lost(exc)
@@ -177,6 +182,8 @@ class Upstream:
                     message, payload = await conn.read()
                 except HttpProcessingError as exc:
                     raise BadResponse(f"invalid response from the upstream: {exc.message}") from exc
+                if message.code == 101:  # never asked for (Upgrade is not forwarded)
+                    raise BadResponse("the upstream switched protocols (101) unasked")
                 if not 100 <= message.code <= 199:  # an interim 1xx is read past, as aiohttp does
                     break
         except BaseException:
@@ -230,23 +237,33 @@ class Upstream:
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> Connection:
         self.opened += 1
+        made: list[Connection] = []
+
+        def connection() -> Connection:
+            made.append(Connection(loop, self))
+            return made[-1]
+
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: Connection(loop, self),
+                    connection,
                     self.host,
                     self.port,
                     ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None,
                 )
-        except TimeoutError as exc:
-            self._gone()
-            raise aiohttp.ConnectionTimeoutError(f"connecting to the upstream: {exc}") from exc
-        except OSError as exc:
-            self._gone()
-            raise aiohttp.ClientOSError(exc.errno, f"connecting to the upstream: {exc}") from exc
-        except BaseException:
-            self._gone()
+        except BaseException as exc:
+            # Cancelled (or timed out) once connected, asyncio closes the transport, and the
+            # connection's connection_lost gives the place back: given back here too, the pool
+            # would count one connection fewer than are open and go past its limit.
+            if not any(c.made for c in made):
+                self._gone()
+            if isinstance(exc, TimeoutError):
+                raise aiohttp.ConnectionTimeoutError(f"connecting to the upstream: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise aiohttp.ClientOSError(
+                    exc.errno, f"connecting to the upstream: {exc}"
+                ) from exc
             raise
         return conn
 
@@ -256,6 +273,10 @@ class Upstream:
             conn.close()  # connection_lost (soon) gives its place back
             return
         conn.idle_since = conn._loop.time()
+        # The response just read may still be in its reader's buffer: the protocol forgets it,
+        # so a failure of the next request on this connection (read timeout, lost connection)
+        # is not set on that reader too, breaking a response that arrived whole.
+        conn._payload = None
         self.idle.append(conn)
         self._wake()
 
