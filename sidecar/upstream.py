@@ -35,7 +35,9 @@ from yarl import URL
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # A timer may fire up to this much early (uvloop keeps time in whole milliseconds).
 TIMER_EARLY_S = 0.001
-IDLE_S = 15.0  # an idle connection older than this is closed, not reused (aiohttp's keep-alive)
+# An idle connection is closed after this long, as aiohttp's connector does (its keep-alive
+# timeout), and never reused past it.
+IDLE_S = 15.0
 
 
 class BadResponse(aiohttp.ClientError):
@@ -157,6 +159,7 @@ class Upstream:
         self.opened = 0  # connections open or being opened
         self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self.closed = False
+        self._sweep: asyncio.TimerHandle | None = None
 
     async def request(
         self, method: str, target: str, headers: Mapping[str, str], body: bytes
@@ -278,7 +281,26 @@ class Upstream:
         # is not set on that reader too, breaking a response that arrived whole.
         conn._payload = None
         self.idle.append(conn)
+        if self._sweep is None:
+            self._sweep = conn._loop.call_at(conn.idle_since + IDLE_S, self._close_stale)
         self._wake()
+
+    def _close_stale(self) -> None:
+        """Close the connections idle for IDLE_S; look again when the next one will be. Reuse is
+        most recent first, so the stack is in the order they went idle."""
+        self._sweep = None
+        if not self.idle:
+            return
+        loop = self.idle[0]._loop
+        now = loop.time()
+        stale = 0
+        while stale < len(self.idle) and now - self.idle[stale].idle_since >= IDLE_S:
+            stale += 1
+        gone, self.idle = self.idle[:stale], self.idle[stale:]
+        for conn in gone:
+            conn.close()
+        if self.idle:
+            self._sweep = loop.call_at(self.idle[0].idle_since + IDLE_S, self._close_stale)
 
     def lost(self, conn: Connection) -> None:
         """`conn` closed (either side): its place in the pool is free."""
@@ -299,6 +321,9 @@ class Upstream:
 
     async def close(self) -> None:
         self.closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()

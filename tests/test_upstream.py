@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
+from sidecar import upstream as upstream_module
 from sidecar.upstream import BadResponse, Upstream
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -249,6 +250,23 @@ async def test_a_connection_the_upstream_closed_while_idle_is_not_used_again() -
         assert await post(up) == b"{}"
         assert server.accepted == 2
         assert up.opened == 1
+
+
+async def test_a_connection_idle_for_long_is_closed_though_no_request_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quiet pool does not hold its connections open for good (aiohttp's connector closed
+    them after 15 s idle too): the upstream sees them closed, and their places are free."""
+    monkeypatch.setattr(upstream_module, "IDLE_S", 0.4)
+    async with upstream_answering(answering(OK)) as (server, up):
+        await asyncio.gather(post(up), post(up), post(up))
+        assert server.open == up.opened == 3
+        await asyncio.sleep(0.2)
+        assert await post(up) == b"{}"  # the most recent one, reused: it waits 0.4 s anew
+        await asyncio.sleep(0.3)
+        assert (server.open, len(up.idle)) == (1, 1)  # the two others are closed
+        await asyncio.sleep(0.3)
+        assert server.open == up.opened == 0 and not up.idle
 
 
 async def test_an_upstream_that_refuses_connections_is_a_client_error_and_leaks_no_place() -> None:
