@@ -585,15 +585,17 @@ class StreamMeter:
             return chunk
         shape = self._shape
         at: Callable[[bytes, int], _WireEvent | None]
-        if shape is not None and shape.head:
+        if shape is not None and (head := shape.head):
+            if chunk.startswith(head) and not self._parser.pending:
+                whole = shape.tail.fullmatch(chunk, len(head))
+                if whole is not None:  # the usual read: exactly one event of the shape
+                    return self._one_event(chunk, whole, len(head))
             at = shape.at
         elif self._tgi_wire is not None:
             at = _tgi_at
         else:
             return self._feed_events(chunk)
         found = None if self._parser.pending else at(chunk, 0)
-        if found is not None and found[0] == len(chunk):
-            return self._one_event(chunk, found)  # the usual read: exactly one event of the shape
         return self._feed_wire(at, chunk, found)
 
     def _feed_wire(
@@ -633,12 +635,19 @@ class StreamMeter:
         out.append(chunk[kept:])
         return b"".join(out)
 
-    def _one_event(self, chunk: bytes, found: _WireEvent) -> bytes:
-        """`_feed_wire` for the usual read: exactly one whole event of the shape."""
-        if not self._wire_event(chunk, found):
+    def _one_event(self, chunk: bytes, whole: re.Match[bytes], start: int) -> bytes:
+        """`_feed_wire` for the usual read, in short: exactly one whole event of the learnt
+        shape, `whole` its tail (`_TokenShape.tail` matched from `start` to the chunk's end)."""
+        shape = self._shape
+        assert shape is not None
+        if whole.end(1) > start:  # its text is not empty
+            self._s.token_events += 1
+            shape.tries = _SHAPE_TRIES
+        cut = whole.start(2)
+        if cut < 0:
             return chunk
-        end, _, cut = found
-        return chunk[:cut] + chunk[end - 3 :]
+        self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
+        return chunk[:cut] + chunk[-3:] if self._strip_chunk else chunk
 
     def _wire_event(self, data: bytes, found: _WireEvent) -> bool:
         """An event the wire path recognised in `data`: its token counted, its running usage kept

@@ -732,6 +732,22 @@ def test_the_wire_path_waits_for_an_event_begun_in_an_earlier_read() -> None:
             assert got.output_tokens == 1
 
 
+@pytest.mark.parametrize("held", [b"data: 1\n", b": comment\n", b"event: x\n", b"data: 1\r"])
+@pytest.mark.parametrize("strips", [(True, True), (False, False)])
+def test_a_whole_event_of_the_shape_after_a_held_line_is_read_as_its_continuation(
+    held: bytes, strips: tuple[bool, bool]
+) -> None:
+    """The parser holds a line of an event not yet ended; the next read is, byte for byte, one
+    whole event of the learnt shape. It is not that event: its lines belong to the held one (a
+    `data:` line makes them one event whose data is no JSON object). The fast path for a read of
+    one event must not take it."""
+    learnt = b"".join(f"data: {compact(e)}\n\n".encode() for e in RUNNING_STREAM[:4])
+    shaped = f"data: {compact(RUNNING_STREAM[2])}\n\n".encode()
+    wire = learnt + held + shaped + sse_of([compact(RUNNING_STREAM[3])])
+    cuts = [*boundaries(learnt), len(learnt) + len(held), len(learnt) + len(held) + len(shaped)]
+    run_pair(Endpoint.CHAT, wire, cuts, *strips)
+
+
 def test_running_usage_chunks_take_the_wire_path() -> None:
     """Not a speed test: plain running-usage chunks are neither decoded nor parsed as SSE, their
     usage is cut out byte for byte, and a client leaving is billed the last running totals."""
