@@ -165,8 +165,10 @@ def _parse(body: bytes) -> tuple[str | None, object]:
         text: str | None = body.decode("utf-8")
     except UnicodeDecodeError:
         text = None
-    if body.startswith(b"\xef\xbb\xbf"):
-        text = None  # the server reads past a BOM (json.loads of bytes); we never edit such a body
+    if body.startswith(b"\xef\xbb\xbf") or b"\0" in body[:4]:
+        # the server reads past a BOM, or reads UTF-16/32 by the NULs (ASCII in UTF-16 or UTF-32
+        # is valid UTF-8 too): `loads`' cases for the bytes. Such a body is never edited.
+        text = None
     try:
         obj = loads(body, text) if body else None  # as the server parses the bytes
     except (ValueError, UnicodeDecodeError, RecursionError):

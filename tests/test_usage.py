@@ -395,6 +395,23 @@ def test_only_utf8_json_objects_are_changed(encoding: str) -> None:
     assert info.body == body and not info.injected_usage and not info.utf8
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+@pytest.mark.parametrize("options", ["", ',"stream_options":{"include_usage":false}'])
+def test_a_body_in_another_encoding_is_never_changed_even_when_its_bytes_are_utf8(
+    encoding: str, options: str
+) -> None:
+    """ASCII in UTF-16 or UTF-32 without a BOM is valid UTF-8 too (its NULs are characters), but
+    the server reads it, by the NULs in its first four bytes, as UTF-16 or UTF-32. Spliced as
+    UTF-8 text, a body the server accepts became one it refuses; with stream_options, unchanged
+    but its stream's usage unknown as "stream_without_usage", not "body_not_utf8"."""
+    body = ('{"model":"m","stream":true,"prompt":"hi"' + options + "}").encode(encoding)
+    body.decode("utf-8")  # no UnicodeDecodeError
+    assert json.loads(body)["stream"] is True  # what the server reads
+    info = inspect_request(Endpoint.COMPLETIONS, body, inject_usage=True, continuous_usage=True)
+    assert info.body == body and not info.injected_usage and not info.utf8
+    assert info.parsed and info.stream
+
+
 def test_continuous_usage_requested_without_changing_what_was_asked() -> None:
     def opts(body: bytes) -> tuple[dict, bool, bool]:
         info = inspect_request(Endpoint.CHAT, body, inject_usage=True, continuous_usage=True)
