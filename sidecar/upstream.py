@@ -30,11 +30,11 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDictProxy
 from yarl import URL
 
+from .edge import TIMER_EARLY_S  # a timer may fire up to this much early (uvloop's milliseconds)
+
 # What a header may not carry (RFC 9110 5.5: no control character but tab), as aiohttp's client
 # refuses it too; CR and LF are counted instead (the only ones are the lines' ends).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# A timer may fire up to this much early (uvloop keeps time in whole milliseconds).
-TIMER_EARLY_S = 0.001
 # An idle connection is closed after this long, as aiohttp's connector does (its keep-alive
 # timeout), and never reused past it.
 IDLE_S = 15.0
@@ -111,10 +111,7 @@ class Response(HeadersMixin):
         self.status, self.reason = status, reason
         self.headers = self._headers = headers
         self.content = body
-        if body.is_eof():
-            self.release()
-        else:
-            body.on_eof(self.release)  # read to its end: the connection goes back at once
+        body.on_eof(self.release)  # read to its end (now, or later): the connection goes back
 
     async def read(self) -> bytes:
         return await self.content.read()
@@ -327,7 +324,5 @@ class Upstream:
         idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
-        while self.waiting:
-            waiter = self.waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+        while self.waiting:  # each finds the pool closed
+            self._wake()

@@ -145,7 +145,7 @@ def loads(data: bytes, text: str | None = None) -> Any:
     is then returned for every later key with that hash, in every body, of every client
     (`test_loads_reads_each_key_as_it_is_written_whatever_was_read_before`).
     """
-    if data.startswith(b"\xef\xbb\xbf") or b"\0" in data[:4]:
+    if not _read_as_utf8(data):
         return json.loads(data)
     if text is None:
         try:
@@ -155,22 +155,26 @@ def loads(data: bytes, text: str | None = None) -> Any:
     return json.loads(text)
 
 
+def _read_as_utf8(data: bytes) -> bool:
+    """Does `json.loads(data)` read the bytes as UTF-8? Not when they open with a BOM, nor with a
+    NUL in their first four (it reads those as UTF-16 or UTF-32)."""
+    return not data.startswith(b"\xef\xbb\xbf") and b"\0" not in data[:4]
+
+
 def _parse(body: bytes) -> tuple[str | None, object]:
     """(the body as UTF-8 text or None, the parsed JSON or None).
 
     A body in another encoding is still read (the server reads UTF-16 and UTF-32 JSON too), but
     its text is None so it is never changed.
     """
-    try:
-        text: str | None = body.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if body.startswith(b"\xef\xbb\xbf") or b"\0" in body[:4]:
-        # the server reads past a BOM, or reads UTF-16/32 by the NULs (ASCII in UTF-16 or UTF-32
-        # is valid UTF-8 too): `loads`' cases for the bytes. Such a body is never edited.
-        text = None
-    try:
-        obj = loads(body, text) if body else None  # as the server parses the bytes
+    text: str | None = None
+    if _read_as_utf8(body):  # else a BOM or UTF-16/32 (ASCII in those is valid UTF-8 too)
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:  # not contextlib.suppress: a context manager per request
+            text = None
+    try:  # as the server parses the bytes (`loads`), from the text where that is the same
+        obj = (json.loads(body) if text is None else json.loads(text)) if body else None
     except (ValueError, UnicodeDecodeError, RecursionError):
         obj = None
     return text, obj
