@@ -1,7 +1,7 @@
 """The aiohttp applications and the process around them.
 
 Owns: `create_app(config)` (the proxy) and `create_admin_app()` (/metrics, /healthz, /readyz),
-one cleanup context per resource (upstream session and its probe, ledger, tracer, NVML poller,
+one cleanup context per resource (the upstream client and its probe, ledger, tracer, NVML poller,
 audit writer),
 signal handling (SIGTERM drains in-flight requests within a grace period, SIGHUP re-reads prices).
 Never: pairs on_startup with on_cleanup; every resource is created before `yield`, closed after.
@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
@@ -123,7 +122,7 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
     app[SIDECAR] = sc
     app.cleanup_ctx.append(_proxy_ctx)
     sc.probe = UpstreamProbe(  # readiness: the upstream probed in the background
-        sc.config.upstream, sc.metrics, lambda: sc.proxy.session if sc.proxy else None
+        sc.config.upstream, sc.metrics, lambda: sc.proxy.upstream if sc.proxy else None
     )
     app.cleanup_ctx.append(probe_context(sc.probe))
     for ctx in sc.extra_contexts:
@@ -139,27 +138,9 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     return await proxy.handle(request)
 
 
-_NO_DEFAULT_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
-
-
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     up = sc.config.upstream
-    connector = aiohttp.TCPConnector(limit=up.max_connections, ttl_dns_cache=300)
-    # auto_decompress off: the client gets the upstream's bytes, compressed or not.
-    # No default headers: the upstream gets the client's (aiohttp would add Accept,
-    # Accept-Encoding: gzip, User-Agent and Content-Type to a request without them).
-    # No cookie jar: a cookie the upstream sets for one client is never sent with another's.
-    # The upstream key (if any) rides on every call of the session: proxied requests, /tokenize,
-    # /info. Proxied requests also set it explicitly, in place of the client's.
-    auth = {"Authorization": sc.upstream_auth} if sc.upstream_auth else None
-    session = aiohttp.ClientSession(
-        connector=connector,
-        auto_decompress=False,
-        skip_auto_headers=_NO_DEFAULT_HEADERS,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        headers=auth,
-    )
     base = sc.upstream_base
     metering = sc.config.metering
     settings = ProxySettings(
@@ -183,18 +164,18 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         drain_s=metering.drain_after_disconnect_s,
         size_prompts=sc.config.admission.tokenize,
     )
-    tgi = TgiModelName(session, base, up.model_name)
-    counter = PromptCounter(lambda: session, base, up.api, sc.metrics)
-    # Metered requests go through a leaner pool of their own (sidecar/upstream.py).
+    # Every call to the upstream goes through one pool (sidecar/upstream.py).
     upstream = Upstream(
         base,
         connect_timeout=up.connect_timeout_s,
         read_timeout=up.read_timeout_s,
         limit=up.max_connections,
+        authorization=sc.upstream_auth,
     )
+    tgi = TgiModelName(upstream, up.model_name)
+    counter = PromptCounter(upstream, up.api, sc.metrics)
     sc.proxy = Proxy(
         settings,
-        session,
         upstream,
         sc.metrics,
         sc.meter,
@@ -209,7 +190,6 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     yield
     await upstream.close()
-    await session.close()
 
 
 async def _finishers_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -34,8 +34,8 @@ class UpstreamConfig:
     connect_timeout_s: float = 5.0
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
     read_timeout_s: float = 600.0
-    # Connections open to the upstream, at most, in each of two pools: metered requests, and the
-    # rest (other routes, /tokenize and /info calls, the readiness probe). Past it a request waits.
+    # Connections open to the upstream, at most, for every call: proxied requests, /tokenize and
+    # /info calls, the readiness probe (one pool). Past it a request waits.
     max_connections: int = 1000
     # Name of an environment variable holding the upstream's API key (vLLM's --api-key). When set,
     # the sidecar sends `Authorization: Bearer <key>` upstream in place of the client's header.

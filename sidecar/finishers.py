@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
 import aiohttp
 
 from .metrics import Metrics
-from .upstream import UpstreamResponse
+from .upstream import Upstream, UpstreamResponse
 from .usage import Endpoint, RequestInfo, StreamMeter, Usage
 
 log = logging.getLogger("tollbooth.finishers")
@@ -148,45 +148,34 @@ class PromptCounter:
 
     TIMEOUT_S = 2.0
 
-    def __init__(
-        self,
-        session: Callable[[], aiohttp.ClientSession | None],
-        base: str,
-        api: str,
-        metrics: Metrics,
-    ) -> None:
-        self.session, self.base, self.api, self.metrics = session, base, api, metrics
-        self.timeout = aiohttp.ClientTimeout(total=self.TIMEOUT_S)
+    def __init__(self, upstream: Upstream, api: str, metrics: Metrics) -> None:
+        self.upstream, self.api, self.metrics = upstream, api, metrics
 
     async def count(self, info: RequestInfo, headers: dict[str, str] | None = None) -> int | None:
         if (ids := prompt_token_ids(info)) is not None:
             return ids
         calls = tokenize_requests(info, self.api)
-        session = self.session()
-        if not calls or session is None:
+        if not calls:
             return None
         total = 0
         for path, body in calls:
-            n = await self._one(session, path, body, headers or {})
+            n = await self._one(path, body, headers or {})
             if n is None:
                 self.metrics.upstream_errors.labels("tokenize").inc()
                 return None
             total += n
         return total
 
-    async def _one(
-        self, session: aiohttp.ClientSession, path: str, body: bytes, headers: dict[str, str]
-    ) -> int | None:
+    async def _one(self, path: str, body: bytes, headers: dict[str, str]) -> int | None:
         hdrs = {**headers, "Content-Type": "application/json"}
         try:
-            async with session.post(
-                self.base + path, data=body, headers=hdrs, timeout=self.timeout
-            ) as r:
-                data = await r.json(content_type=None) if r.status == 200 else None
+            status, data = await self.upstream.fetch(
+                "POST", path, body=body, headers=hdrs, timeout=self.TIMEOUT_S
+            )
+            return _count(json.loads(data)) if status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("upstream %s failed: %r", path, exc)
             return None
-        return _count(data)
 
 
 def _count(data: object) -> int | None:

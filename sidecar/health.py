@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -25,17 +25,29 @@ from .metrics import Metrics
 log = logging.getLogger("tollbooth.health")
 
 
+class Fetcher(Protocol):
+    """What the probe needs of the upstream client (sidecar/upstream.py's `Upstream`)."""
+
+    limit: int
+
+    @property
+    def saturated(self) -> bool: ...
+
+    async def fetch(self, method: str, path: str, *, timeout: float) -> tuple[int, bytes]: ...
+
+
 class UpstreamProbe:
     def __init__(
         self,
         config: UpstreamConfig,
         metrics: Metrics,
-        session: Callable[[], aiohttp.ClientSession | None],
+        upstream: Callable[[], Fetcher | None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.url = config.url.rstrip("/") + config.probe_path
+        self.url = config.url.rstrip("/") + config.probe_path  # for the log
+        self.path = config.probe_path
         self.interval, self.timeout_s = config.probe_interval_s, config.probe_timeout_s
-        self.metrics, self.session, self.clock = metrics, session, clock
+        self.metrics, self.upstream, self.clock = metrics, upstream, clock
         self.up = False
         self.detail = "not probed yet"
         self.checked_at: float | None = None
@@ -57,14 +69,13 @@ class UpstreamProbe:
         self.metrics.upstream_up.set(1 if up else 0)
 
     async def _probe(self) -> tuple[bool, str]:
-        session = self.session()
-        if session is None:
-            return False, "no upstream session"
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        upstream = self.upstream()
+        if upstream is None:
+            return False, "no upstream client"
+        if upstream.saturated:  # every connection is serving a request: it answers
+            return True, f"busy: all {upstream.limit} connections in use"
         try:
-            async with session.get(self.url, timeout=timeout, allow_redirects=False) as r:
-                await r.read()
-                status = r.status
+            status, _ = await upstream.fetch("GET", self.path, timeout=self.timeout_s)
         except (aiohttp.ClientError, TimeoutError) as exc:
             return False, f"unreachable: {type(exc).__name__}: {exc}"[:200]
         except Exception as exc:  # a bug here must not stop the probing: down, and logged

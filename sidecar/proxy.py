@@ -170,8 +170,8 @@ class TgiModelName:
 
     RETRY_S = 5.0
 
-    def __init__(self, session: aiohttp.ClientSession, base: str, configured: str | None):
-        self._session, self._base = session, base
+    def __init__(self, upstream: Upstream, configured: str | None):
+        self._upstream = upstream
         self._name = configured
         self._lock = asyncio.Lock()
         self._failed_at = -1e9
@@ -186,9 +186,8 @@ class TgiModelName:
 
     async def _fetch(self) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=2)
-            async with self._session.get(self._base + "/info", timeout=timeout) as r:
-                data = await r.json(content_type=None)
+            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
+            data = json.loads(body)
             name = data.get("model_id") if isinstance(data, dict) else None
             if isinstance(name, str) and name:
                 self._name = name
@@ -226,7 +225,6 @@ class Proxy:
     def __init__(
         self,
         settings: ProxySettings,
-        session: aiohttp.ClientSession,
         upstream: Upstream,
         metrics: Metrics,
         meter: Meter,
@@ -241,8 +239,7 @@ class Proxy:
     ) -> None:
         self.s = settings
         self.identity = identity
-        self.session = session  # requests whose body is streamed, and the sidecar's own calls
-        self.upstream = upstream  # metered requests (their bodies are in memory)
+        self.upstream = upstream  # every call to the inference server
         self.metrics = metrics
         self.meter = meter
         self.users = users
@@ -253,9 +250,6 @@ class Proxy:
         self.counter = counter  # exact prompt size for requests whose usage the wire lacked
         self.finishers = finishers or Finishers()  # work after the handler (client left)
         self._urls: dict[tuple[str, str], URL] = {}
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
-        )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -467,18 +461,19 @@ class Proxy:
     async def _send(
         self, request: web.Request, ex: Exchange, headers: CIMultiDict[str]
     ) -> UpstreamResponse:
-        url = self._url(ex.path, request)
+        target = self._url(ex.path, request).raw_path_qs
         body = ex.info.body
         if body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
-            return await self.upstream.request(request.method, url.raw_path_qs, headers, body)
-        return await self.session.request(  # an unmetered route's body is streamed, never read
-            request.method,
-            url,
-            headers=headers,
-            data=request.content,
-            allow_redirects=False,
-            timeout=self.timeout,
-        )
+            return await self.upstream.request(request.method, target, headers, body)
+        return await self._streamed(request, target, headers)  # an unmetered body is never read
+
+    async def _streamed(
+        self, request: web.Request, target: str, headers: CIMultiDict[str]
+    ) -> UpstreamResponse:
+        """Send the request with its body streamed from the client as it arrives."""
+        body = request.content.iter_any() if request.body_exists else b""
+        length = request.content_length if request.body_exists else None
+        return await self.upstream.request(request.method, target, headers, body, length=length)
 
     async def _buffered(
         self, request: web.Request, ex: Exchange, up: UpstreamResponse
@@ -683,17 +678,13 @@ class Proxy:
     async def _passthrough(self, request: web.Request, path: str) -> web.StreamResponse:
         """Routes that generate nothing: both bodies streamed, nothing recorded but failures."""
         headers = self._upstream_headers(request)
-        data = request.content if request.body_exists else None
+        target = self._url(path, request).raw_path_qs
         try:
-            async with self.session.request(
-                request.method,
-                self._url(path, request),
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-                timeout=self.timeout,
-            ) as up:
+            up = await self._streamed(request, target, headers)
+            try:
                 return await self._relay(request, up)
+            finally:
+                up.release()
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             return self._upstream_failed(None, 504, "upstream_timeout", exc)
         except aiohttp.ClientError as exc:
@@ -726,8 +717,8 @@ class Proxy:
         )
 
     def _tokenize_auth(self, ex: Exchange) -> dict[str, str]:
-        """The sidecar's own /tokenize calls authenticate as the proxied request did: the session
-        carries the upstream key when one is configured, else the client's key is passed on."""
+        """The sidecar's own /tokenize calls authenticate as the proxied request did: the upstream
+        client adds the upstream key when one is configured, else the client's key is passed on."""
         client = ex.request_headers.get("Authorization")
         return {"Authorization": client} if client and not self.s.authorization else {}
 

@@ -1,16 +1,26 @@
-"""The metered requests' connections to the inference server: HTTP/1.1, kept alive and reused.
+"""The one client of the inference server: HTTP/1.1 connections, kept alive and reused.
 
+Every call to the upstream goes through it: metered requests (their bodies in memory), requests
+whose body is streamed through (unmetered routes), and the sidecar's own calls (`/tokenize`,
+`/info`, the readiness probe: `fetch`). One pool, so `upstream.max_connections` is one number.
 Owns: a pool of connections (at most `limit` open; a request waits for one beyond that), opening
-them within the connect timeout, writing a request whose body is in memory, and the read timeout
-(the longest silence of the upstream while a response is awaited or read).
+them within the connect timeout, writing a request (its body in memory, or streamed with the
+client's Content-Length or chunked), and the read timeout (the longest silence of the upstream
+while a response is awaited or read).
 Reading is aiohttp's own client protocol (`ResponseHandler`: its C parser, the body as a
 `StreamReader` with flow control, its errors), so a response reads as aiohttp's client reads it.
 What is left out is aiohttp's `ClientSession` around it: request and response objects, URL
 handling, traces, cookies, a timer per request and per read. Counted under callgrind, a
 non-streaming request through the session cost about 370k instructions on the client side, and
 about 90k here: a third of the sidecar's whole work on such a request.
-Never: adds a header but Host and Content-Length, follows a redirect, decompresses, or keeps a
-cookie. Bodies that arrive as a stream (unmetered routes) go through aiohttp's session.
+Never: adds a header but Host and the body's framing (Content-Length, or Transfer-Encoding:
+chunked for a streamed body of unknown length), follows a redirect, decompresses, or keeps a
+cookie.
+
+aiohttp's private names used (pyproject pins aiohttp to the minor version tested):
+`ResponseHandler._reschedule_timeout`, `_drop_timeout`, `_on_read_timeout`, `_read_timeout`,
+`_payload`, `_loop`, overridden or read to keep the read timeout lazily and to forget a response
+once its connection is back in the pool.
 """
 
 from __future__ import annotations
@@ -20,17 +30,21 @@ import collections
 import contextlib
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, Mapping
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.helpers import HeadersMixin
+from aiohttp.http import StreamWriter
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from .edge import TIMER_EARLY_S  # a timer may fire up to this much early (uvloop's milliseconds)
+# A timer may fire this much before the time it was set for: uvloop keeps time in whole
+# milliseconds and rounds a delay to one. A deadline that near is due (re-arming for the rest
+# would fire again at once, every loop iteration until the clock ticks). The edge's timers too.
+TIMER_EARLY_S = 0.001
 
 # What a header may not carry (RFC 9110 5.5: no control character but tab), as aiohttp's client
 # refuses it too; CR and LF are counted instead (the only ones are the lines' ends).
@@ -38,6 +52,11 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # An idle connection is closed after this long, as aiohttp's connector does (its keep-alive
 # timeout), and never reused past it.
 IDLE_S = 15.0
+# Methods whose request has no content unless the client sent some: no Content-Length: 0 added.
+_NO_CONTENT = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+
+# A request body: in memory, or streamed from the client (its reader, or any async iterable).
+Body = bytes | AsyncIterable[bytes]
 
 
 class BadResponse(aiohttp.ClientError):
@@ -57,6 +76,7 @@ class Connection(ResponseHandler):
         self.pool = pool
         self.idle_since = 0.0  # loop time it was put back in the pool
         self.made = False  # connected: from now on connection_lost gives its place back
+        self.sending: asyncio.Task[None] | None = None  # a streamed body still being written
         self._deadline: float | None = None
         self._watch: asyncio.TimerHandle | None = None
 
@@ -88,6 +108,8 @@ class Connection(ResponseHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         super().connection_lost(exc)
+        if self.sending is not None:
+            self.sending.cancel()
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
@@ -129,8 +151,7 @@ class Response(HeadersMixin):
             conn.close()
 
 
-# What the proxy reads a response through: this pool's, or aiohttp's session's.
-UpstreamResponse = Response | aiohttp.ClientResponse
+UpstreamResponse = Response  # the name the proxy and the finishers use
 
 
 class Upstream:
@@ -145,9 +166,13 @@ class Upstream:
         read_timeout: float,
         limit: int,
         ssl_context: ssl.SSLContext | None = None,
+        authorization: str | None = None,
     ) -> None:
         url = URL(base)
         assert url.scheme in ("http", "https") and url.raw_host, base
+        self.prefix = url.raw_path.rstrip("/")  # the base URL's own path, before every target
+        # The sidecar's own calls carry the upstream's key; proxied requests set theirs.
+        self.own_headers = {"Authorization": authorization} if authorization else {}
         self.host, self.port = url.raw_host, url.port or (443 if url.scheme == "https" else 80)
         self.host_header = url.host_port_subcomponent
         self.ssl = (ssl_context or ssl.create_default_context()) if url.scheme == "https" else None
@@ -159,13 +184,22 @@ class Upstream:
         self._sweep: asyncio.TimerHandle | None = None
 
     async def request(
-        self, method: str, target: str, headers: Mapping[str, str], body: bytes
+        self,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        body: Body = b"",
+        *,
+        length: int | None = None,
     ) -> Response:
         """Send `method target` (the path and query, as they go on the wire) and return the
-        response once its headers are in. Failures are aiohttp's exceptions: `ClientError`s
-        (`ServerDisconnectedError`, `ClientOSError`, `BadResponse`) and `TimeoutError`s
-        (`SocketTimeoutError`: the read timeout; `ConnectionTimeoutError`: the connect timeout)."""
-        head = self._head(method, target, headers, len(body))
+        response once its headers are in. A streamed `body` is sent with `length` as its
+        Content-Length when the client gave one, else chunked, while the response is awaited.
+        Failures are aiohttp's exceptions: `ClientError`s (`ServerDisconnectedError`,
+        `ClientOSError`, `BadResponse`) and `TimeoutError`s (`SocketTimeoutError`: the read
+        timeout; `ConnectionTimeoutError`: the connect timeout)."""
+        framing = _framing(method, body, length)
+        head = self._head(method, target, headers, framing)
         conn = await self._acquire()
         try:
             conn.set_response_params(
@@ -175,7 +209,11 @@ class Upstream:
                 read_timeout=self.read_timeout,
             )
             assert conn.transport is not None
-            conn.transport.writelines((head, body) if body else (head,))
+            if not isinstance(body, bytes):
+                conn.transport.write(head)
+                conn.sending = asyncio.ensure_future(_send(conn, body, chunked=length is None))
+            else:
+                conn.transport.writelines((head, body) if body else (head,))
             conn.start_timeout()
             while True:
                 try:
@@ -191,14 +229,39 @@ class Upstream:
             raise
         return Response(conn, message.code, message.reason, message.headers, payload)
 
-    def _head(self, method: str, target: str, headers: Mapping[str, str], length: int) -> bytes:
+    async def fetch(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        """The sidecar's own call (`/tokenize`, `/info`, the probe): (status, body), read whole
+        within `timeout`, with the upstream's key when one is configured. `path` is below the
+        base URL's own path."""
+        sent = {**self.own_headers, **(headers or {})}
+        async with asyncio.timeout(timeout):
+            resp = await self.request(method, self.prefix + path, sent, body)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.release()
+
+    @property
+    def saturated(self) -> bool:
+        """Every connection is open and busy: a new call would wait for one."""
+        return self.opened >= self.limit and not self.idle
+
+    def _head(self, method: str, target: str, headers: Mapping[str, str], framing: str) -> bytes:
         """The request line and headers, Host first (as aiohttp writes them). A header value is
         written as the client's bytes (the server read them as UTF-8 with surrogateescape)."""
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host_header}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
-        lines.append(f"Content-Length: {length}\r\n\r\n")
+        lines.append(f"{framing}\r\n\r\n" if framing else "\r\n")
         text = "\r\n".join(lines)
-        ends = len(lines) + 1
+        ends = len(lines) + (1 if framing else 0)
         if (
             text.count("\n") != ends
             or text.count("\r") != ends
@@ -268,8 +331,10 @@ class Upstream:
         return conn
 
     def put(self, conn: Connection) -> None:
-        """A connection whose response is over: back to the pool, or closed."""
-        if self.closed or conn.should_close or not conn.is_connected():
+        """A connection whose response is over: back to the pool, or closed (also when the
+        request's body was still being sent: the connection is in the middle of a request)."""
+        sending = conn.sending is not None and not conn.sending.done()
+        if self.closed or sending or conn.should_close or not conn.is_connected():
             conn.close()  # connection_lost (soon) gives its place back
             return
         conn.idle_since = conn._loop.time()
@@ -326,3 +391,34 @@ class Upstream:
             conn.close()
         while self.waiting:  # each finds the pool closed
             self._wake()
+
+
+def _framing(method: str, body: Body, length: int | None) -> str:
+    """The header that frames the body: its Content-Length, chunked for a stream of unknown
+    length, or none for a bodiless request of a method that has no content."""
+    if not isinstance(body, bytes):
+        return f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    if not body and method in _NO_CONTENT:
+        return ""
+    return f"Content-Length: {len(body)}"
+
+
+async def _send(conn: Connection, body: AsyncIterable[bytes], *, chunked: bool) -> None:
+    """Write a streamed body to the upstream as it arrives, waiting while the upstream reads
+    slower than the client sends (aiohttp's writer: its flow control and chunked framing). A
+    client that stops sending mid-body closes the connection: the upstream sees the request cut
+    short, never a request ended early."""
+    writer = StreamWriter(conn, conn._loop)
+    if chunked:
+        writer.enable_chunking()
+    try:
+        async for chunk in body:
+            if chunk:
+                await writer.write(chunk)
+        await writer.write_eof()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        conn.close()
+    finally:
+        conn.sending = None if conn.sending is asyncio.current_task() else conn.sending
