@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import splice
+from . import reqsize, splice
+from .reqsize import body_size as body_size
+from .reqsize import lax_int as lax_int
 from .routes import AmbiguousBody, invocation_endpoint
 from .routes import Endpoint as Endpoint
 from .routes import classify as classify
@@ -100,7 +102,7 @@ def inspect_request(
         return _vertex_info(body, obj)
     params = obj.get("parameters") if endpoint.is_tgi_native else obj
     params = params if isinstance(params, dict) else {}
-    max_tokens, n, unreadable = _limits(endpoint, obj, params)
+    max_tokens, n, unreadable = _limits(endpoint, obj, params, api)
     text_chars, prompt_ids = body_size(obj)
     stream = _stream_flag(endpoint, obj)
     injected = None
@@ -184,7 +186,8 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request."""
     given = obj.get("instances")
     instances = [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
-    limits = [_vertex_limit(i) for i in instances]
+    read = [reqsize.vertex_limit(i) for i in instances]
+    limits = [limit for limit, _ in read]
     text_chars, prompt_ids = body_size(obj)
     return RequestInfo(
         endpoint=Endpoint.TGI_VERTEX,
@@ -198,17 +201,7 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         choices=max(1, len(instances)),
         text_chars=text_chars,
         prompt_ids=prompt_ids,
-    )
-
-
-def _vertex_limit(instance: Mapping[str, Any]) -> int | None:
-    if isinstance(instance.get("inputs"), str):
-        params = instance.get("parameters")
-        return (
-            _positive(lax_int(params.get("max_new_tokens"))) if isinstance(params, dict) else None
-        )
-    return _positive(lax_int(instance.get("max_completion_tokens"))) or _positive(
-        lax_int(instance.get("max_tokens"))
+        unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
     )
 
 
@@ -243,105 +236,19 @@ def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
     return lax_true(obj.get("stream"))
 
 
-_OPENAI_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n")
-
-
 def _limits(
-    endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any]
+    endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any], api: str
 ) -> tuple[int | None, int | None, tuple[str, ...]]:
-    """(the output limit as the server resolves it, n, the limits present that are no integer the
-    server would read). vLLM takes `max_completion_tokens or max_tokens`, so a 0 (or a missing
-    one) falls through to the next."""
+    """(the output limit as the route's server reads it, n, the limits present that are no
+    integer the server would read). Only the fields that route reads (`reqsize.limit_fields`)."""
+    limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, api), params)
     if endpoint.is_tgi_native:
-        value = params.get("max_new_tokens")
-        limit = lax_int(value)
-        return (
-            _positive(limit),
-            None,
-            ("max_new_tokens",) if value is not None and limit is None else (),
-        )
-    values = [obj.get(key) for key in _OPENAI_LIMITS]
-    read = [v if v is None or type(v) is int else lax_int(v) for v in values]
-    unreadable: tuple[str, ...] = ()
-    if read.count(None) != values.count(None):
-        unreadable = tuple(
-            k
-            for k, v, r in zip(_OPENAI_LIMITS, values, read, strict=True)
-            if r is None and v is not None
-        )
-    limit = next((r for r in read[:3] if r is not None and r > 0), None)
-    return limit, _positive(read[3]), unreadable
-
-
-_LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
-_BIG = 2**62  # any longer number of digits reads as this (a hold that large is refused)
-
-
-def lax_int(value: object) -> int | None:
-    """An integer as vLLM's request models read one (pydantic's lax mode): an int, a bool, a float
-    without a fraction, or a string of one ("+8", " 30_000 ", "30000.0"). None otherwise."""
-    if isinstance(value, bool | int):
-        return int(value)
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
-    if isinstance(value, str) and len(value) < 64:
-        text = value.strip().removeprefix("+")
-        if _LAX_INT.fullmatch(text):
-            digits = text.partition(".")[0].replace("_", "")
-            return int(digits) if len(digits) < 19 else _BIG
-    return None
-
-
-def _positive(v: int | None) -> int | None:
-    return v if v is not None and v > 0 else None
-
-
-_NOT_TEXT = frozenset({"model", "user"})
-
-
-def body_size(obj: object) -> tuple[int, int]:
-    """(characters of every string value, integers inside a `prompt` list): what the prompt can
-    be made of, for the budget's worst case. Data URLs (base64 media) and the top-level `model`
-    and `user` are not prompt text. Iterative: a deeply nested body cannot exhaust the stack.
-
-    Values inside a `prompt` member (at any depth, and inside its lists) wait on their own stack:
-    only there is an integer a token id. A dict's members leave it by their own keys.
-    """
-    if not isinstance(obj, dict):
-        return 0, 0
-    plain: list[object] = []
-    prompt: list[object] = []
-    _members(obj, plain, prompt, _NOT_TEXT)
-    chars = ids = 0
-    while plain or prompt:
-        stack = plain or prompt
-        value = stack.pop()
-        if isinstance(value, str):
-            if not value.startswith("data:"):
-                chars += len(value)
-        elif isinstance(value, list):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            if "prompt" in value:
-                _members(value, plain, prompt)
-            else:
-                plain.extend(value.values())
-        elif stack is prompt and type(value) is int:
-            ids += 1
-    return chars, ids
-
-
-def _members(
-    obj: Mapping[str, object],
-    plain: list[object],
-    prompt: list[object],
-    skip: frozenset[str] = frozenset(),
-) -> None:
-    for k, v in obj.items():
-        if k == "prompt":
-            prompt.append(v)
-        elif k not in skip:
-            plain.append(v)
+        return limit, None, unreadable
+    n = obj.get("n")
+    read_n = n if n is None or type(n) is int else lax_int(n)
+    if n is not None and read_n is None:
+        unreadable += ("n",)
+    return limit, reqsize.positive(read_n), unreadable
 
 
 def _with_usage_requested(
