@@ -24,7 +24,7 @@ from .reqsize import lax_int as lax_int
 from .routes import AmbiguousBody, invocation_endpoint
 from .routes import Endpoint as Endpoint
 from .routes import classify as classify
-from .sse import Event, SSEParser
+from .sse import DEFAULT_MAX_EVENT_BYTES, Event, SSEParser
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
@@ -467,6 +467,7 @@ class StreamMeter:
         strip_chunk_usage: bool = False,
         choices: int = 1,
         per_prompt: int = 1,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self._per_prompt = max(1, per_prompt)  # n: choices of one prompt have adjacent indexes
@@ -476,7 +477,8 @@ class StreamMeter:
         self._cut = False  # the event just parsed carries a usage member to cut
         self._choices = choices
         self._responses_idle = False  # Responses: the last output item is done, no delta since
-        self._parser = SSEParser(keep_raw=self._rewrite)  # raw bytes only needed to rewrite
+        # raw bytes only needed to rewrite; an event over max_event_bytes passes through unparsed
+        self._parser = SSEParser(keep_raw=self._rewrite, max_event_bytes=max_event_bytes)
         self._s = _StreamState()
         self._final_usage: list[Mapping[str, Any]] = []  # usage-only chunks: request totals
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
@@ -499,7 +501,7 @@ class StreamMeter:
         shape = self._shape
         at: Callable[[bytes, int], _WireEvent | None]
         if shape is not None and (head := shape.head):
-            if chunk.startswith(head) and not self._parser.pending:
+            if chunk.startswith(head) and not self._parser.mid_event:
                 whole = shape.tail.fullmatch(chunk, len(head))
                 if whole is not None:  # the usual read: exactly one event of the shape
                     return self._one_event(chunk, whole, len(head))
@@ -508,7 +510,7 @@ class StreamMeter:
             at = _tgi_at
         else:
             return self._feed_events(chunk)
-        found = None if self._parser.pending else at(chunk, 0)
+        found = None if self._parser.mid_event else at(chunk, 0)
         return self._feed_wire(at, chunk, found)
 
     def _feed_wire(
@@ -542,7 +544,7 @@ class StreamMeter:
                     kept = end - 3  # the object's closing brace and the blank line stay
             pos = end
             # each position is tried once; what the parser holds goes on on the general path
-            found = None if pos >= size or self._parser.pending else at(chunk, pos)
+            found = None if pos >= size or self._parser.mid_event else at(chunk, pos)
         if not out:
             return chunk
         out.append(chunk[kept:])
@@ -580,7 +582,7 @@ class StreamMeter:
 
     def _feed_events(self, chunk: bytes) -> bytes:
         """The general path: SSE events parsed, each one read by `_on_event`."""
-        held = self._parser.pending
+        held = self._parser.mid_event
         events = self._parser.feed(chunk)
         if not self._rewrite:
             for ev in events:
@@ -597,7 +599,7 @@ class StreamMeter:
                 out.append(_without_usage(ev))  # running usage we asked for is cut out
             else:
                 out.append(ev.raw)
-        if not changed and not held and not self._parser.pending:
+        if not changed and not held and not self._parser.mid_event:
             return chunk  # nothing changed, and this chunk's events are exactly the chunk
         return b"".join(out)
 
@@ -620,7 +622,12 @@ class StreamMeter:
         """Usage of a stream the client cut short: the totals if they came; else vLLM's running
         totals (exact up to the last chunk received) or TGI's token events; else unknown."""
         running = self._choice_usage
-        if self._final_usage or len(running) < 2 or self.endpoint.is_tgi_native:
+        if (
+            self._final_usage
+            or len(running) < 2
+            or self.endpoint.is_tgi_native
+            or self._parser.oversized
+        ):
             return self._usage()
         parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
         inp = self._running_input(parts)
@@ -741,6 +748,17 @@ class StreamMeter:
             self.done = True
 
     def _usage(self) -> Usage:
+        if self._parser.oversized:  # an event that was not read may have carried anything
+            return replace(
+                self._counted_usage(),
+                input_tokens=None,
+                output_tokens=None,
+                cached_input_tokens=None,
+                unknown_reason="event_too_large",
+            )
+        return self._counted_usage()
+
+    def _counted_usage(self) -> Usage:
         s = self._s
         base = Usage(
             model=s.model,
