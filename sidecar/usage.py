@@ -479,6 +479,7 @@ class StreamMeter:
         self._responses_idle = False  # Responses: the last output item is done, no delta since
         # raw bytes only needed to rewrite; an event over max_event_bytes passes through unparsed
         self._parser = SSEParser(keep_raw=self._rewrite, max_event_bytes=max_event_bytes)
+        self._max_event = max_event_bytes  # the wire paths leave a longer event to the parser
         self._s = _StreamState()
         self._final_usage: list[Mapping[str, Any]] = []  # usage-only chunks: request totals
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
@@ -501,7 +502,11 @@ class StreamMeter:
         shape = self._shape
         at: Callable[[bytes, int], _WireEvent | None]
         if shape is not None and (head := shape.head):
-            if chunk.startswith(head) and not self._parser.mid_event:
+            if (
+                chunk.startswith(head)
+                and not self._parser.mid_event
+                and len(chunk) <= self._max_event
+            ):
                 whole = shape.tail.fullmatch(chunk, len(head))
                 if whole is not None:  # the usual read: exactly one event of the shape
                     return self._one_event(chunk, whole, len(head))
@@ -530,6 +535,8 @@ class StreamMeter:
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
         while pos < size:
+            if found is not None and found[0] - pos > self._max_event:
+                found = None  # too long to be read: the parser passes it through, as in pieces
             if found is None:  # not an event of the shape, or the parser holds part of one
                 end = chunk.find(b"\n\n", pos) + 2
                 end = end if end > 1 else size

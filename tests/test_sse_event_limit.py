@@ -97,6 +97,26 @@ def test_after_the_huge_event_the_stream_is_read_again_and_its_usage_is_unknown(
     assert usage.model == "m"
 
 
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.TGI_GENERATE_STREAM])
+def test_a_long_event_is_not_read_whether_it_comes_whole_or_in_pieces(endpoint: Endpoint) -> None:
+    """The wire fast paths match whole events without the parser: one over the limit in a single
+    read must not be counted when the same bytes in pieces are not."""
+    if endpoint is Endpoint.CHAT:
+        before, event = LEARNT, chunk("t" * 5000)
+    else:
+        token = '{"index":%d,"token":{"id":1,"text":"%s","logprob":-1.0,"special":false},'
+        token += '"generated_text":null,"details":null}'
+        before = b"".join(b"data:" + (token % (i, "a")).encode() + b"\n\n" for i in range(3))
+        event = b"data:" + (token % (3, "t" * 5000)).encode() + b"\n\n"
+    results = []
+    for pieces in ([before + event], [before, event], [before, event[:100], event[100:]]):
+        meter = StreamMeter(endpoint, max_event_bytes=4096)
+        for p in pieces:
+            assert meter.feed(p) == p
+        results.append((meter.token_events, meter.finish()[1].unknown_reason))
+    assert results == [(3, "event_too_large")] * 3
+
+
 def test_an_event_at_the_limit_is_read() -> None:
     event = chunk("q" * 100)
     meter = StreamMeter(Endpoint.CHAT, max_event_bytes=len(event))
