@@ -162,6 +162,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         free_routes=frozenset(routing_path(r) for r in metering.free_routes),
         refuse_unknown_routes=metering.unknown_routes == "refuse",
         drain_s=metering.drain_after_disconnect_s,
+        max_event_bytes=metering.max_event_bytes,
         size_prompts=sc.config.admission.tokenize,
     )
     # Every call to the upstream goes through one pool (sidecar/upstream.py).

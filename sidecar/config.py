@@ -101,6 +101,12 @@ class MeteringConfig:
     unknown_routes: Literal["forward", "refuse"] = "refuse"
     # A client that leaves after the last token: read the upstream this long for the usage.
     drain_after_disconnect_s: float = 5.0
+    # An upstream SSE event longer than this is not parsed: its bytes go to the client as they
+    # come, nothing of it is held, and the stream's usage is unknown (event_too_large; a budget
+    # charges its hold). Bounds what one stream holds and keeps a flood linear (docs/traffic.md).
+    # vLLM's and TGI's events are one chunk each: under 1 KB, TGI's last one with the whole
+    # generated text about 4 bytes a token (128k tokens: 512 KB).
+    max_event_bytes: int = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -427,6 +433,8 @@ def validate(config: Config) -> Config:
         _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
     if config.admission.max_batch < 1:
         _fail("admission.max_batch", config.admission.max_batch, "must be >= 1")
+    if config.metering.max_event_bytes < 1024:
+        _fail("metering.max_event_bytes", config.metering.max_event_bytes, "must be >= 1024")
     if not 0.0 <= config.logging.sample_success <= 1.0:
         _fail("logging.sample_success", config.logging.sample_success, "must be in [0, 1]")
     if config.budgets.day_start_hour_utc > 23:

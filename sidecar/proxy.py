@@ -219,6 +219,7 @@ class ProxySettings:
     drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
     size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
     body_timeout: float = 60.0  # a metered request's body arrives within this after its headers
+    max_event_bytes: int = 1 << 20  # metering.max_event_bytes: a longer SSE event is not parsed
 
 
 class Proxy:
@@ -510,6 +511,7 @@ class Proxy:
             strip_chunk_usage=info.strip_chunk_usage,
             choices=info.choices,
             per_prompt=info.n or 1,
+            max_event_bytes=self.s.max_event_bytes,
         )
         resp = web.StreamResponse(
             status=up.status,

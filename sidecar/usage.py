@@ -18,11 +18,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import splice
+from . import reqsize, splice
+from .reqsize import body_size as body_size
+from .reqsize import lax_int as lax_int
 from .routes import AmbiguousBody, invocation_endpoint
 from .routes import Endpoint as Endpoint
 from .routes import classify as classify
-from .sse import Event, SSEParser
+from .sse import DEFAULT_MAX_EVENT_BYTES, Event, SSEParser
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
@@ -100,7 +102,7 @@ def inspect_request(
         return _vertex_info(body, obj)
     params = obj.get("parameters") if endpoint.is_tgi_native else obj
     params = params if isinstance(params, dict) else {}
-    max_tokens, n, unreadable = _limits(endpoint, obj, params)
+    max_tokens, n, unreadable = _limits(endpoint, obj, params, api)
     text_chars, prompt_ids = body_size(obj)
     stream = _stream_flag(endpoint, obj)
     injected = None
@@ -184,7 +186,8 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request."""
     given = obj.get("instances")
     instances = [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
-    limits = [_vertex_limit(i) for i in instances]
+    read = [reqsize.vertex_limit(i) for i in instances]
+    limits = [limit for limit, _ in read]
     text_chars, prompt_ids = body_size(obj)
     return RequestInfo(
         endpoint=Endpoint.TGI_VERTEX,
@@ -198,17 +201,7 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         choices=max(1, len(instances)),
         text_chars=text_chars,
         prompt_ids=prompt_ids,
-    )
-
-
-def _vertex_limit(instance: Mapping[str, Any]) -> int | None:
-    if isinstance(instance.get("inputs"), str):
-        params = instance.get("parameters")
-        return (
-            _positive(lax_int(params.get("max_new_tokens"))) if isinstance(params, dict) else None
-        )
-    return _positive(lax_int(instance.get("max_completion_tokens"))) or _positive(
-        lax_int(instance.get("max_tokens"))
+        unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
     )
 
 
@@ -243,105 +236,19 @@ def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
     return lax_true(obj.get("stream"))
 
 
-_OPENAI_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n")
-
-
 def _limits(
-    endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any]
+    endpoint: Endpoint, obj: Mapping[str, Any], params: Mapping[str, Any], api: str
 ) -> tuple[int | None, int | None, tuple[str, ...]]:
-    """(the output limit as the server resolves it, n, the limits present that are no integer the
-    server would read). vLLM takes `max_completion_tokens or max_tokens`, so a 0 (or a missing
-    one) falls through to the next."""
+    """(the output limit as the route's server reads it, n, the limits present that are no
+    integer the server would read). Only the fields that route reads (`reqsize.limit_fields`)."""
+    limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, api), params)
     if endpoint.is_tgi_native:
-        value = params.get("max_new_tokens")
-        limit = lax_int(value)
-        return (
-            _positive(limit),
-            None,
-            ("max_new_tokens",) if value is not None and limit is None else (),
-        )
-    values = [obj.get(key) for key in _OPENAI_LIMITS]
-    read = [v if v is None or type(v) is int else lax_int(v) for v in values]
-    unreadable: tuple[str, ...] = ()
-    if read.count(None) != values.count(None):
-        unreadable = tuple(
-            k
-            for k, v, r in zip(_OPENAI_LIMITS, values, read, strict=True)
-            if r is None and v is not None
-        )
-    limit = next((r for r in read[:3] if r is not None and r > 0), None)
-    return limit, _positive(read[3]), unreadable
-
-
-_LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
-_BIG = 2**62  # any longer number of digits reads as this (a hold that large is refused)
-
-
-def lax_int(value: object) -> int | None:
-    """An integer as vLLM's request models read one (pydantic's lax mode): an int, a bool, a float
-    without a fraction, or a string of one ("+8", " 30_000 ", "30000.0"). None otherwise."""
-    if isinstance(value, bool | int):
-        return int(value)
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
-    if isinstance(value, str) and len(value) < 64:
-        text = value.strip().removeprefix("+")
-        if _LAX_INT.fullmatch(text):
-            digits = text.partition(".")[0].replace("_", "")
-            return int(digits) if len(digits) < 19 else _BIG
-    return None
-
-
-def _positive(v: int | None) -> int | None:
-    return v if v is not None and v > 0 else None
-
-
-_NOT_TEXT = frozenset({"model", "user"})
-
-
-def body_size(obj: object) -> tuple[int, int]:
-    """(characters of every string value, integers inside a `prompt` list): what the prompt can
-    be made of, for the budget's worst case. Data URLs (base64 media) and the top-level `model`
-    and `user` are not prompt text. Iterative: a deeply nested body cannot exhaust the stack.
-
-    Values inside a `prompt` member (at any depth, and inside its lists) wait on their own stack:
-    only there is an integer a token id. A dict's members leave it by their own keys.
-    """
-    if not isinstance(obj, dict):
-        return 0, 0
-    plain: list[object] = []
-    prompt: list[object] = []
-    _members(obj, plain, prompt, _NOT_TEXT)
-    chars = ids = 0
-    while plain or prompt:
-        stack = plain or prompt
-        value = stack.pop()
-        if isinstance(value, str):
-            if not value.startswith("data:"):
-                chars += len(value)
-        elif isinstance(value, list):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            if "prompt" in value:
-                _members(value, plain, prompt)
-            else:
-                plain.extend(value.values())
-        elif stack is prompt and type(value) is int:
-            ids += 1
-    return chars, ids
-
-
-def _members(
-    obj: Mapping[str, object],
-    plain: list[object],
-    prompt: list[object],
-    skip: frozenset[str] = frozenset(),
-) -> None:
-    for k, v in obj.items():
-        if k == "prompt":
-            prompt.append(v)
-        elif k not in skip:
-            plain.append(v)
+        return limit, None, unreadable
+    n = obj.get("n")
+    read_n = n if n is None or type(n) is int else lax_int(n)
+    if n is not None and read_n is None:
+        unreadable += ("n",)
+    return limit, reqsize.positive(read_n), unreadable
 
 
 def _with_usage_requested(
@@ -560,6 +467,7 @@ class StreamMeter:
         strip_chunk_usage: bool = False,
         choices: int = 1,
         per_prompt: int = 1,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self._per_prompt = max(1, per_prompt)  # n: choices of one prompt have adjacent indexes
@@ -569,7 +477,9 @@ class StreamMeter:
         self._cut = False  # the event just parsed carries a usage member to cut
         self._choices = choices
         self._responses_idle = False  # Responses: the last output item is done, no delta since
-        self._parser = SSEParser(keep_raw=self._rewrite)  # raw bytes only needed to rewrite
+        # raw bytes only needed to rewrite; an event over max_event_bytes passes through unparsed
+        self._parser = SSEParser(keep_raw=self._rewrite, max_event_bytes=max_event_bytes)
+        self._max_event = max_event_bytes  # the wire paths leave a longer event to the parser
         self._s = _StreamState()
         self._final_usage: list[Mapping[str, Any]] = []  # usage-only chunks: request totals
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
@@ -592,7 +502,11 @@ class StreamMeter:
         shape = self._shape
         at: Callable[[bytes, int], _WireEvent | None]
         if shape is not None and (head := shape.head):
-            if chunk.startswith(head) and not self._parser.pending:
+            if (
+                chunk.startswith(head)
+                and not self._parser.mid_event
+                and len(chunk) <= self._max_event
+            ):
                 whole = shape.tail.fullmatch(chunk, len(head))
                 if whole is not None:  # the usual read: exactly one event of the shape
                     return self._one_event(chunk, whole, len(head))
@@ -601,7 +515,7 @@ class StreamMeter:
             at = _tgi_at
         else:
             return self._feed_events(chunk)
-        found = None if self._parser.pending else at(chunk, 0)
+        found = None if self._parser.mid_event else at(chunk, 0)
         return self._feed_wire(at, chunk, found)
 
     def _feed_wire(
@@ -621,6 +535,8 @@ class StreamMeter:
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
         while pos < size:
+            if found is not None and found[0] - pos > self._max_event:
+                found = None  # too long to be read: the parser passes it through, as in pieces
             if found is None:  # not an event of the shape, or the parser holds part of one
                 end = chunk.find(b"\n\n", pos) + 2
                 end = end if end > 1 else size
@@ -635,7 +551,7 @@ class StreamMeter:
                     kept = end - 3  # the object's closing brace and the blank line stay
             pos = end
             # each position is tried once; what the parser holds goes on on the general path
-            found = None if pos >= size or self._parser.pending else at(chunk, pos)
+            found = None if pos >= size or self._parser.mid_event else at(chunk, pos)
         if not out:
             return chunk
         out.append(chunk[kept:])
@@ -673,7 +589,7 @@ class StreamMeter:
 
     def _feed_events(self, chunk: bytes) -> bytes:
         """The general path: SSE events parsed, each one read by `_on_event`."""
-        held = self._parser.pending
+        held = self._parser.mid_event
         events = self._parser.feed(chunk)
         if not self._rewrite:
             for ev in events:
@@ -690,7 +606,7 @@ class StreamMeter:
                 out.append(_without_usage(ev))  # running usage we asked for is cut out
             else:
                 out.append(ev.raw)
-        if not changed and not held and not self._parser.pending:
+        if not changed and not held and not self._parser.mid_event:
             return chunk  # nothing changed, and this chunk's events are exactly the chunk
         return b"".join(out)
 
@@ -713,7 +629,12 @@ class StreamMeter:
         """Usage of a stream the client cut short: the totals if they came; else vLLM's running
         totals (exact up to the last chunk received) or TGI's token events; else unknown."""
         running = self._choice_usage
-        if self._final_usage or len(running) < 2 or self.endpoint.is_tgi_native:
+        if (
+            self._final_usage
+            or len(running) < 2
+            or self.endpoint.is_tgi_native
+            or self._parser.oversized
+        ):
             return self._usage()
         parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
         inp = self._running_input(parts)
@@ -834,6 +755,17 @@ class StreamMeter:
             self.done = True
 
     def _usage(self) -> Usage:
+        if self._parser.oversized:  # an event that was not read may have carried anything
+            return replace(
+                self._counted_usage(),
+                input_tokens=None,
+                output_tokens=None,
+                cached_input_tokens=None,
+                unknown_reason="event_too_large",
+            )
+        return self._counted_usage()
+
+    def _counted_usage(self) -> Usage:
         s = self._s
         base = Usage(
             model=s.model,

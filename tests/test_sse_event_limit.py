@@ -1,0 +1,226 @@
+"""An upstream SSE event longer than `metering.max_event_bytes`: passed through unparsed, in time
+linear in its length, holding nothing, its stream's usage unknown (issue 21, item 10). One
+unterminated 300 MB event took 100% CPU for 30 s: every read searched the whole line again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar import sse as sse_module
+from sidecar.sse import SSEParser
+from sidecar.usage import Endpoint, StreamMeter
+from tests.conftest import StartSidecar
+from tests.fakes import MODEL
+from tests.test_sse import LinesOnly
+
+READ = 65536  # one read of the upstream
+
+
+class Scanned:
+    """A stand-in for one of the parser's patterns that counts the bytes each search may read."""
+
+    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+        self.pattern, self.bytes = pattern, 0
+
+    def search(self, data: Any, pos: int = 0, *args: Any) -> Any:
+        self.bytes += len(data) - pos
+        return self.pattern.search(data, pos, *args)
+
+    def match(self, data: Any, pos: int = 0, *args: Any) -> Any:
+        self.bytes += len(data) - pos
+        return self.pattern.match(data, pos, *args)
+
+
+def chunk(content: str, **extra: Any) -> bytes:
+    obj = {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"content": content}}]}
+    return b"data: " + json.dumps({**obj, **extra}, separators=(",", ":")).encode() + b"\n\n"
+
+
+USAGE = b'data: {"id":"c","model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9}}\n\n'  # noqa: E501
+LEARNT = chunk("a") + chunk("b") + chunk("c")  # the wire fast path learns its shape on these
+HUGE_HEAD = chunk("x")[:-4]  # an event of that shape whose text never ends
+
+
+def huge(size: int) -> list[bytes]:
+    """One event of `size` bytes of text, in reads of 64 KiB, without its end."""
+    first = HUGE_HEAD + b"y" * (READ - len(HUGE_HEAD))
+    return [first] + [b"y" * READ] * (size // READ - 1)
+
+
+@pytest.mark.parametrize("strips", [(False, False), (True, False), (True, True)])
+def test_a_huge_unterminated_event_costs_linear_work_and_holds_nothing(
+    monkeypatch: pytest.MonkeyPatch, strips: tuple[bool, bool]
+) -> None:
+    """32 MiB in 512 reads: every byte is searched a bounded number of times (before the fix,
+    each read searched the whole line again: 512 x 16 MiB on average), and what the parser
+    holds stays under the limit plus one read. The client gets every byte as it came."""
+    eol = Scanned(sse_module._EOL)
+    blank = Scanned(re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)"))
+    monkeypatch.setattr(sse_module, "_EOL", eol)
+    monkeypatch.setattr(sse_module, "_BLANK", blank, raising=False)
+    # the default limit, 1 MiB (metering.max_event_bytes)
+    meter = StreamMeter(Endpoint.CHAT, strip_usage=strips[0], strip_chunk_usage=strips[1])
+    sent = [LEARNT, *huge(32 << 20)]
+    out, fed = [], 0
+    for piece in sent:
+        out.append(meter.feed(piece))
+        fed += len(piece)
+        assert eol.bytes + blank.bytes <= 3 * fed
+        assert meter._parser.pending <= (1 << 20) + READ
+    tail, usage = meter.finish()
+    assert b"".join(out) + tail == b"".join(sent)
+    assert usage.unknown_reason == "event_too_large"
+    assert usage.input_tokens is None and usage.output_tokens is None
+
+
+def test_after_the_huge_event_the_stream_is_read_again_and_its_usage_is_unknown() -> None:
+    """The event ends; the chunks after it are counted again, but the stream's usage stays
+    unknown: the event that was not read may have carried anything."""
+    meter = StreamMeter(Endpoint.CHAT, strip_usage=True, max_event_bytes=4096)
+    sent = [LEARNT, HUGE_HEAD + b"z" * 10000, b'"}}]}\n', b"\n" + chunk("d"), USAGE]
+    sent.append(b"data: [DONE]\n\n")
+    out = [meter.feed(p) for p in sent]
+    tail, usage = meter.finish()
+    assert b"".join(out) + tail == b"".join(sent[:-2]) + sent[-1]  # our usage chunk cut only
+    assert meter.token_events == 4 and meter.done
+    assert usage.unknown_reason == "event_too_large"
+    assert (usage.input_tokens, usage.output_tokens) == (None, None)
+    assert usage.model == "m"
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.TGI_GENERATE_STREAM])
+def test_a_long_event_is_not_read_whether_it_comes_whole_or_in_pieces(endpoint: Endpoint) -> None:
+    """The wire fast paths match whole events without the parser: one over the limit in a single
+    read must not be counted when the same bytes in pieces are not."""
+    if endpoint is Endpoint.CHAT:
+        before, event = LEARNT, chunk("t" * 5000)
+    else:
+        token = '{"index":%d,"token":{"id":1,"text":"%s","logprob":-1.0,"special":false},'
+        token += '"generated_text":null,"details":null}'
+        before = b"".join(b"data:" + (token % (i, "a")).encode() + b"\n\n" for i in range(3))
+        event = b"data:" + (token % (3, "t" * 5000)).encode() + b"\n\n"
+    results = []
+    for pieces in ([before + event], [before, event], [before, event[:100], event[100:]]):
+        meter = StreamMeter(endpoint, max_event_bytes=4096)
+        for p in pieces:
+            assert meter.feed(p) == p
+        results.append((meter.token_events, meter.finish()[1].unknown_reason))
+    assert results == [(3, "event_too_large")] * 3
+
+
+def test_an_event_at_the_limit_is_read() -> None:
+    event = chunk("q" * 100)
+    meter = StreamMeter(Endpoint.CHAT, max_event_bytes=len(event))
+    meter.feed(event + USAGE)
+    assert meter.token_events == 1
+    assert meter.finish()[1].output_tokens == 9
+
+
+_LINE = st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+_EVENT = st.tuples(
+    st.lists(_LINE, min_size=1, max_size=4), st.sampled_from([b"\n", b"\r\n", b"\r"])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_EVENT, min_size=1, max_size=6),
+    st.integers(4, 40),
+    st.lists(st.integers(0, 400), max_size=10),
+    st.booleans(),
+)
+def test_events_over_the_limit_are_passed_through_and_all_others_read_at_any_cut(
+    events: list[tuple[list[bytes], bytes]], limit: int, cuts: list[int], keep_raw: bool
+) -> None:
+    """Against a parser without a limit: the same bytes; the same events, but those longer than
+    the limit, which come as pieces without data; the fast path agrees with the general one."""
+    data = b"".join(
+        b"".join(b"data:" + line + eol for line in lines) + eol for lines, eol in events
+    )
+    data += b"data: ok\n\n"  # a last event in LF, so a lone CR before it is settled
+    free = SSEParser(max_event_bytes=1 << 30)
+    every = free.feed(data)
+    free.finish()
+    fast = SSEParser(keep_raw=keep_raw, max_event_bytes=limit)
+    ref = LinesOnly(keep_raw=keep_raw, max_event_bytes=limit)
+    got, last = [], 0
+    for c in [*sorted({c for c in cuts if c <= len(data)}), len(data)]:
+        piece = data[last:c]
+        out = fast.feed(piece)
+        assert out == ref.feed(piece)
+        assert fast.pending <= limit + len(piece)
+        got += out
+        last = c
+    tail = fast.finish()
+    assert tail == ref.finish()
+    if keep_raw:
+        assert b"".join(e.raw for e in got) + tail == data
+    read = [(e.data, e.event) for e in got if e.data is not None]
+    assert read == [(e.data, e.event) for e in every if e.data is not None and len(e.raw) <= limit]
+    assert fast.oversized == sum(1 for e in every if len(e.raw) > limit)
+
+
+async def test_the_sidecar_passes_a_huge_event_through_and_others_stay_fast(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    """Through the proxy: the client gets every byte of an 8 MiB event as it came, the request
+    is counted as usage unknown (event_too_large), and another request is answered meanwhile."""
+    body = b"".join([LEARNT, *huge(8 << 20), b'"}}]}\n\n', USAGE, b"data: [DONE]\n\n"])
+    flowing = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(0, len(body), READ):
+            await resp.write(body[i : i + READ])
+            if i > (1 << 20):
+                flowing.set()
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stream)
+    app.router.add_get("/v1/models", models)
+    up = await aiohttp_server(app)
+    run = await start_sidecar(
+        {"metering": {"max_event_bytes": 1 << 20, "inject_stream_usage": False}},
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    req = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with aiohttp.ClientSession() as s:
+
+        async def read_all() -> bytes:
+            async with s.post(run.url + "/v1/chat/completions", json=req) as r:
+                return await r.read()
+
+        task = asyncio.ensure_future(read_all())
+        await asyncio.wait_for(flowing.wait(), 30)
+        async with s.get(run.url + "/v1/models") as r:  # answered while the flood flows
+            assert r.status == 200
+        assert await asyncio.wait_for(task, 60) == body
+    for _ in range(200):  # the request is metered after its last byte went out
+        if _too_large(run):
+            break
+        await asyncio.sleep(0.01)
+    assert _too_large(run) == 1
+
+
+def _too_large(run: Any) -> float:
+    return sum(
+        sample.value
+        for metric in run.sc.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "llm_usage_unknown_total"
+        and sample.labels.get("reason") == "event_too_large"
+    )
