@@ -25,21 +25,6 @@ from .metrics import Metrics
 from .proxy import Refusal
 
 
-def estimate_tokens(
-    config: AdmissionConfig,
-    prompt_chars: int,
-    max_tokens: int | None,
-    n: int | None,
-    prompt_tokens: int | None = None,
-) -> int:
-    """Peak tokens: the prompt (counted by the upstream when known, else chars / ratio) plus the
-    output its `n` choices may generate. An estimate: it admits requests and splits GPU time."""
-    if prompt_tokens is None:
-        prompt_tokens = math.ceil(prompt_chars / config.chars_per_token)
-    out = max_tokens if max_tokens is not None else config.default_max_tokens
-    return prompt_tokens + out * max(1, n or 1)
-
-
 @dataclass(eq=False)
 class Waiter:
     cost: int  # in the strategy's unit: estimated tokens (token-budget) or 1 request

@@ -15,16 +15,6 @@ from .config import ConfigError, ModelPrice, PricingConfig, build, load_yaml
 from .usage import Usage
 
 
-@dataclass(frozen=True, slots=True)
-class Cost:
-    input_usd: float
-    output_usd: float
-
-    @property
-    def total_usd(self) -> float:
-        return self.input_usd + self.output_usd
-
-
 class PriceBook:
     """The current prices. `replace()` swaps them atomically (SIGHUP reload)."""
 

@@ -30,10 +30,6 @@ log = logging.getLogger("tollbooth.edge")
 
 HEADERS, IDLE = "header_timeout", "idle_timeout"
 WRITE_RECHECK_S = 1.0  # a response still draining to the client: look again this much later
-# A timer may fire this much before the time it was set for: uvloop keeps time in whole
-# milliseconds and rounds a delay to one. A deadline that near is due (re-arming for the rest
-# would fire again at once, every loop iteration until the clock ticks).
-TIMER_EARLY_S = 0.001
 
 Handler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
 

@@ -58,14 +58,6 @@ MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
 PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
-class Refusal(Exception):
-    """The sidecar answers the request itself (budget spent, queue full, never fits)."""
-
-    def __init__(self, status: int, err_type: str, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.err_type, self.retry_after = status, err_type, retry_after
-
-
 # --- pure helpers ---------------------------------------------------------------------------------
 
 
@@ -199,10 +191,6 @@ class TgiModelName:
 
 
 # --- the handler ----------------------------------------------------------------------------------
-
-# Hooks that later stages plug in (budgets, admission, tracing); each may raise Refusal.
-Gate = Callable[[Exchange], Awaitable[Callable[[], None] | None]]
-
 
 @dataclass
 class ProxySettings:

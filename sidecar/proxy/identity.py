@@ -43,31 +43,6 @@ class Unauthorized(Exception):
     """No valid key where one is required; the proxy answers 401 without reaching the upstream."""
 
 
-def bearer(headers: Mapping[str, str]) -> str | None:
-    """The API key a client presented: `Authorization: Bearer <key>` (or the bare value)."""
-    value = headers.get("Authorization")
-    if not value:
-        return None
-    scheme, _, token = value.partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else value.strip()
-    return token or None
-
-
-def digest(key: str) -> str:
-    # aiohttp hands over undecodable header bytes as surrogates: hash them, never fail
-    return hashlib.sha256(key.encode("utf-8", "backslashreplace")).hexdigest()
-
-
-def key_id(key: str | None) -> str | None:
-    """A stable, short id for a key: enough to tell keys apart in a report, useless to a thief."""
-    return "key-" + digest(key)[:12] if key else None
-
-
-def api_key_id(authorization: str | None) -> str | None:
-    """The key id of an `Authorization` header value."""
-    return key_id(bearer({"Authorization": authorization})) if authorization else None
-
-
 class KeyBook:
     """sha256 -> Principal, from the keys file. `reload()` swaps the table atomically."""
 

@@ -16,53 +16,7 @@ from typing import Any
 from urllib.parse import unquote
 
 
-class Endpoint(StrEnum):
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
-    EMBEDDINGS = "/v1/embeddings"
-    RESPONSES = "/v1/responses"
-    TGI_GENERATE = "/generate"
-    TGI_GENERATE_STREAM = "/generate_stream"
-    TGI_COMPAT = "/"
-    TGI_VERTEX = "/vertex"
-    # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
-    INVOCATIONS = "/invocations"
-    # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
-    OTHER = "other"
-
-    @functools.cached_property
-    def is_tgi_native(self) -> bool:  # cached: a member's attribute after the first read
-        return self in _TGI_NATIVE
-
-    @functools.cached_property
-    def label(self) -> str:
-        """The value as a plain str (an Enum's `.value` is a property, read on every request)."""
-        return str(self.value)
-
-    @property
-    def operation(self) -> str:
-        """The GenAI `gen_ai.operation.name` for this route."""
-        if self in (Endpoint.CHAT, Endpoint.RESPONSES):
-            return "chat"
-        if self is Endpoint.EMBEDDINGS:
-            return "embeddings"
-        if self is Endpoint.OTHER:
-            return "other"
-        return "text_completion"
-
-
-_TGI_NATIVE = frozenset(
-    {Endpoint.TGI_GENERATE, Endpoint.TGI_GENERATE_STREAM, Endpoint.TGI_COMPAT, Endpoint.TGI_VERTEX}
-)
 _ROUTES = {e.value: e for e in Endpoint if e is not Endpoint.OTHER}
-
-
-class AmbiguousBody(ValueError):
-    """An /invocations body more than one route could serve; refused with 400."""
-
-
-def _names(order: tuple[tuple[str, Any, Endpoint], ...]) -> str:
-    return ", ".join(f"'{key}'" for key, _, _ in order)
 
 
 class AmbiguousPath(ValueError):
@@ -118,36 +72,6 @@ def classify(method: str, path: str) -> Endpoint | None:
     if len(path) > 1:
         path = path.rstrip("/")
     return _ROUTES.get(path)
-
-
-def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
-    """The route `/invocations` dispatches a body to, in the order the server tries them.
-
-    vLLM validates the body as a chat request (`messages`), then a completion (`prompt`), then a
-    pooling request (`input`); TGI tries its generate request (`inputs`), then chat, then
-    completion. Text generation is metered; anything else is OTHER.
-    """
-    order = _TGI_INVOCATIONS if api == "tgi" else _VLLM_INVOCATIONS
-    if sum(key in obj for key, _, _ in order) > 1:
-        # Which route serves it then depends on which request model fails to validate first
-        # (TGI serves {"inputs", "parameters": {"seed": -1}, "messages"} as chat): not guessed.
-        raise AmbiguousBody("an /invocations body names more than one of " + _names(order))
-    for key, kinds, endpoint in order:
-        if isinstance(obj.get(key), kinds):
-            return endpoint
-    return Endpoint.OTHER
-
-
-_VLLM_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
-    ("messages", list, Endpoint.CHAT),
-    ("prompt", (str, list), Endpoint.COMPLETIONS),
-    ("input", (str, list), Endpoint.EMBEDDINGS),
-)
-_TGI_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
-    ("inputs", str, Endpoint.TGI_COMPAT),
-    ("messages", list, Endpoint.CHAT),
-    ("prompt", (str, list), Endpoint.COMPLETIONS),
-)
 
 
 # Unmetered routes that generate, named in llm_unmetered_requests_total; any other is "other".

@@ -30,7 +30,11 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from .edge import TIMER_EARLY_S  # a timer may fire up to this much early (uvloop's milliseconds)
+
+# A timer may fire this much before the time it was set for: uvloop keeps time in whole
+# milliseconds and rounds a delay to one. A deadline that near is due (re-arming for the rest
+# would fire again at once, every loop iteration until the clock ticks).
+TIMER_EARLY_S = 0.001
 
 # What a header may not carry (RFC 9110 5.5: no control character but tab), as aiohttp's client
 # refuses it too; CR and LF are counted instead (the only ones are the lines' ends).
@@ -326,3 +330,4 @@ class Upstream:
             conn.close()
         while self.waiting:  # each finds the pool closed
             self._wake()
+
