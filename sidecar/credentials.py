@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+
 def bearer(headers: Mapping[str, str]) -> str | None:
     """The API key a client presented: `Authorization: Bearer <key>` (or the bare value)."""
     value = headers.get("Authorization")

@@ -23,6 +23,7 @@ from typing import Any
 
 from .config import AdmissionConfig
 
+
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"

@@ -20,8 +20,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from .app import Sidecar, create_admin_app, create_app
-from .config import (
+from sidecar.billing.report import percentile
+from sidecar.config import (
     AdmissionConfig,
     AuditConfig,
     Config,
@@ -34,10 +34,11 @@ from .config import (
     UpstreamConfig,
     parse_hostport,
 )
-from .meter import Exchange
-from .report import percentile
+from sidecar.core.app import Sidecar, create_admin_app, create_app
+from sidecar.core.wiring import wire
+from sidecar.exchange import Exchange
+
 from .simulator import EngineParams, create_simulator
-from .wiring import wire
 
 MODEL = "sim-llama-3-8b"
 DEMO_PRICES = PricingConfig(

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import AdmissionConfig
-from .meter import Exchange
-from .metrics import Metrics
-from .proxy import Refusal
+from ..config import AdmissionConfig
+from ..exchange import Exchange, Refusal, estimate_tokens
+from ..telemetry.metrics import Metrics
 
 
 @dataclass(eq=False)

@@ -22,16 +22,16 @@ from typing import Any
 
 from aiohttp import web
 
-from .accesslog import fields
-from .config import AuditConfig
-from .identity import api_key_id
-from .logs import BatchWriter, json_line
-from .meter import Exchange, priced_model
-from .metrics import Metrics
-from .pricing import PriceBook
+from ..config import AuditConfig
+from ..credentials import api_key_id
+from ..exchange import Exchange, priced_model
+from ..metering.pricing import PriceBook
+from ..metering.sse import SSEParser
+from ..telemetry.accesslog import fields
+from ..telemetry.logs import BatchWriter, json_line
+from ..telemetry.metrics import Metrics
+from ..telemetry.thresholds import Thresholds
 from .report import columns
-from .sse import SSEParser
-from .thresholds import Thresholds
 
 log = logging.getLogger("tollbooth.audit")
 # Request headers whose values a record keeps. Any other header keeps its name only: a deny-list

@@ -20,11 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .config import AdmissionConfig, BudgetConfig
-from .meter import Exchange, consumed, priced_model
-from .metrics import LabelCap, Metrics
-from .pricing import PriceBook, compute
-from .proxy import Refusal
+from ..config import AdmissionConfig, BudgetConfig
+from ..exchange import Exchange, Refusal, consumed, priced_model
+from ..metering.pricing import PriceBook, compute
+from ..telemetry.metrics import LabelCap, Metrics
 
 log = logging.getLogger("tollbooth.budget")
 

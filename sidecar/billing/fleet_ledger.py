@@ -30,9 +30,9 @@ import psycopg
 from aiohttp import web
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from ..config import LedgerConfig
+from ..telemetry.metrics import Metrics
 from . import ledger
-from .config import LedgerConfig
-from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.ledger")
 

@@ -26,9 +26,9 @@ from typing import Any, NamedTuple, TypeAlias, cast
 
 from aiohttp import web
 
-from .config import LedgerConfig
-from .meter import Exchange, consumed
-from .metrics import Metrics
+from ..config import LedgerConfig
+from ..exchange import Exchange, consumed
+from ..telemetry.metrics import Metrics
 
 log = logging.getLogger("tollbooth.ledger")
 

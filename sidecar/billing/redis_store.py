@@ -31,9 +31,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ..config import BudgetConfig, ConfigError
+from ..telemetry.metrics import Metrics
 from .budget import DAY, Hold, LocalStore, Scope, Verdict
-from .config import BudgetConfig, ConfigError
-from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.budget")
 

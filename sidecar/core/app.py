@@ -22,19 +22,19 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
-from . import exposition as held
-from .config import Config, parse_hostport
-from .edge import ConnectionGuard, listen
-from .finishers import Finishers, PromptCounter
-from .health import UpstreamProbe, probe_context, readiness
-from .identity import Identity, upstream_authorization
-from .meter import Exchange, Meter
-from .metrics import LabelCap, Metrics
-from .pricing import PriceBook, load_pricing_file
-from .proxy import Gate, Proxy, ProxySettings, TgiModelName
-from .routes import routing_path
-from .upstream import Upstream
-from .usage import Endpoint
+from ..config import Config, parse_hostport
+from ..exchange import Endpoint, Exchange, Gate
+from ..metering.meter import Meter
+from ..metering.pricing import PriceBook, load_pricing_file
+from ..proxy.edge import ConnectionGuard, listen
+from ..proxy.finishers import Finishers, PromptCounter
+from ..proxy.handler import Proxy, ProxySettings, TgiModelName
+from ..proxy.identity import Identity, upstream_authorization
+from ..proxy.routes import routing_path
+from ..proxy.upstream import Upstream
+from ..telemetry import exposition as held
+from ..telemetry.health import UpstreamProbe, probe_context, readiness
+from ..telemetry.metrics import LabelCap, Metrics
 
 log = logging.getLogger("tollbooth")
 
@@ -185,7 +185,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     tgi = TgiModelName(session, base, up.model_name)
     counter = PromptCounter(lambda: session, base, up.api, sc.metrics)
-    # Metered requests go through a leaner pool of their own (sidecar/upstream.py).
+    # Metered requests go through a leaner pool of their own (sidecar/proxy/upstream.py).
     upstream = Upstream(
         base,
         connect_timeout=up.connect_timeout_s,
@@ -239,7 +239,7 @@ def create_admin_app(sc: Sidecar) -> web.Application:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[PUBLISHED]  # new series read 0 first: sidecar/exposition.py
+    registry = request.app[PUBLISHED]  # new series read 0 first: sidecar/telemetry/exposition.py
     accept = request.headers.get("Accept", "")
     if "application/openmetrics-text" in accept:
         # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).

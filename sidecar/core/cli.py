@@ -11,8 +11,9 @@ import asyncio
 import sys
 from collections.abc import Callable, Sequence
 
-from . import __version__, logs
-from .config import Config, ConfigError, load
+from .. import __version__
+from ..config import Config, ConfigError, load
+from ..telemetry import logs
 
 
 def _run(coro: object) -> None:

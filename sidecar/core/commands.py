@@ -7,15 +7,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
-    from .bench import Distribution
-    from .simulator import EngineParams
+    from tollbooth_lab.bench import Distribution
+    from tollbooth_lab.simulator import EngineParams
 
 Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Adder = Callable[[Sub], None]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from . import report
+    from ..billing import report
 
     try:
         rows = report.summarize(args.ledger, report.parse_since(args.since), args.by)
@@ -37,7 +37,7 @@ def add_report(sub: Sub) -> None:
 
 
 def engine_params(args: argparse.Namespace) -> EngineParams:
-    from .simulator import EngineParams
+    from tollbooth_lab.simulator import EngineParams
 
     speed = args.speed
     return EngineParams(
@@ -70,10 +70,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import asyncio
 
     from aiohttp import web
+    from tollbooth_lab.simulator import create_simulator
 
-    from . import logs
-    from .config import parse_hostport
-    from .simulator import create_simulator
+    from ..config import parse_hostport
+    from ..telemetry import logs
 
     logs.setup("INFO", "text")
     host, port = parse_hostport("--listen", args.listen)
@@ -95,7 +95,7 @@ def add_simulate(sub: Sub) -> None:
 
 
 def _distribution(args: argparse.Namespace) -> Distribution:
-    from .bench import Distribution
+    from tollbooth_lab.bench import Distribution
 
     return Distribution(
         n=args.n,
@@ -122,7 +122,7 @@ def _add_distribution_flags(p: argparse.ArgumentParser, n: int) -> None:
 
 
 def cmd_make_requests(args: argparse.Namespace) -> int:
-    from .bench import generate, write
+    from tollbooth_lab.bench import generate, write
 
     reqs = generate(_distribution(args))
     write(args.out, reqs)
@@ -142,10 +142,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from .bench import Arrival, BenchOptions, generate, read, run
-    from .bench.output import write_all
-    from .config import ConfigError, load
-    from .pricing import load_pricing_file
+    from tollbooth_lab.bench import Arrival, BenchOptions, generate, read, run
+    from tollbooth_lab.bench.output import write_all
+
+    from ..config import ConfigError, load
+    from ..metering.pricing import load_pricing_file
 
     if args.requests:
         reqs, source = read(args.requests), {"request_file": args.requests}
@@ -231,7 +232,9 @@ def add_bench(sub: Sub) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo, logs
+    from tollbooth_lab import demo
+
+    from ..telemetry import logs
 
     logs.setup("WARNING", "text")
     demo.main(
@@ -251,8 +254,8 @@ def add_demo(sub: Sub) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from . import audit, report
-    from .config import load
+    from ..billing import audit, report
+    from ..config import load
 
     path, ledger = args.path, args.ledger
     if not path and not ledger:
@@ -280,7 +283,7 @@ def add_audit(sub: Sub) -> None:
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    from .identity import add_key
+    from ..proxy.identity import add_key
 
     key = add_key(args.file, args.user, args.team)
     print(key)  # the only time the key exists outside the client: the file keeps its hash
@@ -298,8 +301,8 @@ def add_keys(sub: Sub) -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from ..config import load
     from . import configdoc
-    from .config import load
 
     config = load(args.config) if args.config and not args.print_defaults else None
     print(configdoc.render(config), end="")

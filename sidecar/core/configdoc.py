@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from . import thresholds
-from .config import Config
+from ..config import Config
+from ..telemetry import thresholds
 
 HEADER = """\
 # Tollbooth configuration: every key with its default. Every key is optional.

@@ -12,18 +12,18 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import thresholds, tracing
-from .accesslog import AccessLog, access_log_context
-from .admission import Admission
+from ..billing.admission import Admission
+from ..billing.audit import Audit, audit_context
+from ..billing.budget import Budgets, spent_by_scope
+from ..billing.ledger import Ledger, ledger_context
+from ..telemetry import thresholds, tracing
+from ..telemetry.accesslog import AccessLog, access_log_context
+from ..telemetry.gpu import Attribution, GpuCollector, gpu_context
 from .app import Sidecar
-from .audit import Audit, audit_context
-from .budget import Budgets, spent_by_scope
-from .gpu import Attribution, GpuCollector, gpu_context
-from .ledger import Ledger, ledger_context
 
 if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
-    from .budget_redis import RedisStore
-    from .fleet_ledger import Shipper
+    from ..billing.fleet_ledger import Shipper
+    from ..billing.redis_store import RedisStore
 
 
 def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar:
@@ -71,7 +71,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
                 budgets.restore_gauge(by_user)
 
         if shipper is not None:  # ships after the ledger's last rows; starts after its retention
-            from .fleet_ledger import shipper_contexts
+            from ..billing.fleet_ledger import shipper_contexts
 
             outer, inner = shipper_contexts(shipper)
             sc.extra_contexts.append(outer)
@@ -96,7 +96,7 @@ def _shipper(sc: Sidecar) -> Shipper | None:
     cfg = sc.config.ledger
     if not (cfg.postgres_url and cfg.path):
         return None
-    from .fleet_ledger import Shipper
+    from ..billing.fleet_ledger import Shipper
 
     return Shipper(cfg, sc.metrics)
 
@@ -107,8 +107,8 @@ def _shared_store(sc: Sidecar, shipper: Shipper | None) -> RedisStore | None:
     cfg = sc.config
     if not cfg.budgets.store:
         return None
-    from .budget_redis import RedisStore, store_context
-    from .fleet_ledger import local_spend_since
+    from ..billing.fleet_ledger import local_spend_since
+    from ..billing.redis_store import RedisStore, store_context
 
     path = cfg.ledger.path
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..exchange import Endpoint
 
+
 class AmbiguousBody(ValueError):
     """An /invocations body more than one route could serve; refused with 400."""
 

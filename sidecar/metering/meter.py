@@ -8,21 +8,15 @@ Never: raises into the proxy. Any failure here is logged and counted in
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
 import logging
-import time
-import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
-from .metrics import Metrics
-from .pricing import Cost, PriceBook
-from .usage import Endpoint, RequestInfo, Usage
+from ..exchange import UPSTREAM_FAILED, Cost, Exchange, Sink, consumed, priced_model
+from ..telemetry.metrics import Metrics
+from .pricing import PriceBook
 
 log = logging.getLogger("tollbooth.meter")
+
 
 class Meter:
     def __init__(self, metrics: Metrics, prices: PriceBook) -> None:

@@ -8,11 +8,10 @@ that was not measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, ModelPrice, PricingConfig, build, load_yaml
-from .usage import Usage
+from ..config import ConfigError, ModelPrice, PricingConfig, build, load_yaml
+from ..exchange import Cost, Usage
 
 
 class PriceBook:

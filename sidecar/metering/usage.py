@@ -18,10 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..exchange import Endpoint, RequestInfo, Usage
 from . import splice
-from .routes import AmbiguousBody, invocation_endpoint
-from .routes import Endpoint as Endpoint
-from .routes import classify as classify
+from .dispatch import AmbiguousBody, invocation_endpoint
 from .sse import Event, SSEParser
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)

@@ -23,8 +23,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from .config import ServerConfig
-from .metrics import Metrics
+from ..config import ServerConfig
+from ..telemetry.metrics import Metrics
+from .upstream import TIMER_EARLY_S
 
 log = logging.getLogger("tollbooth.edge")
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import aiohttp
 
-from .metrics import Metrics
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..metering.usage import StreamMeter
+from ..telemetry.metrics import Metrics
 from .upstream import UpstreamResponse
-from .usage import Endpoint, RequestInfo, StreamMeter, Usage
 
 log = logging.getLogger("tollbooth.finishers")
 

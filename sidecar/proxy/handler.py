@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
@@ -25,14 +25,24 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 from yarl import URL
 
+from ..exchange import (
+    STATUS_CLIENT_CLOSED,
+    Endpoint,
+    Exchange,
+    Gate,
+    Refusal,
+    RequestInfo,
+    Usage,
+    new_uid,
+)
+from ..metering.meter import Meter, price_cost
+from ..metering.usage import StreamMeter, inspect_request, usage_from_body
+from ..telemetry.logs import REQUEST_CONTEXT
+from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .identity import Identity, Principal, Unauthorized
-from .logs import REQUEST_CONTEXT
-from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, new_uid, price_cost
-from .metrics import LabelCap, Metrics, sanitize
-from .routes import AmbiguousPath, Endpoint, classify, endpoint_class, routing_path
+from .routes import AmbiguousPath, classify, endpoint_class, routing_path
 from .upstream import Upstream, UpstreamResponse
-from .usage import RequestInfo, StreamMeter, Usage, inspect_request, usage_from_body
 
 log = logging.getLogger("tollbooth.proxy")
 
@@ -191,6 +201,7 @@ class TgiModelName:
 
 
 # --- the handler ----------------------------------------------------------------------------------
+
 
 @dataclass
 class ProxySettings:

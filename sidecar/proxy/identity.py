@@ -8,7 +8,6 @@ Never: keeps, logs or exports a key. Only its SHA-256 is held; only 12 hex digit
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -21,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from .config import Config, ConfigError, load_yaml
+from ..config import Config, ConfigError, load_yaml
+from ..credentials import bearer, digest, key_id
 
 log = logging.getLogger("tollbooth.identity")
 

@@ -8,13 +8,10 @@ Never: decides on a path other than the one forwarded, or guesses what an ambigu
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Mapping
-from enum import StrEnum
-from typing import Any
 from urllib.parse import unquote
 
+from ..exchange import Endpoint
 
 _ROUTES = {e.value: e for e in Endpoint if e is not Endpoint.OTHER}
 

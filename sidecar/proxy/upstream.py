@@ -30,7 +30,6 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-
 # A timer may fire this much before the time it was set for: uvloop keeps time in whole
 # milliseconds and rounds a delay to one. A deadline that near is due (re-arming for the rest
 # would fire again at once, every loop iteration until the clock ticks).
@@ -330,4 +329,3 @@ class Upstream:
             conn.close()
         while self.waiting:  # each finds the pool closed
             self._wake()
-

@@ -16,9 +16,9 @@ from typing import Any, TextIO
 
 from aiohttp import web
 
-from .config import LoggingConfig
+from ..config import LoggingConfig
+from ..exchange import Exchange, consumed
 from .logs import BatchWriter, iso_time, json_line
-from .meter import Exchange, consumed
 from .metrics import Metrics
 
 LOGGER = "tollbooth.access"  # the `logger` of every line, as if written through logging

@@ -31,11 +31,10 @@ from typing import Any
 
 from aiohttp import web
 
-from .admission import estimate_tokens
-from .config import AdmissionConfig, GpuConfig
-from .meter import Exchange
+from ..config import AdmissionConfig, GpuConfig
+from ..exchange import Exchange, estimate_tokens
+from ..metering.pricing import PriceBook
 from .metrics import Metrics
-from .pricing import PriceBook
 
 log = logging.getLogger("tollbooth.gpu")
 

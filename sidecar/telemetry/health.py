@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .config import UpstreamConfig
+from ..config import UpstreamConfig
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.health")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import build, load_yaml
+from ..config import build, load_yaml
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,9 +27,9 @@ from opentelemetry.semconv.attributes import error_attributes, server_attributes
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from . import __version__
-from .config import Config
-from .meter import Exchange
+from .. import __version__
+from ..config import Config
+from ..exchange import Exchange
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.tracing")

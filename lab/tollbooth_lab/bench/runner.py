@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .. import __version__
-from ..app import Sidecar, create_app
-from ..config import (
+from sidecar import __version__
+from sidecar.billing.report import percentile
+from sidecar.config import (
     AdmissionConfig,
     AuditConfig,
     Config,
@@ -35,11 +35,12 @@ from ..config import (
     PricingConfig,
     UpstreamConfig,
 )
-from ..meter import Exchange
-from ..report import percentile
+from sidecar.core.app import Sidecar, create_app
+from sidecar.core.wiring import wire
+from sidecar.exchange import Exchange
+from sidecar.metering.sse import SSEParser
+
 from ..simulator import EngineParams, create_simulator
-from ..sse import SSEParser
-from ..wiring import wire
 from .requests import BenchRequest
 
 LOWERABLE = ("token-budget", "fixed-batch")

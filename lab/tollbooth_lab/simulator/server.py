@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from ..metrics import (
+from sidecar.metering.usage import lax_true
+from sidecar.telemetry.metrics import (
     TGI_BATCH,
     TGI_QUEUE,
     VLLM_KV_USAGE,
@@ -24,7 +25,7 @@ from ..metrics import (
     VLLM_RUNNING,
     VLLM_WAITING,
 )
-from ..usage import lax_true
+
 from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
 
 Api = Literal["vllm", "tgi"]
