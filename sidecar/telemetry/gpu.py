@@ -27,16 +27,23 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from ..config import AdmissionConfig, GpuConfig
+from ..config import AdmissionConfig, GpuConfig, PricingConfig
 from ..exchange import Exchange, estimate_tokens
-from ..metering.pricing import PriceBook
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.gpu")
+
+
+class Prices(Protocol):
+    """What attribution reads of the price book (metering's `PriceBook`): the prices now, re-read
+    on SIGHUP, for `gpu_hour_usd`. A protocol, so telemetry does not import metering."""
+
+    @property
+    def config(self) -> PricingConfig: ...
 
 
 @dataclass
@@ -210,7 +217,7 @@ class Attribution:
     def __init__(
         self,
         metrics: Metrics,
-        prices: PriceBook,
+        prices: Prices,
         estimate: AdmissionConfig | None = None,
         n_gpus: int = 0,
         clock: Callable[[], float] = time.monotonic,
