@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -12,6 +13,24 @@ if TYPE_CHECKING:
 
 Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Adder = Callable[[Sub], None]
+Command = Callable[[argparse.Namespace], int]
+
+LAB_MISSING = (
+    "tollbooth {command}: needs the lab (the simulator, bench harness and demo), a separate "
+    "distribution that the production install leaves out. From a clone of the repository: "
+    "pip install ./lab (or run `make demo`)."
+)
+
+
+def needs_lab(cmd: Command) -> Command:
+    """`cmd` imports the lab lazily; without it installed, a clear error instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        if importlib.util.find_spec("tollbooth_lab") is None:
+            raise SystemExit(LAB_MISSING.format(command=args.command))
+        return cmd(args)
+
+    return run
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -91,7 +110,7 @@ def add_simulate(sub: Sub) -> None:
     p.add_argument("--api", choices=["vllm", "tgi"], default="vllm")
     p.add_argument("--model", default="sim-llama-3-8b")
     add_engine_flags(p)
-    p.set_defaults(func=cmd_simulate)
+    p.set_defaults(func=needs_lab(cmd_simulate))
 
 
 def _distribution(args: argparse.Namespace) -> Distribution:
@@ -134,7 +153,7 @@ def add_make_requests(sub: Sub) -> None:
     p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")
     p.add_argument("--out", required=True)
     _add_distribution_flags(p, 64)
-    p.set_defaults(func=cmd_make_requests)
+    p.set_defaults(func=needs_lab(cmd_make_requests))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -228,7 +247,7 @@ def add_bench(sub: Sub) -> None:
     p.add_argument("--api", choices=["vllm", "tgi"], default="vllm", help="simulator API")
     add_engine_flags(p)
     _add_distribution_flags(p, 48)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=needs_lab(cmd_bench))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -250,7 +269,7 @@ def add_demo(sub: Sub) -> None:
     p.add_argument("--listen", default="127.0.0.1:8080")
     p.add_argument("--admin-listen", default="127.0.0.1:9464")
     p.add_argument("--upstream-listen", default="127.0.0.1:8000")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=needs_lab(cmd_demo))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
