@@ -81,7 +81,7 @@ def test_every_module_is_found() -> None:
     names = {module_name(p) for p in MODULES}
     assert {"sidecar.exchange", "sidecar.proxy.handler", "sidecar.core.app"} <= names
     assert not any(
-        n.startswith(("sidecar.simulator", "sidecar.bench", "sidecar.demo")) for n in names
+        n.startswith(("tollbooth_lab.simulator", "tollbooth_lab.bench", "tollbooth_lab.demo")) for n in names
     )
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from sidecar.proxy.handler import routes
+from sidecar.proxy import routes
 from sidecar.proxy.routes import AmbiguousPath
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL

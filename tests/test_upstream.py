@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from sidecar.proxy.handler import upstream as upstream_module
+from sidecar.proxy import upstream as upstream_module
 from sidecar.proxy.upstream import BadResponse, Upstream
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from sidecar.proxy.handler import upstream as pool_module
+from sidecar.proxy import upstream as pool_module
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_upstream import OK, Serve, Server, upstream_answering
