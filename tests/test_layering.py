@@ -80,9 +80,8 @@ IDS = [str(p.relative_to(ROOT)) for p in MODULES]
 def test_every_module_is_found() -> None:
     names = {module_name(p) for p in MODULES}
     assert {"sidecar.exchange", "sidecar.proxy.handler", "sidecar.core.app"} <= names
-    assert not any(
-        n.startswith(("tollbooth_lab.simulator", "tollbooth_lab.bench", "tollbooth_lab.demo")) for n in names
-    )
+    # the lab left the package (written as paths, so rewrite scripts leave these names alone)
+    assert not any((SIDECAR / name).exists() for name in ("simulator", "bench", "demo.py"))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=IDS)
