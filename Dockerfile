@@ -1,5 +1,6 @@
 # Tollbooth sidecar image. Build: docker build -t tollbooth .
-FROM python:3.11-slim
+# The simulator's image (docker-compose.yml's simulator services): docker build --target lab .
+FROM python:3.11-slim AS tollbooth
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
@@ -12,3 +13,14 @@ USER tollbooth
 EXPOSE 8080
 ENTRYPOINT ["tollbooth"]
 CMD ["serve", "--listen", "0.0.0.0:8080", "--admin-listen", "127.0.0.1:9464"]
+
+# The lab beside the sidecar, for `tollbooth simulate`: the simulator needs nothing the sidecar does
+# not (matplotlib is for the bench's charts only), hence --no-deps.
+FROM tollbooth AS lab
+USER root
+COPY lab ./lab
+RUN pip install --no-cache-dir --no-deps ./lab
+USER tollbooth
+
+# The default target: the production image, without the lab.
+FROM tollbooth

@@ -10,11 +10,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The production package and the lab (simulator, bench, demo) beside it, both editable.
 venv: $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e . -e ./lab
 
 venv-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' -e ./lab
 
 # Debian packages the end-to-end tests use; installed only when missing.
 debs:
@@ -29,7 +30,7 @@ demo: venv
 	$(BIN)/tollbooth demo
 
 test: venv-test debs
-	$(BIN)/ruff check sidecar tests benchmarks dashboards alerts
+	$(BIN)/ruff check sidecar lab tests benchmarks dashboards alerts
 	$(BIN)/python -m pytest -q
 
 lint: venv-test
@@ -40,6 +41,7 @@ bench: venv
 	$(BIN)/python benchmarks/overhead.py
 
 dashboards: venv
+	$(BIN)/pip install -q -e '.[dashboards]'
 	$(BIN)/python -m dashboards.build
 
 alerts: venv

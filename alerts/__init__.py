@@ -1,2 +1,2 @@
 """Prometheus recording and alerting rules, and the Alertmanager config, rendered from
-sidecar.thresholds. Run `python -m alerts.build` after changing a threshold."""
+sidecar.telemetry.thresholds. Run `python -m alerts.build` after changing a threshold."""

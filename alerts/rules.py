@@ -11,9 +11,9 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
-from sidecar.meter import UPSTREAM_FAILED
-from sidecar.metrics import COST_BUCKETS
-from sidecar.thresholds import Thresholds
+from sidecar.exchange import UPSTREAM_FAILED
+from sidecar.telemetry.metrics import COST_BUCKETS
+from sidecar.telemetry.thresholds import Thresholds
 
 ERRORS = 'status_code=~"5..|stream_error"'
 

@@ -32,10 +32,10 @@ from typing import Any
 
 import redis as redis_sync
 
-from sidecar.budget import DAY, Hold, LocalStore, Scope
-from sidecar.budget_redis import RedisStore
+from sidecar.billing.budget import DAY, Hold, LocalStore, Scope
+from sidecar.billing.redis_store import RedisStore
 from sidecar.config import BudgetConfig
-from sidecar.metrics import Metrics
+from sidecar.telemetry.metrics import Metrics
 
 RESULTS = Path(__file__).parent / "results"
 TODAY = int(time.time() // DAY * DAY)

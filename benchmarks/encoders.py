@@ -22,15 +22,14 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.accesslog import LOGGER, fields
-from sidecar.audit import Audit
+from sidecar.billing.audit import Audit
 from sidecar.config import AuditConfig, PricingConfig
-from sidecar.logs import iso_time
-from sidecar.meter import Exchange
-from sidecar.metrics import Metrics
-from sidecar.pricing import Cost, PriceBook
-from sidecar.thresholds import DEFAULT
-from sidecar.usage import Endpoint, RequestInfo, Usage
+from sidecar.exchange import Cost, Endpoint, Exchange, RequestInfo, Usage
+from sidecar.metering.pricing import PriceBook
+from sidecar.telemetry.accesslog import LOGGER, fields
+from sidecar.telemetry.logs import iso_time
+from sidecar.telemetry.metrics import Metrics
+from sidecar.telemetry.thresholds import DEFAULT
 
 RESULTS = Path(__file__).parent / "results"
 LINES = 2000  # per round and candidate

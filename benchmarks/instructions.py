@@ -69,7 +69,7 @@ def start(
             conf = tmp / f"{name}.yaml"
             conf.write_text(ov.PRICES + ov.tollbooth_config(kind, tmp / name))
             port, admin = ov.free_port(), ov.free_port()
-            cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(conf)]
+            cmd = [sys.executable, "-m", "sidecar.core.cli", "serve", "--config", str(conf)]
             cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
             cmd += ["--admin-listen", f"127.0.0.1:{admin}"]
             paths[name] = (

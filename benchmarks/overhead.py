@@ -370,7 +370,7 @@ def start_paths(
             conf = tmp / f"{name}.yaml"
             conf.write_text(PRICES + tollbooth_config(kind, tmp / name))
             port, admin = free_port(), free_port()
-            cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(conf)]
+            cmd = [sys.executable, "-m", "sidecar.core.cli", "serve", "--config", str(conf)]
             cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
             procs[name] = spawn([*cmd, "--admin-listen", f"127.0.0.1:{admin}"], cwd=tree)
             urls[name] = f"http://127.0.0.1:{port}"

@@ -15,7 +15,7 @@ from typing import Any
 from grafanalib._gen import DashboardEncoder
 
 from dashboards.lib import finish
-from sidecar import thresholds
+from sidecar.telemetry import thresholds
 
 HERE = Path(__file__).parent
 OUT = HERE / "generated"

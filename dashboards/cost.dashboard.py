@@ -3,7 +3,7 @@
 from grafanalib.core import Dashboard
 
 from dashboards.lib import FILTER, INST, Grid, dashboard, or_zero, stat, target, timeseries
-from sidecar.thresholds import Thresholds
+from sidecar.telemetry.thresholds import Thresholds
 
 
 def build(t: Thresholds) -> Dashboard:

@@ -15,7 +15,7 @@ from dashboards.lib import (
     target,
     timeseries,
 )
-from sidecar.metrics import (
+from sidecar.telemetry.metrics import (
     TGI_BATCH,
     TGI_QUEUE,
     VLLM_KV_USAGE,
@@ -24,7 +24,7 @@ from sidecar.metrics import (
     VLLM_RUNNING,
     VLLM_WAITING,
 )
-from sidecar.thresholds import Thresholds
+from sidecar.telemetry.thresholds import Thresholds
 
 
 def build(t: Thresholds) -> Dashboard:

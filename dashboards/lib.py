@@ -21,7 +21,7 @@ from grafanalib.core import (
     YAxis,
 )
 
-from sidecar.thresholds import Thresholds
+from sidecar.telemetry.thresholds import Thresholds
 
 # Grafana 11.3 (the compose file's pin) writes schema 40; the JSON also needs nothing from 41's
 # migration (no timepicker.time_options), so Grafana 12 loads it unchanged too.

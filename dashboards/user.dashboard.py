@@ -3,7 +3,7 @@
 from grafanalib.core import Dashboard
 
 from dashboards.lib import Grid, dashboard, or_zero, stat, target, timeseries
-from sidecar.thresholds import Thresholds
+from sidecar.telemetry.thresholds import Thresholds
 
 U = 'job="$job",instance=~"$instance",model=~"$model",user_id="$user_id"'
 

@@ -220,7 +220,7 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AuditConfig:
     enabled: bool = True
-    # Defaults come from sidecar.thresholds (the same numbers the alerts use) when left null.
+    # Defaults come from sidecar.telemetry.thresholds (the alerts' numbers) when left null.
     input_cost_usd: float | None = None
     total_cost_usd: float | None = None
     capture_text: bool = False

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from sidecar.app import Sidecar, create_admin_app, create_app
 from sidecar.config import Config, build, validate
-from sidecar.wiring import wire
+from sidecar.core.app import Sidecar, create_admin_app, create_app
+from sidecar.core.wiring import wire
 from tests.fakes import FakeUpstream, NoLibrary
 
 ROOT = Path(__file__).parents[1]

@@ -11,8 +11,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-
-from sidecar.bench.runner import free_port
+from tollbooth_lab.bench.runner import free_port
 
 __all__ = ["Prometheus", "Tollbooth", "free_port", "start_prometheus", "start_tollbooth"]
 
@@ -58,7 +57,7 @@ async def start_tollbooth(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "sidecar.cli",
+        "sidecar.core.cli",
         "serve",
         "--config",
         str(cfg),

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.admission import Admission
+from sidecar.billing.admission import Admission
 from sidecar.config import AdmissionConfig
-from sidecar.metrics import Metrics
-from sidecar.proxy import Refusal
+from sidecar.exchange import Refusal
+from sidecar.telemetry.metrics import Metrics
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 
@@ -207,7 +207,7 @@ async def test_through_the_proxy(start_sidecar: StartSidecar) -> None:
 async def test_exact_prompt_size_from_upstream_tokenize(
     start_sidecar: StartSidecar, aiohttp_server: Any
 ) -> None:
-    from sidecar.simulator import EngineParams, create_simulator
+    from tollbooth_lab.simulator import EngineParams, create_simulator
 
     sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.0005)))
     base = str(sim.make_url("")).rstrip("/")

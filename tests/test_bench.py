@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tollbooth_lab.bench import Arrival, BenchOptions, Distribution, generate, read, run, write
+from tollbooth_lab.bench.output import markdown, write_all
+from tollbooth_lab.simulator import EngineParams, create_simulator
 
-from sidecar.bench import Arrival, BenchOptions, Distribution, generate, read, run, write
-from sidecar.bench.output import markdown, write_all
 from sidecar.config import PricingConfig
-from sidecar.simulator import EngineParams, create_simulator
 from tests.fakes import FakeNVML
 
 FAST = EngineParams(step_base_s=0.0005, prefill_s_per_token=0.0, decode_s_per_seq=0.00002)
@@ -154,7 +154,7 @@ async def test_out_of_memory_saves_decisions_and_retries_smaller(tmp_path: Path)
 
 def test_cli_make_requests_then_bench(tmp_path: Path) -> None:
     reqs = tmp_path / "reqs.jsonl"
-    cli = [sys.executable, "-m", "sidecar.cli"]
+    cli = [sys.executable, "-m", "sidecar.core.cli"]
     subprocess.run(
         [
             *cli,

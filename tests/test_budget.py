@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from sidecar.budget import Hold, LocalStore, Scope, money, to_micros
+from sidecar.billing.budget import Hold, LocalStore, Scope, money, to_micros
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
@@ -203,12 +203,12 @@ def worst_case(
     body: dict[str, Any], endpoint: str = "/v1/chat/completions", **budgets: Any
 ) -> float:
     """The hold, in dollars at $1 per token, for a request body."""
-    from sidecar.budget import Budgets
+    from sidecar.billing.budget import Budgets
     from sidecar.config import AdmissionConfig, BudgetConfig, ModelPrice, PricingConfig
-    from sidecar.meter import Exchange
-    from sidecar.metrics import LabelCap, Metrics
-    from sidecar.pricing import PriceBook
-    from sidecar.usage import Endpoint, inspect_request
+    from sidecar.exchange import Endpoint, Exchange
+    from sidecar.metering.pricing import PriceBook
+    from sidecar.metering.usage import inspect_request
+    from sidecar.telemetry.metrics import LabelCap, Metrics
 
     info = inspect_request(Endpoint(endpoint), json.dumps(body).encode(), inject_usage=False)
     price = ModelPrice(input_per_1m=1e6, output_per_1m=1e6)
@@ -358,7 +358,8 @@ async def test_an_invocations_body_with_two_shapes_is_refused(start_sidecar: Sta
 
 
 def test_a_body_behind_a_bom_is_read_for_the_hold_and_never_edited() -> None:
-    from sidecar.usage import Endpoint, inspect_request
+    from sidecar.exchange import Endpoint
+    from sidecar.metering.usage import inspect_request
 
     body = b'\xef\xbb\xbf{"model":"m","messages":[],"stream":true,"max_tokens":30000}'
     info = inspect_request(Endpoint.CHAT, body, inject_usage=True)
@@ -367,7 +368,8 @@ def test_a_body_behind_a_bom_is_read_for_the_hold_and_never_edited() -> None:
 
 
 def test_running_totals_of_a_batched_completion_give_every_prompts_size() -> None:
-    from sidecar.usage import Endpoint, StreamMeter
+    from sidecar.exchange import Endpoint
+    from sidecar.metering.usage import StreamMeter
 
     meter = StreamMeter(Endpoint.COMPLETIONS, choices=4, per_prompt=2)  # 2 prompts, n = 2
     for index, prompt in ((0, 3), (1, 3), (2, 5), (3, 5)):
@@ -381,7 +383,8 @@ def test_running_totals_of_a_batched_completion_give_every_prompts_size() -> Non
 
 
 def test_a_tgi_stream_without_token_events_has_no_output_count() -> None:
-    from sidecar.usage import Endpoint, StreamMeter
+    from sidecar.exchange import Endpoint
+    from sidecar.metering.usage import StreamMeter
 
     meter = StreamMeter(Endpoint.TGI_COMPAT)
     chat = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
@@ -393,10 +396,10 @@ def test_a_tgi_stream_without_token_events_has_no_output_count() -> None:
 def test_spend_today_starts_again_at_the_next_budget_day() -> None:
     """The gauge is cleared at the day's start; a user's spend the next day is that day's only,
     and still exported (a cached child of the cleared gauge used to swallow it)."""
-    from sidecar.budget import DAY, Budgets
+    from sidecar.billing.budget import DAY, Budgets
     from sidecar.config import AdmissionConfig, BudgetConfig, PricingConfig
-    from sidecar.metrics import LabelCap, Metrics
-    from sidecar.pricing import PriceBook
+    from sidecar.metering.pricing import PriceBook
+    from sidecar.telemetry.metrics import LabelCap, Metrics
 
     now = [10 * DAY + 100.0]
     m = Metrics()

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from sidecar.budget import DAY, Hold, Scope, to_micros
-from sidecar.budget_redis import SIDECARS, RedisStore, day_keys
+from sidecar.billing.budget import DAY, Hold, Scope, to_micros
+from sidecar.billing.redis_store import SIDECARS, RedisStore, day_keys
 from sidecar.config import BudgetConfig
-from sidecar.metrics import Metrics
+from sidecar.telemetry.metrics import Metrics
 
 USER = Scope("user", "u", to_micros(1.0))
 GLOBAL = Scope("global", "*", to_micros(1.5))

@@ -13,8 +13,8 @@ import aiohttp
 import openai
 import pytest
 
-from sidecar.ledger import SCHEMA
-from sidecar.report import parse_since, percentile, render, summarize
+from sidecar.billing.ledger import SCHEMA
+from sidecar.billing.report import parse_since, percentile, render, summarize
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 
@@ -199,7 +199,7 @@ def test_report_cli_json_and_csv(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "sidecar.cli",
+            "sidecar.core.cli",
             "report",
             "--ledger",
             str(db),
@@ -221,7 +221,7 @@ def test_report_cli_json_and_csv(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "sidecar.cli",
+            "sidecar.core.cli",
             "report",
             "--ledger",
             str(db),

@@ -11,9 +11,9 @@ from typing import Literal
 import pytest
 import yaml
 
-from sidecar import configdoc
+from sidecar.billing.report import summarize
 from sidecar.config import Config, ConfigError, load
-from sidecar.report import summarize
+from sidecar.core import configdoc
 
 ROOT = Path(__file__).parents[1]
 
@@ -91,7 +91,7 @@ def test_a_field_added_to_the_schema_appears_with_its_default_and_comment() -> N
 
 
 def test_cli_prints_the_defaults_and_a_files_effective_config(tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "sidecar.cli", "config"]
+    cli = [sys.executable, "-m", "sidecar.core.cli", "config"]
     out = subprocess.run(
         [*cli, "--print-defaults"], capture_output=True, text=True, timeout=60, check=True
     )
@@ -168,7 +168,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 def test_cli_stops_with_one_clear_line(tmp_path: Path) -> None:
     path = write(tmp_path, "metering:\n  max_tracked_users: lots\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "sidecar.core.cli", "serve", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -14,7 +14,7 @@ def test_demo_runs_and_summarises() -> None:
         [
             sys.executable,
             "-m",
-            "sidecar.cli",
+            "sidecar.core.cli",
             "demo",
             "--duration",
             "2",

@@ -21,9 +21,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from sidecar.app import Sidecar, create_app
 from sidecar.config import Config, build, validate
-from sidecar.wiring import wire
+from sidecar.core.app import Sidecar, create_app
+from sidecar.core.wiring import wire
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL, FakeUpstream
 from tests.procs import free_port

@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
+from tollbooth_lab.simulator import EngineParams, create_simulator
 
 from alerts.build import render_alertmanager, render_rules
-from sidecar.simulator import EngineParams, create_simulator
-from sidecar.thresholds import load
+from sidecar.telemetry.thresholds import load
 from tests.procs import Tollbooth, free_port, start_tollbooth
 
 PROMETHEUS, ALERTMANAGER = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")

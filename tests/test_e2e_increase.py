@@ -25,10 +25,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from tollbooth_lab.simulator import EngineParams, create_simulator
 
 from alerts.build import render_rules
-from sidecar.simulator import EngineParams, create_simulator
-from sidecar.thresholds import DEFAULT, load
+from sidecar.telemetry.thresholds import DEFAULT, load
 from tests.procs import (
     PROMETHEUS,
     Prometheus,

@@ -221,8 +221,8 @@ def test_each_deadline_fires_its_timer_about_once_on_uvloop() -> None:
     import uvloop
 
     from sidecar.config import ServerConfig
-    from sidecar.edge import ConnectionGuard, GuardedConnection
-    from sidecar.metrics import Metrics
+    from sidecar.proxy.edge import ConnectionGuard, GuardedConnection
+    from sidecar.telemetry.metrics import Metrics
 
     fired = 0
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics import exposition as om
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.exposition import (
+from sidecar.telemetry.exposition import (
     CARRY_MAX_AGE_S,
     HeldView,
     carry_path,
@@ -22,7 +22,7 @@ from sidecar.exposition import (
     restore,
     save,
 )
-from sidecar.metrics import OTHER, LabelCap, Metrics
+from sidecar.telemetry.metrics import OTHER, LabelCap, Metrics
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from sidecar.finishers import Finishers, _count
+from sidecar.proxy.finishers import Finishers, _count
 
 
 async def test_at_the_limit_a_finisher_is_not_started() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.budget import DAY
-from sidecar.budget_redis import day_keys
-from sidecar.report import summarize
+from sidecar.billing.budget import DAY
+from sidecar.billing.redis_store import day_keys
+from sidecar.billing.report import summarize
 from tests.conftest import StartSidecar
 from tests.procs import Tollbooth, start_tollbooth
 from tests.test_fleet_ledger import MSGS, PRICES, fleet_ledger, send, shipped

@@ -16,11 +16,11 @@ from typing import Any
 import aiohttp
 import psycopg
 
-from sidecar import ledger as sqlite_ledger
+from sidecar.billing import ledger as sqlite_ledger
+from sidecar.billing.fleet_ledger import Shipper
+from sidecar.billing.report import summarize
 from sidecar.config import LedgerConfig
-from sidecar.fleet_ledger import Shipper
-from sidecar.metrics import Metrics
-from sidecar.report import summarize
+from sidecar.telemetry.metrics import Metrics
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
@@ -75,7 +75,7 @@ async def send(run: Running, n: int, user: str, **headers: str) -> list[int]:
 
 def cli(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", *args],
+        [sys.executable, "-m", "sidecar.core.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

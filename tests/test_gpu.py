@@ -10,13 +10,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar import gpu
 from sidecar.config import AdmissionConfig, GpuConfig, PricingConfig
-from sidecar.gpu import Attribution, GpuCollector
-from sidecar.meter import Exchange
-from sidecar.metrics import Metrics
-from sidecar.pricing import PriceBook
-from sidecar.usage import Endpoint, RequestInfo
+from sidecar.exchange import Endpoint, Exchange, RequestInfo
+from sidecar.metering.pricing import PriceBook
+from sidecar.telemetry import gpu
+from sidecar.telemetry.gpu import Attribution, GpuCollector
+from sidecar.telemetry.metrics import Metrics
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL, FakeNVML, NoLibrary
 
@@ -163,9 +162,9 @@ def test_the_split_uses_the_configured_estimate_and_n() -> None:
 async def test_sidecar_with_fake_gpu_exports_attribution(
     aiohttp_server: Any, upstream: Any
 ) -> None:
-    from sidecar.app import Sidecar, create_admin_app, create_app
     from sidecar.config import Config, build
-    from sidecar.wiring import wire
+    from sidecar.core.app import Sidecar, create_admin_app, create_app
+    from sidecar.core.wiring import wire
 
     _, up = upstream
     cfg = build(

@@ -10,8 +10,8 @@ import aiohttp
 from aiohttp import web
 
 from sidecar.config import UpstreamConfig
-from sidecar.health import UpstreamProbe
-from sidecar.metrics import Metrics
+from sidecar.telemetry.health import UpstreamProbe
+from sidecar.telemetry.metrics import Metrics
 from tests.conftest import Running, StartSidecar
 
 

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar import reqsize
-from sidecar.usage import Endpoint, inspect_request
+from sidecar.exchange import Endpoint
+from sidecar.metering.usage import inspect_request
 from tests.test_budget import worst_case
 
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from sidecar.config import Config, ConfigError, build, validate
-from sidecar.identity import add_key, read_keys
+from sidecar.proxy.identity import add_key, read_keys
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
@@ -186,7 +186,7 @@ async def test_upstream_key_replaces_the_clients(
 
 
 def test_upstream_key_variable_must_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar.app import Sidecar
+    from sidecar.core.app import Sidecar
 
     monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
     cfg = validate(build(Config, {"upstream": {"api_key_env": "NO_SUCH_KEY_VAR"}}))
@@ -199,7 +199,7 @@ def test_credentials_in_the_upstream_url_are_refused_without_echo() -> None:
         validate(build(Config, {"upstream": {"url": "http://admin:hunter2@10.0.0.1:8000"}}))
     assert "hunter2" not in str(err.value) and "admin" not in str(err.value)
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--upstream", "http://u:hunter2@h:1"],
+        [sys.executable, "-m", "sidecar.core.cli", "serve", "--upstream", "http://u:hunter2@h:1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -216,7 +216,7 @@ async def test_keys_add_prints_the_key_once_and_stores_its_hash(
         [
             sys.executable,
             "-m",
-            "sidecar.cli",
+            "sidecar.core.cli",
             "keys",
             "add",
             "--file",
@@ -250,7 +250,7 @@ async def test_keys_add_prints_the_key_once_and_stores_its_hash(
 
 
 def test_a_bad_keys_file_stops_the_start(tmp_path: Path) -> None:
-    from sidecar.app import Sidecar
+    from sidecar.core.app import Sidecar
 
     bad = tmp_path / "keys.yaml"
     bad.write_text("keys: [{sha256: nothex, user: a}]")
@@ -333,16 +333,16 @@ async def test_a_reused_request_id_never_shares_a_hold(
 async def test_an_unknown_clients_body_is_never_parsed(
     start_sidecar: StartSidecar, keys: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sidecar.proxy
+    import sidecar.proxy.handler
 
     parsed: list[bytes] = []
-    real = sidecar.proxy.inspect_request
+    real = sidecar.proxy.handler.inspect_request
 
     def spy(endpoint: Any, body: bytes, **kw: Any) -> Any:
         parsed.append(body)
         return real(endpoint, body, **kw)
 
-    monkeypatch.setattr(sidecar.proxy, "inspect_request", spy)
+    monkeypatch.setattr(sidecar.proxy.handler, "inspect_request", spy)
     run = await start_sidecar({"identity": {"keys_file": keys}})
     async with aiohttp.ClientSession() as s:
         body = b"[" + b"[]," * 300_000 + b"[]]"

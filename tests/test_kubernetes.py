@@ -17,8 +17,8 @@ import yaml
 
 from alerts.build import render_prometheus_rule
 from sidecar.config import load
-from sidecar.identity import read_keys
-from sidecar.thresholds import DEFAULT
+from sidecar.proxy.identity import read_keys
+from sidecar.telemetry.thresholds import DEFAULT
 
 K8S = Path(__file__).parents[1] / "deploy" / "kubernetes"
 VERSION = "1.30.0"  # native sidecars (init containers with restartPolicy: Always) are on by 1.29

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.ledger import Ledger, connect
-from sidecar.metrics import Metrics
+from sidecar.billing.ledger import Ledger, connect
+from sidecar.telemetry.metrics import Metrics
 from tests.fakes import MODEL
 from tests.procs import Tollbooth, start_tollbooth
 
@@ -277,7 +277,7 @@ def test_rows_are_made_in_the_writer_and_a_bad_one_loses_only_itself(tmp_path: P
 
 @pytest.mark.parametrize("limit", [None, 80])  # SQLite's limit on variables per statement
 def test_rows_go_in_many_per_statement_all_of_them_in_order(tmp_path: Path, limit: Any) -> None:
-    from sidecar.ledger import INSERT, ROWS_PER_STATEMENT
+    from sidecar.billing.ledger import INSERT, ROWS_PER_STATEMENT
 
     conn = connect(tmp_path / "l.db")
     if limit is not None:

@@ -114,14 +114,14 @@ async def test_sampling_keeps_errors(start_sidecar: StartSidecar, tmp_path: Path
 async def test_other_log_lines_carry_request_ids(
     start_sidecar: StartSidecar, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from sidecar.logs import JsonFormatter
+    from sidecar.telemetry.logs import JsonFormatter
 
     run = await start_sidecar(upstream_url="http://127.0.0.1:9")  # the upstream is down
     caplog.set_level(logging.WARNING, logger="tollbooth.proxy")
     await post(run)
     record = next(r for r in caplog.records if "upstream" in r.getMessage())
     # the formatter, called inside the request, adds the request context
-    from sidecar.logs import REQUEST_CONTEXT
+    from sidecar.telemetry.logs import REQUEST_CONTEXT
 
     token = REQUEST_CONTEXT.set({"request_id": "abc", "trace_id": "t" * 32})
     try:
@@ -134,7 +134,7 @@ async def test_other_log_lines_carry_request_ids(
 async def test_queued_handler_captures_context_in_the_request_task() -> None:
     import queue as q
 
-    from sidecar.logs import REQUEST_CONTEXT, ContextQueueHandler
+    from sidecar.telemetry.logs import REQUEST_CONTEXT, ContextQueueHandler
 
     buf: q.SimpleQueue[logging.LogRecord] = q.SimpleQueue()
     h = ContextQueueHandler(buf)
@@ -192,7 +192,16 @@ async def test_audit_to_ledger_and_cli(start_sidecar: StartSidecar, tmp_path: Pa
     await post(run, content="one two three four five six")
     run.sc.ledger.close()
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "audit", "--ledger", str(db), "--format", "json"],
+        [
+            sys.executable,
+            "-m",
+            "sidecar.core.cli",
+            "audit",
+            "--ledger",
+            str(db),
+            "--format",
+            "json",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -201,7 +210,7 @@ async def test_audit_to_ledger_and_cli(start_sidecar: StartSidecar, tmp_path: Pa
     (rec,) = json.loads(out.stdout)
     assert rec["reasons"] == ["input_cost", "total_cost"]
     table = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "audit", "--ledger", str(db)],
+        [sys.executable, "-m", "sidecar.core.cli", "audit", "--ledger", str(db)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -211,13 +220,12 @@ async def test_audit_to_ledger_and_cli(start_sidecar: StartSidecar, tmp_path: Pa
 
 
 def test_rotation_is_bounded(tmp_path: Path) -> None:
-    from sidecar.audit import Audit, read_records
+    from sidecar.billing.audit import Audit, read_records
     from sidecar.config import AuditConfig, PricingConfig
-    from sidecar.meter import Exchange
-    from sidecar.metrics import Metrics
-    from sidecar.pricing import Cost, PriceBook
-    from sidecar.thresholds import DEFAULT
-    from sidecar.usage import Endpoint, RequestInfo, Usage
+    from sidecar.exchange import Cost, Endpoint, Exchange, RequestInfo, Usage
+    from sidecar.metering.pricing import PriceBook
+    from sidecar.telemetry.metrics import Metrics
+    from sidecar.telemetry.thresholds import DEFAULT
 
     path = tmp_path / "a.jsonl"
     audit = Audit(
@@ -337,11 +345,9 @@ async def test_user_id_lengths_are_what_the_docs_say(
 @pytest.mark.parametrize("failed", [False, True])
 def test_batched_access_lines_are_the_lines_logging_wrote(failed: bool) -> None:
     """The access log left `logging` for a batching writer; its lines did not change."""
-    from sidecar.accesslog import fields, render_json, render_text, snapshot
-    from sidecar.logs import JsonFormatter, TextFormatter
-    from sidecar.meter import Exchange
-    from sidecar.pricing import Cost
-    from sidecar.usage import Endpoint, RequestInfo, Usage
+    from sidecar.exchange import Cost, Endpoint, Exchange, RequestInfo, Usage
+    from sidecar.telemetry.accesslog import fields, render_json, render_text, snapshot
+    from sidecar.telemetry.logs import JsonFormatter, TextFormatter
 
     info = RequestInfo(endpoint=Endpoint.CHAT, body=b"{}", parsed=True, stream=True)
     ex = Exchange("r1", Endpoint.CHAT, info, "u", "u", MODEL, status=200, bytes_out=12)
@@ -358,7 +364,7 @@ def test_batched_access_lines_are_the_lines_logging_wrote(failed: bool) -> None:
 
 
 def test_batch_writer_is_bounded_counts_what_it_loses_and_drains_on_stop() -> None:
-    from sidecar.logs import BatchWriter
+    from sidecar.telemetry.logs import BatchWriter
 
     written: list[str] = []
     dropped, errors = [], []

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from sidecar.config import PricingConfig
-from sidecar.meter import STATUS_CLIENT_CLOSED, Exchange, Meter, consumed, time_per_output_token
-from sidecar.metrics import Metrics
-from sidecar.pricing import PriceBook
-from sidecar.usage import Endpoint, RequestInfo, Usage
+from sidecar.exchange import STATUS_CLIENT_CLOSED, Endpoint, Exchange, RequestInfo, Usage, consumed
+from sidecar.metering.meter import Meter, time_per_output_token
+from sidecar.metering.pricing import PriceBook
+from sidecar.telemetry.metrics import Metrics
 
 
 def exchange(usage: Usage, status: int = 200, sent: bool = True) -> Exchange:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.openmetrics.exposition import generate_latest
 
-from sidecar.metrics import (
+from sidecar.telemetry.metrics import (
     COST_BUCKETS,
     DURATION_BUCKETS,
     LoopCounter,

@@ -23,10 +23,10 @@ from dashboards.lib import (
     SCHEMA_VERSION,
     TARGET_KEYS,
 )
-from sidecar import metrics
-from sidecar.exposition import read_by_increase
-from sidecar.metrics import Metrics
-from sidecar.thresholds import DEFAULT, Thresholds, as_dict, load
+from sidecar.telemetry import metrics
+from sidecar.telemetry.exposition import read_by_increase
+from sidecar.telemetry.metrics import Metrics
+from sidecar.telemetry.thresholds import DEFAULT, Thresholds, as_dict, load
 
 ROOT = Path(__file__).parents[1]
 needs_promtool = pytest.mark.skipif(

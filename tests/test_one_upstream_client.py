@@ -1,4 +1,4 @@
-"""Every call to the upstream goes through one client (sidecar/upstream.py): metered requests,
+"""Every call to the upstream goes through one client (sidecar/proxy/upstream.py): metered requests,
 unmetered ones whose body is streamed through, and the sidecar's own calls. So one
 `upstream.max_connections`, and header bytes exact on every route."""
 
@@ -10,8 +10,8 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.config import UpstreamConfig
-from sidecar.health import UpstreamProbe
-from sidecar.metrics import Metrics
+from sidecar.telemetry.health import UpstreamProbe
+from sidecar.telemetry.metrics import Metrics
 
 from .conftest import StartSidecar
 

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from sidecar.config import ModelPrice
-from sidecar.metrics import COST_BUCKETS
-from sidecar.pricing import compute
+from sidecar.metering.pricing import compute
+from sidecar.telemetry.metrics import COST_BUCKETS
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.procs import start_tollbooth

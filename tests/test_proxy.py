@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.proxy import HOP_BY_HOP, request_headers, response_headers
+from sidecar.proxy.handler import HOP_BY_HOP, request_headers, response_headers
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
@@ -532,12 +532,12 @@ async def test_a_request_body_the_meter_cannot_read_is_forwarded_and_counted(
 ) -> None:
     """A bug in reading a request is accounting's, not the client's: logged, counted, and the
     request goes on, metered from the response."""
-    import sidecar.proxy
+    import sidecar.proxy.handler
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("a body the meter did not expect")
 
-    monkeypatch.setattr(sidecar.proxy, "inspect_request", broken)
+    monkeypatch.setattr(sidecar.proxy.handler, "inspect_request", broken)
     run = await start_sidecar()
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 3}
     async with (
@@ -715,7 +715,7 @@ async def test_a_meter_that_fails_on_a_stream_forwards_it_unchanged(
     """Accounting never breaks traffic: the meter raising on a read of a stream leaves the client
     with the upstream's bytes (nothing injected here, so nothing to cut), the failure counted,
     and the stream's usage unknown rather than invented."""
-    from sidecar import usage
+    from sidecar.metering import usage
 
     run = await start_sidecar({"metering": {"inject_stream_usage": False}, "pricing": PRICING})
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 6}

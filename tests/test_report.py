@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.report import parse_since
+from sidecar.billing.report import parse_since
 
 # Central European time with its summer rule, as a POSIX TZ string: needs no tz database.
 BERLIN = "CET-1CEST,M3.5.0,M10.5.0/3"

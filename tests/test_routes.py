@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from sidecar import routes
-from sidecar.routes import AmbiguousPath
+from sidecar.proxy import routes
+from sidecar.proxy.routes import AmbiguousPath
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 from tests.rawhttp import raw_request

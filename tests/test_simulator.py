@@ -13,8 +13,11 @@ import openai
 import pytest
 from huggingface_hub import AsyncInferenceClient
 from prometheus_client.parser import text_string_to_metric_families
+from tollbooth_lab.simulator import EngineParams, create_simulator
+from tollbooth_lab.simulator.engine import Engine, chat_prompt, tokenize
+from tollbooth_lab.simulator.server import ENGINE
 
-from sidecar.metrics import (
+from sidecar.telemetry.metrics import (
     TGI_BATCH,
     TGI_QUEUE,
     VLLM_KV_USAGE,
@@ -22,9 +25,6 @@ from sidecar.metrics import (
     VLLM_RUNNING,
     VLLM_WAITING,
 )
-from sidecar.simulator import EngineParams, create_simulator
-from sidecar.simulator.engine import Engine, chat_prompt, tokenize
-from sidecar.simulator.server import ENGINE
 from tests.conftest import StartSidecar
 
 FAST = EngineParams(step_base_s=0.0005, prefill_s_per_token=0.0, decode_s_per_seq=0.00001)

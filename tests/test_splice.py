@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import splice
+from sidecar.metering import splice
 
 keys = st.sampled_from(["usage", "choices", "id"]) | st.text(min_size=1, max_size=6)
 leaves = st.one_of(

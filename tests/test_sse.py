@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.sse import SSEParser
+from sidecar.metering.sse import SSEParser
 
 STREAM = (
     b'data: {"a": 1}\n\n'

@@ -15,9 +15,10 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import sse as sse_module
-from sidecar.sse import SSEParser
-from sidecar.usage import Endpoint, StreamMeter
+from sidecar.exchange import Endpoint
+from sidecar.metering import sse as sse_module
+from sidecar.metering.sse import SSEParser
+from sidecar.metering.usage import StreamMeter
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_sse import LinesOnly

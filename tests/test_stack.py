@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.thresholds import DEFAULT
+from sidecar.telemetry.thresholds import DEFAULT
 
 ROOT = Path(__file__).parents[1]
 

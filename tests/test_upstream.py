@@ -1,5 +1,5 @@
-"""The metered requests' pool (sidecar/upstream.py) against a server written byte for byte: reuse,
-the connection limit, timeouts, odd answers, and what goes on the wire."""
+"""The metered requests' pool (sidecar/proxy/upstream.py) against a server written byte for byte:
+reuse, the connection limit, timeouts, odd answers, and what goes on the wire."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from sidecar import upstream as upstream_module
-from sidecar.upstream import BadResponse, Upstream
+from sidecar.proxy import upstream as upstream_module
+from sidecar.proxy.upstream import BadResponse, Upstream
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -1,6 +1,6 @@
-"""The metered requests' pool (sidecar/upstream.py) against a hostile or buggy upstream and clients
-that leave at awkward moments: one request's failure must never reach another's response, the
-pool must count its connections exactly, and no answer may hang a request."""
+"""The metered requests' pool (sidecar/proxy/upstream.py) against a hostile or buggy upstream and
+clients that leave at awkward moments: one request's failure must never reach another's response,
+the pool must count its connections exactly, and no answer may hang a request."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from sidecar import upstream as pool_module
+from sidecar.proxy import upstream as pool_module
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_upstream import OK, Serve, Server, upstream_answering

@@ -12,17 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import usage as usage_module
-from sidecar.finishers import tokenize_requests
-from sidecar.routes import AmbiguousPath, routing_path
-from sidecar.usage import (
-    Endpoint,
-    StreamMeter,
-    Usage,
-    classify,
-    inspect_request,
-    usage_from_body,
-)
+from sidecar.exchange import Endpoint, Usage
+from sidecar.metering import usage as usage_module
+from sidecar.metering.usage import StreamMeter, inspect_request, usage_from_body
+from sidecar.proxy.finishers import tokenize_requests
+from sidecar.proxy.routes import AmbiguousPath, classify, routing_path
 from tests.fakes import load_fixture
 from tests.test_sse import LinesOnly
 

@@ -1,0 +1,530 @@
+"""The simulator's HTTP face: vLLM's OpenAI-compatible API or TGI's, over one Engine.
+
+Owns: request parsing and the exact response shapes of each server (chunks, usage chunk only when
+asked, `data:` with and without a space, TGI's token headers, each server's error bodies), and a
+/metrics page of the engine's simulated state. Every number here is simulated and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+from sidecar.metering.usage import lax_true
+from sidecar.telemetry.metrics import (
+    TGI_BATCH,
+    TGI_QUEUE,
+    VLLM_KV_USAGE,
+    VLLM_PREEMPTIONS,
+    VLLM_RUNNING,
+    VLLM_WAITING,
+)
+
+from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
+
+Api = Literal["vllm", "tgi"]
+ENGINE = web.AppKey("engine", Engine)
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    api: Api = "vllm"
+    model: str = "sim-llama-3-8b"
+
+
+SETTINGS = web.AppKey("settings", SimSettings)
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass
+class Gen:
+    prompt: str
+    max_tokens: int
+    seed: int
+    stream: bool
+    include_usage: bool
+    model: str
+    details: bool = False
+    continuous_usage: bool = False  # vLLM: running totals on every chunk (with include_usage)
+
+
+# --- parsing --------------------------------------------------------------------------------------
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _int(body: dict[str, Any], key: str, default: int) -> int:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadRequest(f"'{key}' must be a non-negative integer")
+    return v
+
+
+def openai_gen(body: dict[str, Any], chat: bool, model: str, api: Api = "vllm") -> Gen:
+    prompt: Any
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("'messages' must be a non-empty list")
+        prompt = chat_prompt(msgs)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string (the simulator takes one prompt)")
+    if _int(body, "n", 1) != 1:
+        raise BadRequest("the simulator supports n=1 only")
+    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # vLLM's request models read booleans as pydantic does ("true", 1, "yes" ...); TGI's take
+    # only JSON booleans.
+    flag = lax_true if api == "vllm" else (lambda v: v is True)
+    include_usage = flag((opts or {}).get("include_usage"))
+    return Gen(
+        prompt=prompt,
+        max_tokens=_int({"m": max_tokens}, "m", 16),
+        seed=_int(body, "seed", 0),
+        stream=flag(body.get("stream")),
+        include_usage=include_usage,
+        model=body.get("model") or model,
+        continuous_usage=include_usage
+        and api == "vllm"
+        and flag((opts or {}).get("continuous_usage_stats")),
+    )
+
+
+def tgi_gen(body: dict[str, Any], model: str, stream: bool) -> Gen:
+    inputs = body.get("inputs")
+    if not isinstance(inputs, str):
+        raise BadRequest("'inputs' must be a string")
+    params: dict[str, Any] = body["parameters"] if isinstance(body.get("parameters"), dict) else {}
+    return Gen(
+        prompt=inputs,
+        max_tokens=_int(params, "max_new_tokens", 100),
+        seed=_int(params, "seed", 0),
+        stream=stream,
+        include_usage=False,
+        model=model,
+        details=params.get("details") is True,
+    )
+
+
+def _check_len(engine: Engine, gen: Gen) -> int:
+    n = len(tokenize(gen.prompt))
+    if n + gen.max_tokens > engine.p.max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {engine.p.max_model_len} tokens. However, "
+            f"you requested {n + gen.max_tokens} tokens ({n} in the messages, {gen.max_tokens} "
+            "in the completion)."
+        )
+    return n
+
+
+# --- vLLM (OpenAI-compatible) ---------------------------------------------------------------------
+
+
+def vllm_error(status: int, message: str, err_type: str) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+async def openai_route(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, request.path.endswith("/chat/completions"))
+
+
+async def vllm_invocations(request: web.Request) -> web.StreamResponse:
+    """vLLM's /invocations: a chat request when it has messages, else a completion."""
+    try:
+        body = await _json(request)
+    except BadRequest as exc:
+        return vllm_error(400, str(exc), "BadRequestError")
+    return await _openai(request, isinstance(body.get("messages"), list))
+
+
+async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    tgi = s.api == "tgi"
+    try:
+        gen = openai_gen(await _json(request), chat, s.model, s.api)
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return (
+            tgi_error(422, str(exc), "validation")
+            if tgi
+            else vllm_error(400, str(exc), "BadRequestError")
+        )
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    rid = "" if tgi else prefix + uuid.uuid4().hex
+    obj = "chat.completion" if chat else "text_completion"
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+    tokens = engine.generate(seq)
+    created = int(time.time())
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in tokens])
+        except OutOfMemory as exc:
+            return (
+                tgi_error(424, str(exc), "generation")
+                if tgi
+                else vllm_error(500, str(exc), "InternalServerError")
+            )
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": seq.finish_reason}
+        choice.update(
+            {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        )
+        return web.json_response(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": gen.model,
+                "choices": [choice],
+                "usage": _usage(n_prompt, seq.generated),
+            }
+        )
+    resp = _sse_response()
+    await resp.prepare(request)
+    sep = ": "
+    chunk_obj = obj + ".chunk" if chat else obj
+
+    def chunk(delta: str | None, finish: str | None) -> bytes:
+        return event(_chunk_payload(delta, finish))
+
+    sent = [0]  # tokens in the chunks written so far: what vLLM's running totals count
+
+    def event(payload: dict[str, Any]) -> bytes:
+        if gen.continuous_usage:  # running totals, the chunk's last member
+            payload["usage"] = _usage(n_prompt, sent[0])
+            del payload["usage"]["prompt_tokens_details"]
+        return f"data{sep}{json.dumps(payload)}\n\n".encode()
+
+    def _chunk_payload(delta: str | None, finish: str | None) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if chat:
+            c["delta"] = {"content": delta or ""} if delta is not None else {}
+        else:
+            c["text"] = delta or ""
+        payload: dict[str, Any] = {
+            "id": rid,
+            "object": chunk_obj,
+            "created": created,
+            "model": gen.model,
+            "choices": [c],
+        }
+        if tgi:
+            payload["usage"] = None
+        return payload
+
+    try:
+        if chat:
+            first = {
+                "id": rid,
+                "object": chunk_obj,
+                "created": created,
+                "model": gen.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            await resp.write(event(first))
+        async for t in tokens:
+            sent[0] += 1
+            await resp.write(chunk(t, None))
+        await resp.write(chunk(None, seq.finish_reason))
+        if gen.include_usage:
+            final = {
+                "id": rid,
+                "object": chunk_obj,
+                "created": created,
+                "model": gen.model,
+                "choices": [],
+                "usage": _usage(n_prompt, seq.generated),
+            }
+            await resp.write(f"data{sep}{json.dumps(final)}\n\n".encode())
+    except OutOfMemory as exc:
+        err = (
+            {"error": {"message": str(exc), "http_status_code": 424}}
+            if tgi
+            else {
+                "error": {
+                    "message": str(exc),
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
+        )
+        await resp.write(f"data{sep}{json.dumps(err)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": None,
+    }
+
+
+def _sse_response() -> web.StreamResponse:
+    return web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+
+
+async def vllm_tokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    try:
+        body = await _json(request)
+    except BadRequest as exc:
+        return vllm_error(400, str(exc), "BadRequestError")
+    text = (
+        chat_prompt(body["messages"])
+        if isinstance(body.get("messages"), list)
+        else str(body.get("prompt", ""))
+    )
+    toks = tokenize(text)
+    return web.json_response(
+        {
+            "count": len(toks),
+            "max_model_len": engine.p.max_model_len,
+            "tokens": list(range(len(toks))),
+        }
+    )
+
+
+async def vllm_models(request: web.Request) -> web.Response:
+    s = request.app[SETTINGS]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "tollbooth-simulator",
+                    "max_model_len": request.app[ENGINE].p.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+# --- TGI ------------------------------------------------------------------------------------------
+
+
+def tgi_error(status: int, message: str, err_type: str) -> web.Response:
+    return web.json_response({"error": message, "error_type": err_type}, status=status)
+
+
+async def tgi_generate(request: web.Request, *, compat: bool = False) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    try:
+        body = await _json(request)
+        stream = compat and body.get("stream") is True
+        gen = tgi_gen(body, s.model, stream)
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return tgi_error(422, str(exc), "validation")
+    if gen.stream:
+        return await _tgi_stream(request, engine, gen, n_prompt)
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+    try:
+        text = "".join([t async for t in engine.generate(seq)])
+    except OutOfMemory as exc:
+        return tgi_error(424, f"Request failed during generation: {exc}", "generation")
+    out: dict[str, Any] = {"generated_text": text}
+    if gen.details:
+        out["details"] = {
+            "finish_reason": seq.finish_reason,
+            "generated_tokens": seq.generated,
+            "seed": gen.seed,
+            "prefill": [],
+            "tokens": [],
+        }
+    headers = {
+        "x-prompt-tokens": str(n_prompt),
+        "x-generated-tokens": str(seq.generated),
+        "x-compute-type": "simulated",
+    }
+    return web.json_response([out] if compat else out, headers=headers)
+
+
+async def tgi_stream_route(request: web.Request) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    try:
+        gen = tgi_gen(await _json(request), s.model, True)
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return tgi_error(422, str(exc), "validation")
+    return await _tgi_stream(request, engine, gen, n_prompt)
+
+
+async def tgi_compat(request: web.Request) -> web.StreamResponse:
+    return await tgi_generate(request, compat=True)
+
+
+async def _tgi_stream(
+    request: web.Request, engine: Engine, gen: Gen, n_prompt: int
+) -> web.StreamResponse:
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+    resp = _sse_response()
+    await resp.prepare(request)
+    text: list[str] = []
+    try:
+        async for t in engine.generate(seq):
+            text.append(t)
+            last = len(text) >= seq.stop_at  # the engine decided the length at submit
+            details = None
+            if last and gen.details:
+                details = {
+                    "finish_reason": seq.finish_reason,
+                    "generated_tokens": len(text),
+                    "seed": gen.seed,
+                    "input_length": n_prompt,
+                }
+            await resp.write(_tgi_event(len(text), t, "".join(text) if last else None, details))
+    except OutOfMemory as exc:
+        err = {"error": f"Request failed during generation: {exc}", "error_type": "generation"}
+        await resp.write(f"data:{json.dumps(err)}\n\n".encode())
+    return resp
+
+
+def _tgi_event(index: int, text: str, generated: str | None, details: Any) -> bytes:
+    ev = {
+        "index": index,
+        "token": {"id": index, "text": text, "logprob": -0.5, "special": False},
+        "generated_text": generated,
+        "details": details,
+    }
+    return f"data:{json.dumps(ev)}\n\n".encode()
+
+
+async def tgi_tokenize(request: web.Request) -> web.Response:
+    try:
+        body = await _json(request)
+    except BadRequest as exc:
+        return tgi_error(422, str(exc), "validation")
+    out, pos = [], 0
+    text = str(body.get("inputs", ""))
+    for i, tok in enumerate(tokenize(text)):
+        start = text.find(tok, pos)
+        pos = start + len(tok)
+        out.append({"id": i, "text": tok, "start": start, "stop": pos})
+    return web.json_response(out)
+
+
+async def tgi_info(request: web.Request) -> web.Response:
+    e, s = request.app[ENGINE], request.app[SETTINGS]
+    return web.json_response(
+        {
+            "model_id": s.model,
+            "model_sha": None,
+            "model_pipeline_tag": "text-generation",
+            "max_input_tokens": e.p.max_model_len - 1,
+            "max_total_tokens": e.p.max_model_len,
+            "version": "simulated",
+            "router": "tollbooth-simulator",
+        }
+    )
+
+
+# --- shared ---------------------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """The engine's state under the names vLLM or TGI use, each series labelled simulated="true"."""
+    e, s = request.app[ENGINE], request.app[SETTINGS]
+    sim = 'simulated="true"'
+    if s.api == "vllm":
+        sim += f',engine="0",model_name="{s.model}"'  # vLLM's own labels
+        engine = [
+            ("gauge", VLLM_RUNNING, len(e.running)),
+            ("gauge", VLLM_WAITING, len(e.waiting)),
+            ("gauge", VLLM_KV_USAGE, round(e.kv_usage, 6)),
+            ("counter", "vllm:prompt_tokens_total", e.prompt_tokens_total),
+            ("counter", "vllm:generation_tokens_total", e.generation_tokens_total),
+            ("counter", VLLM_PREEMPTIONS, e.preemptions_total),
+        ]
+    else:
+        engine = [("gauge", TGI_QUEUE, len(e.waiting)), ("gauge", TGI_BATCH, len(e.running))]
+    lines = [
+        "# Simulated engine state from tollbooth's simulator; not a measurement of any GPU.",
+        "# TYPE tollbooth_simulator_info gauge",
+        f'tollbooth_simulator_info{{simulated="true",api="{s.api}",model="{s.model}"}} 1',
+    ]
+    for kind, name, value in engine:
+        family = name.removesuffix("_total") if kind == "counter" else name
+        lines += [f"# TYPE {family} {kind}", f"{name}{{{sim}}} {value}"]
+    lines += [
+        "# TYPE tollbooth_simulator_kv_usage_ratio gauge",
+        f"tollbooth_simulator_kv_usage_ratio {e.kv_usage:.6f}",
+        "# TYPE tollbooth_simulator_oom_total counter",
+        f"tollbooth_simulator_oom_total {e.oom_total}",
+        "# TYPE tollbooth_simulator_kv_capacity_tokens gauge",
+        f"tollbooth_simulator_kv_capacity_tokens {e.p.kv_capacity_tokens}",
+    ]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+
+def create_simulator(
+    api: Api = "vllm", params: EngineParams | None = None, model: str = "sim-llama-3-8b"
+) -> web.Application:
+    app = web.Application()
+    app[SETTINGS] = SimSettings(api=api, model=model)
+    engine = app[ENGINE] = Engine(params or EngineParams())
+
+    async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.stop()
+
+    app.cleanup_ctx.append(engine_ctx)
+    r = app.router
+    r.add_post("/v1/chat/completions", openai_route)
+    r.add_post("/v1/completions", openai_route)
+    r.add_get("/health", health)
+    r.add_get("/metrics", metrics)
+    if api == "vllm":
+        r.add_post("/invocations", vllm_invocations)
+        r.add_post("/tokenize", vllm_tokenize)
+        r.add_get("/v1/models", vllm_models)
+    else:
+        r.add_post("/generate", tgi_generate)
+        r.add_post("/generate_stream", tgi_stream_route)
+        r.add_post("/", tgi_compat)
+        r.add_post("/tokenize", tgi_tokenize)
+        r.add_get("/info", tgi_info)
+    return app

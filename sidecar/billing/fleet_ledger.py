@@ -1,0 +1,471 @@
+"""The fleet's ledger in PostgreSQL, fed from each sidecar's SQLite ledger as an outbox.
+
+Owns: the PostgreSQL schema (`requests` and `audit`, each row keyed by the outbox that wrote it
+and its row number there, so a batch sent twice counts once), the shipper thread that copies new
+outbox rows about once a second and records in the outbox how far it got (a PostgreSQL outage
+loses nothing: rows wait in SQLite), retention by day, and the fleet's reads: today's spend that
+seeds the shared budget store, and the rows `tollbooth report` and `tollbooth audit` show.
+Never: runs on the event loop, deletes an outbox row (the local ledger's retention does), or
+prints a connection string.
+
+Why psycopg 3 (with psycopg-pool) rather than asyncpg: shipping is a batch job in its own
+thread and the reports are synchronous commands, and psycopg serves both (sync API, `COPY`
+support); it speaks libpq, so every libpq setting works as operators expect (PGPASSWORD,
+PGPASSFILE, service files, sslmode); and it ships type hints. asyncpg is async-only and has none of
+libpq's configuration, for speed that a once-a-second batch does not need.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import psycopg
+from aiohttp import web
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..config import LedgerConfig
+from ..telemetry.metrics import Metrics
+from . import ledger
+
+log = logging.getLogger("tollbooth.ledger")
+
+DAY = 86400
+PG_TIMEOUT_S = 5.0  # connect, and each statement
+POOL_WAIT_S = 1.0  # wait for a pooled connection: a database that is down fails the shipment fast
+PRUNE_EVERY_S = 3600.0
+LOG_EVERY_S = 60.0  # a long outage logs once a minute, not once a second
+
+# PostgreSQL type of each column the SQLite ledger may have; a column not listed is not shipped.
+REQUEST_COLUMNS = {
+    "ts": "DOUBLE PRECISION NOT NULL",
+    "request_id": "TEXT NOT NULL",
+    "trace_id": "TEXT",
+    "model": "TEXT NOT NULL",
+    "endpoint": "TEXT NOT NULL",
+    "user": "TEXT NOT NULL",
+    "input_tokens": "BIGINT",
+    "cached_input_tokens": "BIGINT",
+    "output_tokens": "BIGINT",
+    "cost_usd": "DOUBLE PRECISION",
+    "status": "TEXT NOT NULL",
+    "stream": "SMALLINT NOT NULL",
+    "queue_s": "DOUBLE PRECISION",
+    "ttft_s": "DOUBLE PRECISION",
+    "duration_s": "DOUBLE PRECISION",
+    "error": "TEXT",
+    "team": "TEXT",
+    "end_user": "TEXT",
+}
+AUDIT_COLUMNS = {
+    "ts": "DOUBLE PRECISION NOT NULL",
+    "request_id": "TEXT NOT NULL",
+    "trace_id": "TEXT",
+    "model": "TEXT NOT NULL",
+    "user": "TEXT NOT NULL",
+    "reason": "TEXT NOT NULL",
+    "record": "TEXT NOT NULL",
+}
+TABLES = {"requests": REQUEST_COLUMNS, "audit": AUDIT_COLUMNS}
+# Report and audit read `ts >= since ORDER BY ts`; the reseed sums cost by user and team over
+# today's rows (an index-only scan with the INCLUDE columns).
+INDEXES = (
+    'CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts) INCLUDE ("user", team, cost_usd)',
+    "CREATE INDEX IF NOT EXISTS requests_request_id ON requests (request_id)",
+    "CREATE INDEX IF NOT EXISTS audit_ts ON audit (ts)",
+)
+SCHEMA_LOCK = 0x70_11_B0_07  # advisory lock: sidecars starting together create the schema once
+
+OUTBOX = """
+CREATE TABLE IF NOT EXISTS outbox (
+    tbl TEXT PRIMARY KEY,        -- a ledger table shipped to PostgreSQL
+    source TEXT NOT NULL,        -- this outbox's name there (with the row id: the primary key)
+    last_id INTEGER NOT NULL     -- every row with id <= last_id is in PostgreSQL
+);
+"""
+
+
+def is_postgres(location: str | None) -> bool:
+    return bool(location) and str(location).lower().startswith(("postgresql://", "postgres://"))
+
+
+def conninfo(url: str) -> str:
+    """The URL with its scheme in lower case: libpq takes `PostgreSQL://` for a key=value string
+    and would print it whole in its error."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if is_postgres(url) else url
+
+
+class Clash(Exception):
+    """Rows of this outbox met other rows under the same (source, seq) in PostgreSQL: the
+    outbox file was copied to another sidecar or restored from an older backup."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(f"outbox row {seq} is another row in PostgreSQL")
+        self.seq = seq
+
+
+def q(name: str) -> str:
+    return f'"{name}"'
+
+
+def create_schema(conn: psycopg.Connection[Any]) -> None:
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+        for table, columns in TABLES.items():
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {table} (source TEXT NOT NULL, seq BIGINT NOT NULL, "
+                + ", ".join(f"{q(c)} {t}" for c, t in columns.items())
+                + ", PRIMARY KEY (source, seq))"
+            )
+            for c, t in columns.items():  # a table made by an older version gets new columns
+                kind = t.replace(" NOT NULL", "")
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {q(c)} {kind}")
+        for sql in INDEXES:
+            conn.execute(sql)
+
+
+class Shipper:
+    """Copies new outbox rows to PostgreSQL from its own thread."""
+
+    def __init__(
+        self,
+        config: LedgerConfig,
+        metrics: Metrics,
+        pool: ConnectionPool[Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        assert config.path and config.postgres_url
+        self.config, self.metrics, self.clock = config, metrics, clock
+        self.pool = pool or ConnectionPool(
+            conninfo(config.postgres_url),
+            min_size=1,
+            max_size=2,
+            open=False,
+            timeout=POOL_WAIT_S,
+            name="tollbooth-ledger",
+            check=ConnectionPool.check_connection,
+            kwargs={
+                "connect_timeout": int(PG_TIMEOUT_S),
+                "application_name": "tollbooth",
+                "options": f"-c statement_timeout={int(PG_TIMEOUT_S * 1000)}",
+            },
+        )
+        self.lock = threading.Lock()  # held while shipping; the reseed's read takes it too
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._db: sqlite3.Connection | None = None
+        self._inode = 0
+        self._schema = False
+        self._columns: dict[str, list[str]] = {}
+        self._verified: set[tuple[str, str]] = set()  # (table, source) checked against PostgreSQL
+        self._pruned_at = -PRUNE_EVERY_S
+        self._logged_at = -LOG_EVERY_S
+
+    # --- lifecycle
+
+    def open(self) -> None:
+        """Blocking (call in a thread), after the local ledger opened and applied retention and
+        before the first request: rows already in the outbox are all it will ever hold below
+        the next row id."""
+        self.pool.open(wait=False)
+        with self.lock:
+            try:
+                self._connect_outbox(fresh_start=True)
+            except (sqlite3.Error, OSError) as exc:  # the thread tries again; traffic goes on
+                log.error("ledger outbox cannot be opened (will retry): %s", exc)
+                self.metrics.ledger_ship_errors.inc()
+        self._thread = threading.Thread(target=self._run, name="tollbooth-shipper", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """After the local ledger has written its last rows: one last shipment, then stop."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.ship()
+        self.pool.close(timeout=PG_TIMEOUT_S)
+        if self._db is not None:
+            self._db.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.ship_interval_s):
+            self.ship()
+
+    # --- the outbox (SQLite)
+
+    def _connect_outbox(self, *, fresh_start: bool = False) -> sqlite3.Connection:
+        path = self.config.path
+        assert path is not None
+        inode = os.stat(path).st_ino if os.path.exists(path) else 0
+        if self._db is not None and inode == self._inode:
+            return self._db
+        if self._db is not None:  # the file was replaced: a new outbox, shipped from its start
+            self._db.close()
+        db = ledger.connect(path)
+        db.executescript(OUTBOX)
+        self._db, self._inode = db, os.stat(path).st_ino
+        self._columns = {t: self._shared_columns(db, t, cols) for t, cols in TABLES.items()}
+        for table in TABLES:
+            self._check_row_ids(db, table, fresh_start)
+        return db
+
+    @staticmethod
+    def _shared_columns(db: sqlite3.Connection, table: str, known: Iterable[str]) -> list[str]:
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        return [c for c in known if c in have]
+
+    def _check_row_ids(self, db: sqlite3.Connection, table: str, fresh_start: bool) -> None:
+        """SQLite reuses row ids once the newest rows are deleted (retention emptied the table):
+        rows written after that get a new source name, so they never collide with shipped ones.
+        At start nothing new was written yet, so what remains was shipped; later, every row is
+        shipped again under the new name (retention only empties a table of rows that old)."""
+        _, last = self._mark(db, table)
+        (top,) = db.execute(f"SELECT COALESCE(MAX(id), 0) FROM {table}").fetchone()
+        if last > top:
+            with db:
+                db.execute(
+                    "UPDATE outbox SET source = ?, last_id = ? WHERE tbl = ?",
+                    (uuid.uuid4().hex, top if fresh_start else 0, table),
+                )
+
+    @staticmethod
+    def _mark(db: sqlite3.Connection, table: str) -> tuple[str, int]:
+        row = db.execute("SELECT source, last_id FROM outbox WHERE tbl = ?", (table,)).fetchone()
+        if row is not None:
+            return str(row[0]), int(row[1])
+        with db:
+            db.execute(
+                "INSERT OR IGNORE INTO outbox (tbl, source, last_id) VALUES (?, ?, 0)",
+                (table, uuid.uuid4().hex),
+            )
+        return Shipper._mark(db, table)
+
+    # --- shipping
+
+    def ship(self) -> int:
+        """Ship everything new; returns the rows sent. Errors are logged, counted and retried
+        on the next call."""
+        with self.lock:
+            try:
+                db = self._connect_outbox()
+                for table in TABLES:
+                    self._check_row_ids(db, table, fresh_start=False)
+                sent = sum(self._ship_table(db, table) for table in TABLES)
+                self._prune()
+            except (psycopg.Error, PoolTimeout, sqlite3.Error, OSError) as exc:
+                self.metrics.ledger_ship_errors.inc()
+                if time.monotonic() - self._logged_at >= LOG_EVERY_S:
+                    self._logged_at = time.monotonic()
+                    log.error("ledger rows not shipped to PostgreSQL (will retry): %s", exc)
+                sent = 0
+            self._measure_backlog()
+            return sent
+
+    def _ship_table(self, db: sqlite3.Connection, table: str) -> int:
+        sent = 0
+        while True:
+            source, last = self._mark(db, table)
+            cols = self._columns[table]
+            rows = db.execute(
+                f"SELECT id, {', '.join(q(c) for c in cols)} FROM {table} WHERE id > ? "
+                "ORDER BY id LIMIT ?",
+                (last, self.config.ship_batch_rows),
+            ).fetchall()
+            if (table, source) not in self._verified:
+                self._verify(db, table, source, last)
+                continue
+            if not rows:
+                return sent
+            try:
+                self._send(table, source, cols, rows)
+            except Clash as clash:  # rows before the clash are ours; the rest go under a new name
+                rows = [r for r in rows if r[0] < clash.seq]
+                if rows:
+                    self._send(table, source, cols, rows)
+                self._rename(db, table, clash.seq - 1)
+                if not rows:
+                    continue
+            with db:  # only after PostgreSQL committed: a crash in between sends the batch again
+                db.execute("UPDATE outbox SET last_id = ? WHERE tbl = ?", (rows[-1][0], table))
+            self.metrics.ledger_shipped.labels(table).inc(len(rows))
+            sent += len(rows)
+            if len(rows) < self.config.ship_batch_rows:
+                return sent
+
+    def _rename(self, db: sqlite3.Connection, table: str, last_id: int) -> None:
+        with db:
+            db.execute(
+                "UPDATE outbox SET source = ?, last_id = ? WHERE tbl = ?",
+                (uuid.uuid4().hex, last_id, table),
+            )
+        self.metrics.ledger_renamed.labels(table).inc()
+        log.warning(
+            "ledger outbox '%s' shares row numbers with another in PostgreSQL (a copied or "
+            "restored ledger file): rows after %d are shipped under a new name",
+            table,
+            last_id,
+        )
+
+    def _verify(self, db: sqlite3.Connection, table: str, source: str, last: int) -> None:
+        """Once per outbox name: rows PostgreSQL has under it beyond `last` must be this outbox's
+        own (a crash between PostgreSQL's commit and the outbox's update); other rows there mean
+        the file was restored from an older backup or copied, and it gets a new name."""
+        sql = (
+            f"SELECT seq, request_id, ts FROM {table} WHERE source = %s AND seq > %s "
+            "ORDER BY seq LIMIT %s"
+        )
+        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+            if not self._schema:
+                create_schema(conn)
+                self._schema = True
+            theirs = conn.execute(sql, (source, last, self.config.ship_batch_rows)).fetchall()
+        for seq, request_id, ts in theirs:
+            mine = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,))
+            if mine.fetchone() != (request_id, ts):
+                self._rename(db, table, last)
+                return
+        self._verified.add((table, source))
+
+    def _send(self, table: str, source: str, cols: list[str], rows: list[Any]) -> None:
+        names = ", ".join(["source", "seq", *(q(c) for c in cols)])
+        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+            if not self._schema:
+                create_schema(conn)
+                self._schema = True
+            with conn.cursor() as cur:
+                cur.execute(
+                    f"CREATE TEMP TABLE IF NOT EXISTS incoming_{table} (LIKE {table}) "
+                    "ON COMMIT DELETE ROWS"
+                )
+                with cur.copy(f"COPY incoming_{table} ({names}) FROM STDIN") as copy:
+                    for row in rows:
+                        copy.write_row((source, *row))
+                cur.execute(
+                    f"INSERT INTO {table} ({names}) SELECT {names} FROM incoming_{table} "
+                    "ON CONFLICT DO NOTHING"
+                )
+                if cur.rowcount < len(rows):  # a batch sent again, or another outbox's rows
+                    cur.execute(
+                        f"SELECT MIN(i.seq) FROM incoming_{table} i JOIN {table} t "
+                        "ON t.source = i.source AND t.seq = i.seq "
+                        "WHERE t.request_id <> i.request_id OR t.ts <> i.ts"
+                    )
+                    (clash,) = cur.fetchone() or (None,)
+                    if clash is not None:
+                        raise Clash(int(clash))  # nothing of this batch is committed
+
+    def _prune(self) -> None:
+        """Retention by day: whole UTC days older than `retention_days` go, at most hourly."""
+        if time.monotonic() - self._pruned_at < PRUNE_EVERY_S or not self._schema:
+            return
+        cutoff = (self.clock() // DAY - self.config.retention_days) * DAY
+        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+            for table in TABLES:
+                conn.execute(f"DELETE FROM {table} WHERE ts < %s", (cutoff,))
+        self._pruned_at = time.monotonic()
+
+    def _measure_backlog(self) -> None:
+        if self._db is None:
+            return
+        try:
+            _, last = self._mark(self._db, "requests")
+            sql = "SELECT COUNT(*) FROM requests WHERE id > ?"
+            (n,) = self._db.execute(sql, (last,)).fetchone()
+        except sqlite3.Error:
+            return
+        self.metrics.ledger_unshipped.set(n)
+
+    # --- reads for the budget store
+
+    def spend_since(self, since: float) -> tuple[dict[str, float], dict[str, float], float]:
+        """The fleet's spend since `since`, by user and by team, and when it was read: what is
+        in PostgreSQL plus this sidecar's rows not shipped yet, read with shipping paused so no
+        row is counted twice or missed. Blocking: call in a thread."""
+        by_user: dict[str, float] = {}
+        by_team: dict[str, float] = {}
+        sql = (
+            'SELECT "user", team, SUM(cost_usd) FROM requests WHERE ts >= {p} '
+            'AND cost_usd IS NOT NULL {more} GROUP BY "user", team'
+        )
+        with self.lock:
+            read_at = self.clock()
+            with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+                if not self._schema:
+                    create_schema(conn)
+                    self._schema = True
+                rows = conn.execute(sql.format(p="%s", more=""), (since,)).fetchall()
+            db = self._connect_outbox()
+            _, last = self._mark(db, "requests")
+            rows += db.execute(sql.format(p="?", more="AND id > ?"), (since, last)).fetchall()
+        for user, team, total in rows:
+            by_user[user] = by_user.get(user, 0.0) + float(total)
+            if team is not None:
+                by_team[team] = by_team.get(team, 0.0) + float(total)
+        return by_user, by_team, read_at
+
+
+def local_spend_since(path: str, since: float) -> tuple[dict[str, float], dict[str, float]]:
+    """One sidecar's spend from its own SQLite ledger, on a connection of its own."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
+    try:
+        return ledger.spend_by_user_and_team(conn, since)
+    finally:
+        conn.close()
+
+
+def shipper_contexts(
+    shipper: Shipper,
+) -> tuple[
+    Callable[[web.Application], AsyncIterator[None]],
+    Callable[[web.Application], AsyncIterator[None]],
+]:
+    """Two cleanup contexts around the local ledger's: `outer` (before it) ships what the ledger
+    wrote last after the ledger closed; `inner` (after it) starts shipping once the ledger is
+    open and its retention applied."""
+    import asyncio
+
+    async def outer(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(shipper.close)
+
+    async def inner(app: web.Application) -> AsyncIterator[None]:
+        await asyncio.to_thread(shipper.open)
+        yield
+
+    return outer, inner
+
+
+# --- reads for `tollbooth report` and `tollbooth audit` -------------------------------------------
+
+_DAY_KEY = "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
+    try:
+        with psycopg.connect(conninfo(url), connect_timeout=int(PG_TIMEOUT_S)) as conn:
+            return conn.execute(sql, params).fetchall()
+    except psycopg.Error as exc:  # the message never carries the connection string
+        raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None
+
+
+def report_rows(url: str, since: float, by: str) -> list[Any]:
+    """(group key, input tokens, output tokens, cost, duration) per request since `since`."""
+    key = _DAY_KEY if by == "day" else q(by)
+    return _read(
+        url,
+        f"SELECT {key}, input_tokens, output_tokens, cost_usd, duration_s FROM requests "
+        "WHERE ts >= %s ORDER BY ts",
+        (since,),
+    )
+
+
+def audit_records(url: str, since: float) -> list[str]:
+    rows = _read(url, "SELECT record FROM audit WHERE ts >= %s ORDER BY ts", (since,))
+    return [str(r[0]) for r in rows]

@@ -1,0 +1,369 @@
+"""The usage ledger: one SQLite row per request, written off the event loop in batches.
+
+Owns: the schema, a writer thread that makes the rows and commits them every `flush_interval_s`
+(so a hard kill loses at most that much), retrying rows after a failed write, reopening the file
+when it was deleted or replaced under it (checked before each write), retention, and the reads
+that restore today's spend and feed `tollbooth report`.
+Never: blocks the event loop (a request only appends a reference to an in-memory queue), or fails
+a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple, TypeAlias, cast
+
+from aiohttp import web
+
+from ..config import LedgerConfig
+from ..exchange import Exchange, consumed
+from ..telemetry.metrics import Metrics
+
+log = logging.getLogger("tollbooth.ledger")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,                 -- request start, unix seconds (UTC)
+    request_id TEXT NOT NULL,
+    trace_id TEXT,
+    model TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    user TEXT NOT NULL,
+    input_tokens INTEGER,             -- NULL: not measured
+    cached_input_tokens INTEGER,
+    output_tokens INTEGER,
+    cost_usd REAL,                    -- NULL: unknown (never a made-up 0)
+    status TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    queue_s REAL,
+    ttft_s REAL,
+    duration_s REAL,
+    error TEXT,
+    team TEXT,                        -- the billed principal's team (keys file)
+    end_user TEXT                     -- the body's `user`: recorded, not billed when keys verify
+);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    request_id TEXT NOT NULL,
+    trace_id TEXT,
+    model TEXT NOT NULL,
+    user TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    record TEXT NOT NULL              -- the audit record, JSON
+);
+CREATE INDEX IF NOT EXISTS audit_ts ON audit (ts);
+"""
+
+RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
+
+# What waits for the writer: the values of a row, or a function that makes them (in the thread).
+Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
+
+INSERT = (
+    "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
+    "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
+    "error, team, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+INSERT_AUDIT = (
+    "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+class Row(NamedTuple):
+    """One `requests` row, in column order (a tuple: cheap to build on the event loop)."""
+
+    ts: float
+    request_id: str
+    trace_id: str | None
+    model: str
+    endpoint: str
+    user: str
+    input_tokens: int | None
+    cached_input_tokens: int | None
+    output_tokens: int | None
+    cost_usd: float | None
+    status: str
+    stream: int
+    queue_s: float | None
+    ttft_s: float | None
+    duration_s: float | None
+    error: str | None
+    team: str | None
+    end_user: str | None
+
+
+def row_of(ex: Exchange) -> Row:
+    u = ex.usage
+    if ex.cost is not None:
+        cost: float | None = ex.cost.total_usd
+    else:
+        cost = None if consumed(ex) else 0.0  # refused before generating anything: nothing spent
+    return Row(
+        ex.started_at,
+        ex.request_id,
+        ex.trace_id,
+        u.model or ex.info.model or ex.model,
+        ex.endpoint.value,
+        ex.user_id,
+        u.input_tokens,
+        u.cached_input_tokens,
+        u.output_tokens,
+        cost,
+        ex.status_label,
+        int(ex.info.stream),
+        ex.queue_s,
+        ex.ttft_s,
+        ex.duration_s,
+        ex.error,
+        ex.team,
+        ex.end_user,
+    )
+
+
+def connect(path: str | Path) -> sqlite3.Connection:
+    # A short busy timeout: a locked file makes the writer retry later, not stall the flushes.
+    conn = sqlite3.connect(str(path), timeout=1.0, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at each checkpointed commit
+    conn.executescript(SCHEMA)
+    _add_missing_columns(conn)
+    return conn
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Ledgers written before a column existed get it (NULL in their old rows)."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
+    for column in ("team", "end_user"):
+        if column not in have:
+            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
+
+
+class Ledger:
+    """Append rows from the event loop; a thread commits them in batches."""
+
+    def __init__(self, config: LedgerConfig, metrics: Metrics) -> None:
+        assert config.path is not None
+        self.config = config
+        self.metrics = metrics
+        self._pending: collections.deque[tuple[str, Values]] = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._retry_at = 0.0
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the file we opened
+        self.problem: str | None = "not open yet"  # why rows cannot be written now (readiness)
+
+    # --- event-loop side (never blocks on disk)
+
+    def append(self, ex: Exchange) -> None:
+        """A sink. The row is made by the writer thread at its next flush (the exchange is
+        complete and no longer changes); until then the queue holds a reference, not a copy."""
+        self._put(INSERT, functools.partial(row_of, ex))
+
+    def append_audit(self, values: Values) -> None:
+        self._put(INSERT_AUDIT, values)
+
+    def _put(self, sql: str, values: Values) -> None:
+        with self._lock:
+            if len(self._pending) >= self.config.max_pending_rows:
+                self._pending.popleft()
+                self.metrics.ledger_dropped.inc()
+            self._pending.append((sql, values))
+
+    # --- lifecycle
+
+    def open(self) -> None:
+        """Open (creating if needed), apply retention, start the writer thread.
+
+        A file that cannot be opened (corrupt, locked, unwritable) is logged and counted, and the
+        writer keeps retrying while rows wait in memory: traffic is never refused for it.
+        """
+        self._try_connect()
+        self._thread = threading.Thread(target=self._run, name="tollbooth-ledger", daemon=True)
+        self._thread.start()
+
+    def _try_connect(self) -> bool:
+        conn = None
+        try:
+            conn = connect(self.config.path)  # type: ignore[arg-type]
+            cutoff = time.time() - self.config.retention_days * 86400
+            with conn:
+                conn.execute("DELETE FROM requests WHERE ts < ?", (cutoff,))
+                conn.execute("DELETE FROM audit WHERE ts < ?", (cutoff,))
+        except sqlite3.Error as exc:
+            log.error("ledger %s cannot be opened (will retry): %s", self.config.path, exc)
+            self.metrics.ledger_errors.inc()
+            if conn is not None:
+                conn.close()
+            self._retry_at = time.monotonic() + RECONNECT_S
+            self.problem = f"cannot be opened: {exc}"
+            return False
+        self._conn, self._file_id, self.problem = conn, _file_id(self.config.path), None
+        return True
+
+    def _reopen_if_replaced(self) -> None:
+        """Deleted or replaced under us, the open file is an unlinked inode: rows written there
+        are lost. Close it and open the path again (a new file, or the replacement)."""
+        if self._conn is None or _file_id(self.config.path) == self._file_id:
+            return
+        log.warning("ledger %s was deleted or replaced: opening it again", self.config.path)
+        self.metrics.ledger_reopens.inc()
+        with contextlib.suppress(sqlite3.Error):
+            # Move the old file's WAL into it and empty the WAL: SQLite finds a WAL by name, so a
+            # WAL left behind would be replayed into the file that now has the path.
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.close()
+        self._conn = None
+        self._try_connect()
+
+    def spend_since(self, since: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Known spend since `since`, by billed user and by team."""
+        if self._conn is None:
+            log.error("ledger unavailable: today's spend starts from zero")
+            return {}, {}
+        return spend_by_user_and_team(self._conn, since)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._conn is not None:
+            self._conn.close()
+
+    # --- writer thread
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.flush_interval_s):
+            self._flush()
+        self._flush()
+        if self._pending:  # one last try after a failure at shutdown
+            time.sleep(min(0.5, self.config.flush_interval_s))
+            self._flush()
+        if self._pending:
+            self.metrics.ledger_dropped.inc(len(self._pending))
+            log.error("ledger closed with %d rows unwritten", len(self._pending))
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, collections.deque()
+        if not batch:
+            return
+        batch = self._made(batch)  # rows from here on, also when the write fails and is retried
+        try:
+            self._write(batch)
+        except sqlite3.Error as exc:
+            if self._conn is not None:
+                log.error("ledger write of %d rows failed (will retry): %s", len(batch), exc)
+                self.metrics.ledger_errors.inc()
+                self.problem = f"write failed: {exc}"
+            with self._lock:  # put the batch back in front of what arrived meanwhile
+                batch.extend(self._pending)
+                while len(batch) > self.config.max_pending_rows:
+                    batch.popleft()
+                    self.metrics.ledger_dropped.inc()
+                self._pending = batch
+
+    def _made(
+        self, batch: collections.deque[tuple[str, Values]]
+    ) -> collections.deque[tuple[str, Values]]:
+        """The batch with every row made (a row that cannot be made is logged and left out)."""
+        out: collections.deque[tuple[str, Values]] = collections.deque()
+        for sql, values in batch:
+            if callable(values):
+                try:
+                    values = values()
+                except Exception:
+                    log.exception("a ledger row could not be made")
+                    self.metrics.metering_errors.labels("ledger").inc()
+                    continue
+            out.append((sql, values))
+        return out
+
+    def _write(self, batch: Iterable[tuple[str, Values]]) -> None:
+        self._reopen_if_replaced()
+        reconnect_due = time.monotonic() >= self._retry_at
+        if self._conn is None and not (reconnect_due and self._try_connect()):
+            raise sqlite3.OperationalError("ledger not open")
+        assert self._conn is not None
+        with self._conn:
+            for sql, run in itertools.groupby(batch, key=lambda item: item[0]):
+                rows = [cast(tuple[Any, ...], values) for _, values in run]  # made by _made
+                self._insert(self._conn, sql, rows)
+        self.problem = None
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        """Many rows per statement. SQLite runs a statement without the GIL: one statement per
+        row (executemany) made this thread and the event loop trade the GIL row by row."""
+        most = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(rows[0]))
+        i = 0
+        while i < len(rows):
+            n = next(k for k in ROWS_PER_STATEMENT if k <= most and k <= len(rows) - i)
+            conn.execute(_multi_row(sql, n), [v for row in rows[i : i + n] for v in row])
+            i += n
+
+
+# Statement sizes, largest first: few distinct statements, so SQLite's statement cache holds them.
+ROWS_PER_STATEMENT = (256, 64, 16, 4, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _multi_row(sql: str, n: int) -> str:
+    """`INSERT ... VALUES (?, ...)` for n rows: the same statement with n value lists."""
+    head, _, values = sql.partition(" VALUES ")
+    return f"{head} VALUES {', '.join([values] * n)}"
+
+
+def spend_by_user_and_team(
+    conn: sqlite3.Connection, since: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Known spend in a ledger since `since`, by billed user and by team."""
+    by: list[dict[str, float]] = []
+    for column in ("user", "team"):
+        cur = conn.execute(
+            f'SELECT "{column}", SUM(cost_usd) FROM requests WHERE ts >= ? '
+            f'AND cost_usd IS NOT NULL AND "{column}" IS NOT NULL GROUP BY "{column}"',
+            (since,),
+        )
+        by.append({key: float(total) for key, total in cur.fetchall()})
+    return by[0], by[1]
+
+
+def _file_id(path: str | Path | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)  # type: ignore[arg-type]
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def ledger_context(
+    ledger: Ledger, on_open: Callable[[Ledger], Awaitable[None]] | None = None
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context: open before the first request, flush and close after the last."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        await asyncio.to_thread(ledger.open)
+        if on_open is not None:
+            await on_open(ledger)
+        yield
+        await asyncio.to_thread(ledger.close)
+
+    return ctx

@@ -1,0 +1,668 @@
+"""Budgets shared by a fleet of sidecars: the holds of `budget.LocalStore`, kept in Redis.
+
+Owns: the key layout per budget day, the Lua scripts (reserve, settle, sweep, renew, seed,
+heartbeat: each one atomic over every scope of a hold), leases on holds (renewed while their
+request runs; a hold whose sidecar stopped renewing it is charged in full), seeding an empty day
+from the ledger, settlement in the background with retries, and what a request gets while Redis
+cannot be reached (`budgets.store_unavailable`, short timeouts, a circuit breaker).
+Never: waits on a settlement in a request, lets one slow Redis call hold a request longer than
+`store_timeout_s`, or loses a charge because Redis was away (settlements wait in a bounded queue
+and are idempotent per hold). The key layout, the scripts' invariants and the bounds are in
+docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from ..config import BudgetConfig, ConfigError
+from ..telemetry.metrics import Metrics
+from .budget import DAY, Hold, LocalStore, Scope, Verdict
+
+log = logging.getLogger("tollbooth.budget")
+
+PREFIX = "tollbooth"
+KEEP_S = 2 * DAY  # a day's keys expire two days after the day starts
+MAX_CONNECTIONS = 64
+SETTLE_QUEUE = 100_000  # settlements waiting for Redis; beyond this the oldest is dropped, counted
+SETTLE_BATCH = 64  # settlements per pipelined round trip
+RENEW_BATCH = 1000
+SWEEP_BATCH = 500
+HEARTBEAT_S = 5.0  # upkeep tick: heartbeat, lease renewal, sweep (shorter with a short lease)
+RESEED_RETRY_S = 1.0  # after a failed read of the ledger, requests wait this long before the next
+BREAKER_FAILURES = 3  # failed calls in a row that open the circuit
+BREAKER_COOLDOWN_S = 2.0  # open this long, then one trial call
+DRAIN_S = 2.0  # at shutdown, how long queued settlements may take to reach Redis
+
+# spend by scope key since the start of `day`, and when it was read (unix seconds)
+Source = Callable[[int], Awaitable[tuple[Mapping[str, int], float]]]
+
+# --- the scripts ----------------------------------------------------------------------------------
+# Every day's keys share the hash tag {day}: one slot, so a script may touch them all.
+# A hold record in `holds` is JSON: ["h", amount, [scope keys]] while held, ["x", amount, [...]]
+# once its lease ended and the sweep charged it, ["s"] once settled. Integers are passed as
+# strings and formatted with %d: Lua numbers are doubles and Redis would print big ones as 1e+15.
+
+RESERVE = """
+local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local id, amount = ARGV[1], tonumber(ARGV[2])
+local read = redis.call('GET', seeded)
+if not read then return {'unseeded'} end
+if read ~= ARGV[6] then return {'reseeded', read} end
+if redis.call('HEXISTS', holds, id) == 1 then return {'again'} end
+local n = (#ARGV - 6) / 2
+local new, first_new = 0, 0
+for i = 1, n do
+  if redis.call('HEXISTS', spent, ARGV[5 + 2 * i]) == 0 then
+    new = new + 1
+    if first_new == 0 then first_new = i end
+  end
+end
+if new > 0 and redis.call('HLEN', spent) + new > tonumber(ARGV[5]) then
+  return {'capacity', first_new}
+end
+local out = {'ok'}
+for i = 1, n do
+  local key = ARGV[5 + 2 * i]
+  local left = tonumber(ARGV[6 + 2 * i]) - (tonumber(redis.call('HGET', spent, key)) or 0)
+    - (tonumber(redis.call('HGET', held, key)) or 0)
+  if amount > left then return {'budget', i, string.format('%d', left)} end
+  out[i + 1] = string.format('%d', left - amount)
+end
+local scopes = {}
+for i = 1, n do
+  local key = ARGV[5 + 2 * i]
+  redis.call('HINCRBY', held, key, ARGV[2])
+  redis.call('HSETNX', spent, key, 0)
+  scopes[i] = key
+end
+redis.call('HSET', holds, id, cjson.encode({'h', ARGV[2], scopes}))
+local t = redis.call('TIME')
+local deadline = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3])
+redis.call('ZADD', leases, string.format('%d', deadline), id)
+for i = 1, 4 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
+return out
+"""
+
+SETTLE = """
+local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local id, charge = ARGV[1], tonumber(ARGV[2])
+local rec = redis.call('HGET', holds, id)
+if rec then
+  local r = cjson.decode(rec)
+  if r[1] == 's' then return 'again' end
+  local amount = tonumber(r[2])
+  for _, key in ipairs(r[3]) do
+    if r[1] == 'h' then
+      redis.call('HINCRBY', held, key, string.format('%d', -amount))
+      redis.call('HINCRBY', spent, key, ARGV[2])
+    else
+      redis.call('HINCRBY', spent, key, string.format('%d', charge - amount))
+    end
+  end
+  redis.call('ZREM', leases, id)
+  redis.call('HSET', holds, id, '["s"]')
+  if r[1] == 'h' then return 'settled' end
+  return 'corrected'
+end
+local read = redis.call('GET', seeded)
+if not read then return 'unseeded' end
+redis.call('HSET', holds, id, '["s"]')
+for i = 1, 3 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
+if tonumber(ARGV[3]) <= tonumber(read) then return 'in_seed' end
+for i = 5, #ARGV do redis.call('HINCRBY', spent, ARGV[i], ARGV[2]) end
+return 'charged'
+"""
+
+SWEEP = """
+local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local due = redis.call('ZRANGEBYSCORE', leases, '-inf', string.format('%d', now),
+  'LIMIT', 0, tonumber(ARGV[1]))
+local charged = 0
+for _, id in ipairs(due) do
+  local rec = redis.call('HGET', holds, id)
+  if rec then
+    local r = cjson.decode(rec)
+    if r[1] == 'h' then
+      local amount = tonumber(r[2])
+      for _, key in ipairs(r[3]) do
+        redis.call('HINCRBY', held, key, string.format('%d', -amount))
+        redis.call('HINCRBY', spent, key, r[2])
+      end
+      r[1] = 'x'
+      redis.call('HSET', holds, id, cjson.encode(r))
+      charged = charged + 1
+    end
+  end
+  redis.call('ZREM', leases, id)
+end
+return charged
+"""
+
+RENEW = """
+local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local t = redis.call('TIME')
+local deadline = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1]))
+local i, made = 3, 0
+while i <= #ARGV do
+  local id, amount, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if redis.call('HEXISTS', holds, id) == 1 then
+    redis.call('ZADD', leases, 'XX', deadline, id)
+  else
+    local scopes = {}
+    for j = 1, n do
+      local key = ARGV[i + 2 + j]
+      redis.call('HINCRBY', held, key, amount)
+      redis.call('HSETNX', spent, key, 0)
+      scopes[j] = key
+    end
+    redis.call('HSET', holds, id, cjson.encode({'h', amount, scopes}))
+    redis.call('ZADD', leases, deadline, id)
+    made = made + 1
+  end
+  i = i + 3 + n
+end
+if made > 0 then
+  for k = 1, 4 do redis.call('EXPIREAT', KEYS[k], ARGV[2]) end
+end
+return made
+"""
+
+SEED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('EXPIREAT', KEYS[1], ARGV[2])
+redis.call('EXPIREAT', KEYS[2], ARGV[2])
+return 1
+"""
+
+HEARTBEAT = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local window = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], string.format('%d', now + window), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
+if redis.call('PTTL', KEYS[1]) < window then redis.call('PEXPIRE', KEYS[1], window) end
+return redis.call('ZCARD', KEYS[1])
+"""
+
+SCRIPTS = {
+    "reserve": RESERVE,
+    "settle": SETTLE,
+    "sweep": SWEEP,
+    "renew": RENEW,
+    "seed": SEED,
+    "heartbeat": HEARTBEAT,
+}
+
+
+def day_keys(day: int) -> list[str]:
+    """spent, held, holds, leases, seeded: the keys of one budget day."""
+    tag = f"{PREFIX}:{{{day}}}"
+    return [f"{tag}:{name}" for name in ("spent", "held", "holds", "leases", "seeded")]
+
+
+SIDECARS = f"{PREFIX}:sidecars"
+
+
+class StoreDown(Exception):
+    """Redis did not answer (or the breaker is open). `sent`: the call may have run there."""
+
+    def __init__(self, sent: bool) -> None:
+        super().__init__("budget store unavailable")
+        self.sent = sent
+
+
+class Breaker:
+    """Closed until `failures` calls in a row fail; then open (calls fail at once) for
+    `cooldown_s`, after which one trial call at a time is let through."""
+
+    def __init__(
+        self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.failures, self.cooldown_s, self.clock = failures, cooldown_s, clock
+        self.in_row = 0
+        self.retry_at = 0.0
+
+    @property
+    def closed(self) -> bool:
+        return self.in_row < self.failures
+
+    def allow(self) -> bool:
+        if self.closed:
+            return True
+        now = self.clock()
+        if now < self.retry_at:
+            return False
+        self.retry_at = now + self.cooldown_s  # this call is the trial; others wait for it
+        return True
+
+    def success(self) -> bool:
+        """Record a success; True when it closes an open circuit."""
+        was_open = not self.closed
+        self.in_row = 0
+        return was_open
+
+    def failure(self) -> bool:
+        """Record a failure; True when it opens the circuit."""
+        self.in_row += 1
+        if self.in_row == self.failures or not self.closed:
+            self.retry_at = self.clock() + self.cooldown_s
+        return self.in_row == self.failures
+
+
+def redis_client(config: BudgetConfig) -> Redis:
+    """A client with short timeouts and no retries of its own (the store decides what follows)."""
+    assert config.store is not None
+    password = None
+    if config.store_password_env:
+        password = os.environ.get(config.store_password_env) or None
+        if password is None:
+            raise ConfigError(
+                f"config 'budgets.store_password_env' names '{config.store_password_env}', "
+                "which is unset or empty"
+            )
+    t = config.store_timeout_s
+    pool = BlockingConnectionPool.from_url(
+        config.store,
+        max_connections=MAX_CONNECTIONS,
+        timeout=t,
+        socket_timeout=t,
+        socket_connect_timeout=t,
+        password=password,
+        retry=Retry(NoBackoff(), 0),
+    )
+    return Redis.from_pool(pool)  # the client owns the pool: aclose() closes its connections
+
+
+class RedisStore:
+    """A `BudgetStore` in Redis, shared by every sidecar pointed at it."""
+
+    def __init__(
+        self,
+        config: BudgetConfig,
+        metrics: Metrics,
+        today: Callable[[], int],
+        source: Source | None = None,
+        *,
+        max_scopes: int,
+        client: Redis | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config, self.metrics, self.today, self.source = config, metrics, today, source
+        self.max_scopes = max_scopes
+        self.clock = clock
+        self.lease_ms = math.ceil(config.lease_s * 1000)
+        self.interval = min(config.lease_s / 3, HEARTBEAT_S)
+        self.id = secrets.token_hex(8)
+        self.redis = client if client is not None else redis_client(config)
+        self.scripts = {name: self.redis.register_script(src) for name, src in SCRIPTS.items()}
+        self.breaker = Breaker(BREAKER_FAILURES, BREAKER_COOLDOWN_S)
+        self.open: dict[str, Hold] = {}  # held in Redis by this sidecar: leases to renew
+        self.outage: dict[str, Hold] = {}  # admitted without Redis: put into it when it answers
+        # admitted without Redis and ended, their settlement not yet answered by Redis
+        self.settling: dict[str, Hold] = {}
+        self._restoring = asyncio.Lock()
+        self.known: dict[str, int] = {}  # last known remainder by scope key, for `known_day`
+        self.known_day = -1
+        self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
+        self.alive = 1
+        self.local = LocalStore(max_scopes)  # this sidecar's share while Redis is away
+        self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reseed: asyncio.Task[bool] | None = None
+        self._reseed_failed_at = -math.inf
+        metrics.store_up.set(1)
+
+    # --- calls through the breaker
+
+    async def _call(self, op: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._guard(op, lambda: self.scripts[op](keys=keys, args=args))
+
+    async def _guard(self, op: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        if not self.breaker.allow():
+            raise StoreDown(sent=False)
+        task = asyncio.current_task()
+        cancelling = task.cancelling() if task is not None else 0
+        try:
+            # the socket timeouts bound each read; this bounds the whole call (pool wait included)
+            async with asyncio.timeout(self.config.store_timeout_s * 4):
+                result = await call()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.metrics.store_errors.labels(op).inc()
+            if self.breaker.failure():
+                log.warning("budget store unreachable (%s): %s", op, type(exc).__name__)
+                self.metrics.store_up.set(0)
+            raise StoreDown(sent=True) from exc
+        if task is not None and task.cancelling() > cancelling:
+            raise asyncio.CancelledError  # a client library swallowed it (redis-py 8.0, 8.1)
+        if self.breaker.success():
+            log.info("budget store reachable again")
+            self.metrics.store_up.set(1)
+            # a new outage needs a fresh remainder: this one's admissions go into Redis first
+            self.local = LocalStore(self.max_scopes)
+            self.known = {}
+        return result
+
+    # --- BudgetStore
+
+    async def reserve(self, hold: Hold) -> Verdict:
+        keys = day_keys(hold.day)
+        try:
+            if self.outage or self.settling:
+                await self._restore()
+            for _ in range(4):  # unseeded, seeded here, seen here, decided
+                reply = await self._call("reserve", keys, self._reserve_args(hold))
+                if reply[0] == b"unseeded":
+                    if not await self.reseed(hold.day):
+                        break
+                elif reply[0] == b"reseeded":  # first seen, or Redis was emptied and seeded again
+                    self.seeds[hold.day] = reply[1]
+                    if len(self.seeds) > 2:
+                        self.seeds.pop(min(self.seeds))
+                    await self._renew()  # this sidecar's holds back before its next decision
+                else:
+                    break
+            if reply[0] in (b"unseeded", b"reseeded"):  # no ledger read, or emptied again
+                return await self._without_store(hold, sent=False)
+        except StoreDown as down:
+            return await self._without_store(hold, sent=down.sent)
+        return self._verdict(hold, reply)
+
+    def _reserve_args(self, hold: Hold) -> list[Any]:
+        args: list[Any] = [
+            hold.request_id,
+            hold.amount,
+            self.lease_ms,
+            hold.day + KEEP_S,
+            self.max_scopes,
+            self.seeds.get(hold.day, b""),
+        ]
+        for s in hold.scopes:
+            args += [s.key, s.limit]
+        return args
+
+    def _verdict(self, hold: Hold, reply: list[Any]) -> Verdict:
+        status = reply[0]
+        if status in (b"ok", b"again"):
+            for s, left in zip(hold.scopes, reply[1:], strict=False):
+                self._remember(hold.day, s.key, int(left))
+            self.open[hold.request_id] = hold
+            return Verdict(True)
+        scope = hold.scopes[int(reply[1]) - 1]
+        if status == b"capacity":
+            return Verdict(False, scope, "capacity")
+        self._remember(hold.day, scope.key, int(reply[2]))
+        return Verdict(False, scope, "budget")
+
+    def _remember(self, day: int, key: str, left: int) -> None:
+        if day != self.known_day:
+            self.known_day, self.known = day, {}
+        if key in self.known or len(self.known) < self.max_scopes:
+            self.known[key] = left
+
+    def settle(self, request_id: str, charge: int) -> None:
+        hold = self.open.pop(request_id, None)
+        if hold is None:
+            hold = self.outage.pop(request_id, None)
+            if hold is None:
+                return
+            self.local.settle(request_id, charge)
+            self.settling[request_id] = hold
+        self._enqueue(hold, charge)
+
+    async def seed(self, day: int, spent: Mapping[str, int]) -> None:
+        await self._seed(day, spent, self.clock())
+
+    async def _seed(self, day: int, spent: Mapping[str, int], read_at: float) -> bool:
+        keys = day_keys(day)
+        args: list[Any] = [math.floor(read_at * 1000), day + KEEP_S]
+        for key, micros in spent.items():
+            args += [key, micros]
+        return bool(await self._call("seed", [keys[0], keys[4]], args))
+
+    # --- without Redis
+
+    async def _without_store(self, hold: Hold, *, sent: bool) -> Verdict:
+        mode = self.config.store_unavailable
+        if mode == "open":
+            self.metrics.store_bypassed.inc()
+            verdict = Verdict(True)
+        elif mode == "local":
+            verdict = await self._local(hold)
+        else:
+            self.metrics.store_refused.inc()
+            verdict = Verdict(False, None, "unavailable")
+        if verdict.admitted:
+            self.outage[hold.request_id] = hold
+        elif sent:  # the reservation may have run in Redis: release it
+            self._enqueue(hold, 0)
+        return verdict
+
+    async def _restore(self) -> None:
+        """Put every hold admitted without Redis into it (no limit check: they were admitted),
+        before any new decision, so Redis counts them while they run. One that already ended
+        goes in too, until its settlement is answered: it replaces the hold with the charge."""
+        async with self._restoring:
+            running, ended = list(self.outage.values()), list(self.settling.values())
+            if not running and not ended:
+                return
+            await self._renew_holds([*running, *ended])
+            for h in running:
+                if self.outage.pop(h.request_id, None) is not None:
+                    self.open[h.request_id] = h
+            for h in ended:
+                self.settling.pop(h.request_id, None)
+            log.info("budget store: %d holds admitted without it put back", len(running))
+
+    async def _local(self, hold: Hold) -> Verdict:
+        """Reserve against this sidecar's share of the last known remainder of each scope."""
+        share = []
+        for s in hold.scopes:
+            left = self.known.get(s.key) if hold.day == self.known_day else None
+            if left is None:
+                self.metrics.store_refused.inc()
+                return Verdict(False, s, "unavailable")
+            share.append(Scope(s.kind, s.name, max(0, left) // max(1, self.alive)))
+        verdict = await self.local.reserve(
+            Hold(hold.request_id, hold.day, hold.amount, tuple(share))
+        )
+        self.metrics.store_local.labels("admitted" if verdict.admitted else "refused").inc()
+        if verdict.admitted or verdict.scope is None:
+            return verdict
+        original = next(s for s in hold.scopes if s.key == verdict.scope.key)
+        return Verdict(False, original, verdict.reason)
+
+    # --- seeding a day from the ledger
+
+    async def reseed(self, day: int) -> bool:
+        """Seed `day` from the ledger unless another sidecar already has; one read at a time."""
+        if self._reseed is None or self._reseed.done():
+            if time.monotonic() - self._reseed_failed_at < RESEED_RETRY_S:
+                return False
+            self._reseed = asyncio.create_task(self._read_and_seed(day))
+        return await asyncio.shield(self._reseed)
+
+    async def _read_and_seed(self, day: int) -> bool:
+        try:
+            if self.source is None:  # no ledger: the day starts from zero
+                spent: Mapping[str, int] = {}
+                read_at = self.clock()
+            else:
+                spent, read_at = await self.source(day)
+            seeded = await self._seed(day, spent, read_at)
+            await self._renew()  # holds lost with Redis's data come back before a decision
+        except StoreDown:
+            self._reseed_failed_at = time.monotonic()
+            return False
+        except Exception as exc:
+            log.error("budget store: today's spend could not be read from the ledger: %s", exc)
+            self.metrics.store_reseeds.labels("failed").inc()
+            self._reseed_failed_at = time.monotonic()
+            return False
+        self.metrics.store_reseeds.labels("seeded" if seeded else "already_seeded").inc()
+        if seeded:
+            log.info("budget store: day %d seeded from the ledger (%d scopes)", day, len(spent))
+        return True
+
+    # --- settlement in the background
+
+    def _enqueue(self, hold: Hold, charge: int) -> None:
+        self.queue.append((hold, charge, math.floor(self.clock() * 1000)))
+        if len(self.queue) > SETTLE_QUEUE:
+            self.settling.pop(self.queue.popleft()[0].request_id, None)
+            self.metrics.settles_dropped.inc()
+        self.metrics.settles_pending.set(len(self.queue))
+        self._wake.set()
+
+    async def _settler(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [self.queue.popleft() for _ in range(min(SETTLE_BATCH, len(self.queue)))]
+            try:
+                replies = await self._guard("settle", functools.partial(self._settle_batch, batch))
+            except StoreDown:
+                self._requeue(batch)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BREAKER_COOLDOWN_S)
+                continue
+            backoff = 0.05
+            await self._after_settle(batch, replies)
+            self.metrics.settles_pending.set(len(self.queue))
+
+    async def _settle_batch(self, batch: list[tuple[Hold, int, int]]) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for hold, charge, ended_ms in batch:
+                args: list[Any] = [hold.request_id, charge, ended_ms, hold.day + KEEP_S]
+                args += [s.key for s in hold.scopes]
+                await self.scripts["settle"](keys=day_keys(hold.day), args=args, client=pipe)
+            return list(await pipe.execute())
+
+    def _requeue(self, batch: list[tuple[Hold, int, int]]) -> None:
+        self.queue.extendleft(reversed(batch))
+        while len(self.queue) > SETTLE_QUEUE:
+            self.settling.pop(self.queue.pop()[0].request_id, None)
+            self.metrics.settles_dropped.inc()
+
+    async def _after_settle(self, batch: list[tuple[Hold, int, int]], replies: list[Any]) -> None:
+        """A settlement that found its day unseeded (Redis emptied) waits for the reseed; one
+        for a day whose keys are gone for good is dropped."""
+        for (hold, _, _), r in zip(batch, replies, strict=True):
+            if r != b"unseeded":
+                self.settling.pop(hold.request_id, None)
+        unseeded = [item for item, r in zip(batch, replies, strict=True) if r == b"unseeded"]
+        today = self.today()
+        late = [item for item in unseeded if item[0].day < today]
+        if late:
+            self.metrics.settles_dropped.inc(len(late))
+            for hold, _, _ in late:
+                self.settling.pop(hold.request_id, None)
+        waiting = [item for item in unseeded if item[0].day >= today]
+        if waiting:
+            self._requeue(waiting)
+            if not await self.reseed(waiting[0][0].day):
+                await asyncio.sleep(RESEED_RETRY_S)
+
+    # --- upkeep: heartbeat, leases, sweep
+
+    async def _maintain(self) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(self.interval)
+
+    async def tick(self) -> None:
+        with contextlib.suppress(StoreDown):
+            window = math.ceil(self.interval * 3 * 1000)
+            alive = await self._call("heartbeat", [SIDECARS], [self.id, window])
+            self.alive = max(1, int(alive))
+            self.metrics.sidecars_alive.set(self.alive)
+        with contextlib.suppress(StoreDown):
+            await self._restore()
+        with contextlib.suppress(StoreDown):
+            await self._renew()
+        with contextlib.suppress(StoreDown):
+            today = self.today()
+            for day in (today - DAY, today):
+                keys = day_keys(day)
+                charged = await self._call("sweep", keys[:4], [SWEEP_BATCH])
+                self.metrics.holds_expired.inc(int(charged))
+
+    async def _renew(self) -> None:
+        await self._renew_holds(list(self.open.values()))
+
+    async def _renew_holds(self, holds: list[Hold]) -> None:
+        """Push the lease of each hold; one Redis no longer has (emptied, restarted without
+        persistence, or never had: admitted while it was away) is recorded again, with its
+        amount on each of its scopes, no limit checked."""
+        by_day: dict[int, list[Hold]] = {}
+        for hold in holds:
+            by_day.setdefault(hold.day, []).append(hold)
+        for day, some in by_day.items():
+            for i in range(0, len(some), RENEW_BATCH):
+                args: list[Any] = [self.lease_ms, day + KEEP_S]
+                for h in some[i : i + RENEW_BATCH]:
+                    args += [h.request_id, h.amount, len(h.scopes), *(s.key for s in h.scopes)]
+                made = int(await self._call("renew", day_keys(day)[:4], args))
+                if made:
+                    log.warning("budget store: %d holds missing from Redis recorded again", made)
+
+    # --- lifecycle
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._settler(), name="tollbooth-budget-settler"),
+            asyncio.create_task(self._maintain(), name="tollbooth-budget-upkeep"),
+        ]
+
+    async def close(self) -> None:
+        if self._tasks:
+            self._tasks[1].cancel()  # upkeep stops; the settler drains the queue
+        deadline = time.monotonic() + DRAIN_S
+        while self.queue and self.breaker.closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.queue:
+            log.error("budget store: %d settlements not sent at shutdown", len(self.queue))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.breaker.closed:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self.config.store_timeout_s):
+                    await self.redis.zrem(SIDECARS, self.id)
+        await self.redis.aclose()
+
+
+def store_context(store: RedisStore) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context: background upkeep and settlement before the first request; queued
+    settlements sent (for up to DRAIN_S) after the last."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        store.start()
+        yield
+        await store.close()
+
+    return ctx

@@ -1,0 +1,303 @@
+"""The aiohttp applications and the process around them.
+
+Owns: `create_app(config)` (the proxy) and `create_admin_app()` (/metrics, /healthz, /readyz),
+one cleanup context per resource (the upstream client and its probe, ledger, tracer, NVML poller,
+audit writer),
+signal handling (SIGTERM drains in-flight requests within a grace period, SIGHUP re-reads prices).
+Never: pairs on_startup with on_cleanup; every resource is created before `yield`, closed after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, exposition
+from prometheus_client.openmetrics import exposition as om_exposition
+
+from ..config import Config, parse_hostport
+from ..exchange import Endpoint, Exchange, Gate
+from ..metering.meter import Meter
+from ..metering.pricing import PriceBook, load_pricing_file
+from ..proxy.edge import ConnectionGuard, listen
+from ..proxy.finishers import Finishers, PromptCounter
+from ..proxy.handler import Proxy, ProxySettings, TgiModelName
+from ..proxy.identity import Identity, upstream_authorization
+from ..proxy.routes import routing_path
+from ..proxy.upstream import Upstream
+from ..telemetry import exposition as held
+from ..telemetry.health import UpstreamProbe, probe_context, readiness
+from ..telemetry.metrics import LabelCap, Metrics
+
+log = logging.getLogger("tollbooth")
+
+Ctx = Callable[[web.Application], AsyncIterator[None]]
+
+
+@dataclass
+class Sidecar:
+    """The process's shared state, reachable from both applications."""
+
+    config: Config
+    metrics: Metrics = field(default_factory=Metrics)
+    pricing_path: str | None = None
+    draining: bool = False
+    proxy: Proxy | None = None
+    extra_contexts: list[Ctx] = field(default_factory=list)
+    gates: list[Gate] = field(default_factory=list)  # may refuse a request before the upstream
+    on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
+
+    budgets: Any = None  # budget.Budgets, set by wiring
+    probe: Any = None  # health.UpstreamProbe, set by create_app
+    ledger: Any = None  # ledger.Ledger when a ledger path is configured
+    admission: Any = None  # admission.Admission unless the strategy is "none"
+    attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
+    tracing: Any = None  # tracing.Tracing when an OTLP endpoint is configured
+    audit: Any = None  # audit.Audit when audit capture is enabled
+    access_log: Any = None  # accesslog.AccessLog unless logging.access_log is "off"
+
+    def __post_init__(self) -> None:
+        pricing = self.config.pricing
+        if self.pricing_path:
+            pricing = load_pricing_file(self.pricing_path)
+        self.prices = PriceBook(pricing)
+        self.meter = Meter(self.metrics, self.prices)
+        self.identity = Identity(self.config)  # reads the keys file: a bad one stops the start
+        self.upstream_auth = upstream_authorization(self.config)
+        self.users = LabelCap(self.config.metering.max_tracked_users)
+        self.models = LabelCap(self.config.metering.max_tracked_models, max_len=128)
+        _init_label_sets(self)
+
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL without a trailing slash; request paths are appended to it."""
+        return self.config.upstream.url.rstrip("/")
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
+        self._reload_keys()
+        if not self.pricing_path:
+            log.info("SIGHUP: no --pricing file given; prices unchanged")
+            return
+        try:
+            self.prices.replace(load_pricing_file(self.pricing_path))
+            _init_label_sets(self)
+            log.info("SIGHUP: prices re-read from %s", self.pricing_path)
+        except Exception as exc:  # keep the old prices rather than lose accounting
+            log.error("SIGHUP: prices not changed: %s", exc)
+
+    def _reload_keys(self) -> None:
+        if self.identity.keys is None:
+            return
+        try:
+            self.identity.reload()
+            log.info("SIGHUP: %d API keys re-read", len(self.identity.keys))
+        except Exception as exc:
+            log.error("SIGHUP: API keys not changed: %s", exc)
+
+
+def _init_label_sets(sc: Sidecar) -> None:
+    """Known models get their series at 0 now, so the first request is not lost to increase()."""
+    for model in sc.prices.config.models:
+        label = sc.models(model)
+        for ep in Endpoint:
+            sc.metrics.request_cost.labels(label, ep.value)
+        for kind in ("input", "output"):
+            sc.metrics.cost.labels(label, kind, "/v1/chat/completions", "anonymous")
+
+
+SIDECAR = web.AppKey("sidecar", Sidecar)
+PUBLISHED = web.AppKey("published", CollectorRegistry)
+
+
+def create_app(sidecar: Sidecar | Config) -> web.Application:
+    sc = sidecar if isinstance(sidecar, Sidecar) else Sidecar(sidecar)
+    app = web.Application(client_max_size=sc.config.server.max_request_body_bytes)
+    app[SIDECAR] = sc
+    app.cleanup_ctx.append(_proxy_ctx)
+    sc.probe = UpstreamProbe(  # readiness: the upstream probed in the background
+        sc.config.upstream, sc.metrics, lambda: sc.proxy.upstream if sc.proxy else None
+    )
+    app.cleanup_ctx.append(probe_context(sc.probe))
+    for ctx in sc.extra_contexts:
+        app.cleanup_ctx.append(ctx)
+    app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
+    app.router.add_route("*", "/{tail:.*}", _handle)
+    return app
+
+
+async def _handle(request: web.Request) -> web.StreamResponse:
+    proxy = request.app[SIDECAR].proxy
+    assert proxy is not None
+    return await proxy.handle(request)
+
+
+async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
+    sc = app[SIDECAR]
+    up = sc.config.upstream
+    base = sc.upstream_base
+    metering = sc.config.metering
+    settings = ProxySettings(
+        upstream=base,
+        inject_usage=sc.config.metering.inject_stream_usage,
+        max_body=sc.config.server.max_request_body_bytes,
+        body_timeout=sc.config.server.body_timeout_s,
+        connect_timeout=up.connect_timeout_s,
+        read_timeout=up.read_timeout_s,
+        authorization=sc.upstream_auth,
+        # SSE framing costs ~100 bytes per token: keep enough stream to recover the text
+        capture_bytes=(
+            max(65536, sc.config.audit.max_text_chars * 128)
+            if sc.config.audit.enabled and sc.config.audit.capture_text
+            else 0
+        ),
+        api=up.api,
+        continuous_usage=metering.continuous_usage and up.api == "vllm",
+        free_routes=frozenset(routing_path(r) for r in metering.free_routes),
+        refuse_unknown_routes=metering.unknown_routes == "refuse",
+        drain_s=metering.drain_after_disconnect_s,
+        max_event_bytes=metering.max_event_bytes,
+        size_prompts=sc.config.admission.tokenize,
+    )
+    # Every call to the upstream goes through one pool (sidecar/proxy/upstream.py).
+    upstream = Upstream(
+        base,
+        connect_timeout=up.connect_timeout_s,
+        read_timeout=up.read_timeout_s,
+        limit=up.max_connections,
+        authorization=sc.upstream_auth,
+    )
+    tgi = TgiModelName(upstream, up.model_name)
+    counter = PromptCounter(upstream, up.api, sc.metrics)
+    sc.proxy = Proxy(
+        settings,
+        upstream,
+        sc.metrics,
+        sc.meter,
+        sc.users,
+        sc.models,
+        tgi,
+        sc.gates,
+        sc.on_start,
+        sc.identity,
+        counter=counter,
+        finishers=Finishers(),
+    )
+    yield
+    await upstream.close()
+
+
+async def _finishers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Requests whose client left are finished in the background (bounded: the drain and
+    /tokenize deadlines); on shutdown they get that long to reach the meter."""
+    yield
+    proxy = app[SIDECAR].proxy
+    if proxy is not None:
+        cfg = app[SIDECAR].config.metering
+        await proxy.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
+
+
+# --- admin ----------------------------------------------------------------------------------------
+
+
+def create_admin_app(sc: Sidecar) -> web.Application:
+    app = web.Application()
+    app[SIDECAR] = sc
+    app[PUBLISHED], view = held.published(sc.metrics, sc.config.metering.new_series_hold_s)
+    carry = held.carry_path(sc.config.ledger.path)
+    if carry is not None:  # series survive a graceful restart
+        app.cleanup_ctx.append(held.carry_context(sc.metrics, view, carry, sc.users, sc.models))
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[PUBLISHED]  # new series read 0 first: sidecar/telemetry/exposition.py
+    accept = request.headers.get("Accept", "")
+    if "application/openmetrics-text" in accept:
+        # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).
+        body = om_exposition.generate_latest(registry)  # type: ignore[no-untyped-call]
+        ctype = om_exposition.CONTENT_TYPE_LATEST
+    else:
+        body = exposition.generate_latest(registry)
+        ctype = exposition.CONTENT_TYPE_LATEST
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = ctype
+    return resp
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Ready: serving, the upstream answered its last background probe, the ledger is writable."""
+    sc = request.app[SIDECAR]
+    status, body = readiness(
+        starting=sc.proxy is None,
+        draining=sc.draining,
+        probe=sc.probe,
+        ledger=sc.ledger,
+    )
+    return web.json_response(body, status=status)
+
+
+# --- the process ----------------------------------------------------------------------------------
+
+
+async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None:
+    """Run the proxy and admin listeners until SIGTERM/SIGINT; drain, then close resources."""
+    cfg = sc.config.server
+    grace = cfg.shutdown_grace_s
+    proxy_guard = ConnectionGuard(cfg, sc.metrics, "proxy")  # slow and idle clients are cut off
+    admin_guard = ConnectionGuard(cfg, sc.metrics, "admin")
+    proxy_app, admin_app = create_app(sc), create_admin_app(sc)  # `listen` puts them behind
+    proxy_runner = web.AppRunner(
+        proxy_app,
+        handler_cancellation=True,
+        shutdown_timeout=grace,
+        access_log=None,
+        keepalive_timeout=proxy_guard.backstop_s,
+    )
+    admin_runner = web.AppRunner(
+        admin_app, access_log=None, keepalive_timeout=admin_guard.backstop_s
+    )
+    await proxy_runner.setup()
+    await admin_runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        loop.add_signal_handler(signal.SIGHUP, sc.reload)
+    listeners: list[asyncio.AbstractServer] = []
+    try:
+        host, port = parse_hostport("server.listen", cfg.listen)
+        listeners.append(await listen(proxy_runner, proxy_guard, host, port))
+        ahost, aport = parse_hostport("server.admin_listen", cfg.admin_listen)
+        listeners.append(await listen(admin_runner, admin_guard, ahost, aport))
+        log.info(
+            "tollbooth listening on %s, admin on %s, upstream %s",
+            cfg.listen,
+            cfg.admin_listen,
+            sc.config.upstream.url,
+        )
+        if ready:
+            ready()
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests (grace %.0fs)", grace)
+        sc.draining = True
+    finally:
+        for listener in listeners:
+            listener.close()  # stop accepting; the runners drain what is in flight
+        await proxy_runner.cleanup()  # waits for handlers up to the grace period
+        await admin_runner.cleanup()
+        log.info("stopped")

@@ -1,0 +1,89 @@
+"""The `tollbooth` command: serve, report, audit, simulate, make-requests, bench, demo, config.
+
+Owns: argument parsing and turning flags into config overrides. Each subcommand's work lives in
+the module that owns it; this file only wires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+
+from .. import __version__
+from ..config import Config, ConfigError, load
+from ..telemetry import logs
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover - uvloop is optional
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    overrides = {
+        "upstream.url": getattr(args, "upstream", None),
+        "server.listen": getattr(args, "listen", None),
+        "server.admin_listen": getattr(args, "admin_listen", None),
+        "ledger.path": getattr(args, "ledger", None),
+    }
+    return load(getattr(args, "config", None), overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .app import Sidecar, serve
+    from .wiring import wire
+
+    config = load_config(args)
+    logs.setup(config.logging.level, config.logging.format)
+    sc = Sidecar(config, pricing_path=args.pricing)
+    wire(sc)
+    _run(serve(sc))
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the metering proxy in front of vLLM or TGI")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--upstream", help="inference server base URL (overrides upstream.url)")
+    p.add_argument("--listen", help="HOST:PORT for clients (default 127.0.0.1:8080)")
+    p.add_argument("--admin-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9464)")
+    p.add_argument("--pricing", help="pricing YAML, re-read on SIGHUP")
+    p.add_argument("--ledger", help="SQLite usage ledger path (overrides ledger.path)")
+    p.set_defaults(func=cmd_serve)
+
+
+Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def _subcommands() -> list[Adder]:
+    adders: list[Adder] = [_add_serve]
+    from . import commands
+
+    adders.extend(commands.ADDERS)
+    return adders
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tollbooth", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tollbooth {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _subcommands():
+        add(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"tollbooth: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Subcommands other than `serve`, each delegating to the module that owns the work."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from tollbooth_lab.bench import Distribution
+    from tollbooth_lab.simulator import EngineParams
+
+Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+Adder = Callable[[Sub], None]
+Command = Callable[[argparse.Namespace], int]
+
+LAB_MISSING = (
+    "tollbooth {command}: needs the lab (the simulator, bench harness and demo), a separate "
+    "distribution that the production install leaves out. From a clone of the repository: "
+    "pip install ./lab (or run `make demo`)."
+)
+
+
+def needs_lab(cmd: Command) -> Command:
+    """`cmd` imports the lab lazily; without it installed, a clear error instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        if importlib.util.find_spec("tollbooth_lab") is None:
+            raise SystemExit(LAB_MISSING.format(command=args.command))
+        return cmd(args)
+
+    return run
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ..billing import report
+
+    try:
+        rows = report.summarize(args.ledger, report.parse_since(args.since), args.by)
+    except ValueError as exc:
+        raise SystemExit(f"tollbooth report: {exc}") from None
+    print(report.render(rows, args.format))
+    return 0
+
+
+def add_report(sub: Sub) -> None:
+    p = sub.add_parser("report", help="spend, tokens and latency from the usage ledger")
+    p.add_argument(
+        "--ledger", required=True, help="ledger SQLite file, or the fleet's postgresql:// URL"
+    )
+    p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
+    p.add_argument("--by", default="user", choices=["user", "model", "day"])
+    p.add_argument("--format", default="table", choices=["table", "csv", "json"])
+    p.set_defaults(func=cmd_report)
+
+
+def engine_params(args: argparse.Namespace) -> EngineParams:
+    from tollbooth_lab.simulator import EngineParams
+
+    speed = args.speed
+    return EngineParams(
+        kv_capacity_tokens=args.kv_capacity,
+        on_full=args.on_full,
+        step_base_s=0.004 / speed,
+        prefill_s_per_token=0.00002 / speed,
+        decode_s_per_seq=0.0002 / speed,
+        batch_dependent_output=args.batch_dependent_output,
+    )
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-capacity", type=int, default=65536, help="simulated KV cache, tokens")
+    p.add_argument(
+        "--on-full",
+        choices=["preempt", "oom"],
+        default="preempt",
+        help="what the simulated engine does when its KV cache is full",
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 = twice as fast")
+    p.add_argument(
+        "--batch-dependent-output",
+        action="store_true",
+        help="tokens depend on the batch they were decoded in, as on a GPU (default: they do not)",
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from aiohttp import web
+    from tollbooth_lab.simulator import create_simulator
+
+    from ..config import parse_hostport
+    from ..telemetry import logs
+
+    logs.setup("INFO", "text")
+    host, port = parse_hostport("--listen", args.listen)
+    app = create_simulator(args.api, engine_params(args), args.model)
+    print(f"simulated {args.api} server (not a GPU) on http://{host}:{port}", flush=True)
+    web.run_app(
+        app, host=host, port=port, access_log=None, print=None, loop=asyncio.new_event_loop()
+    )
+    return 0
+
+
+def add_simulate(sub: Sub) -> None:
+    p = sub.add_parser("simulate", help="run the simulated vLLM/TGI server")
+    p.add_argument("--listen", default="127.0.0.1:8000")
+    p.add_argument("--api", choices=["vllm", "tgi"], default="vllm")
+    p.add_argument("--model", default="sim-llama-3-8b")
+    add_engine_flags(p)
+    p.set_defaults(func=needs_lab(cmd_simulate))
+
+
+def _distribution(args: argparse.Namespace) -> Distribution:
+    from tollbooth_lab.bench import Distribution
+
+    return Distribution(
+        n=args.n,
+        seed=args.seed,
+        prompt_words_median=args.prompt_words,
+        max_tokens_min=args.max_tokens_min,
+        max_tokens_max=args.max_tokens_max,
+        rate_per_s=args.arrival_rate,
+    )
+
+
+def _add_distribution_flags(p: argparse.ArgumentParser, n: int) -> None:
+    p.add_argument("--n", type=int, default=n, help="number of requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-words", type=int, default=120, help="median prompt length, words")
+    p.add_argument("--max-tokens-min", type=int, default=16)
+    p.add_argument("--max-tokens-max", type=int, default=192)
+    p.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=8.0,
+        help="Poisson rate for the arrival offsets written to the file",
+    )
+
+
+def cmd_make_requests(args: argparse.Namespace) -> int:
+    from tollbooth_lab.bench import generate, write
+
+    reqs = generate(_distribution(args))
+    write(args.out, reqs)
+    print(f"wrote {len(reqs)} requests to {args.out}")
+    return 0
+
+
+def add_make_requests(sub: Sub) -> None:
+    p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")
+    p.add_argument("--out", required=True)
+    _add_distribution_flags(p, 64)
+    p.set_defaults(func=needs_lab(cmd_make_requests))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import asyncio
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from tollbooth_lab.bench import Arrival, BenchOptions, generate, read, run
+    from tollbooth_lab.bench.output import write_all
+
+    from ..config import ConfigError, load
+    from ..metering.pricing import load_pricing_file
+
+    if args.requests:
+        reqs, source = read(args.requests), {"request_file": args.requests}
+    else:
+        dist = _distribution(args)
+        reqs, source = generate(dist), {"generated": asdict(dist)}
+    arrival = (
+        Arrival("concurrency", args.concurrency)
+        if args.concurrency
+        else Arrival("rate", args.rate)
+        if args.rate
+        else Arrival("burst", args.burst)
+        if args.burst
+        else Arrival("file", 0)
+        if args.requests
+        else Arrival("concurrency", 8)
+    )
+    pricing = load_pricing_file(args.pricing) if args.pricing else load().pricing
+    if args.config:
+        pricing = load(args.config).pricing
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for s in strategies:
+        if s not in ("none", "serial", "fixed-batch", "token-budget"):
+            raise ConfigError(
+                f"--strategies: '{s}' is not one of none, serial, fixed-batch, token-budget"
+            )
+    opts = BenchOptions(
+        strategies=strategies,
+        out_dir=Path(args.out),
+        upstream=args.upstream,
+        model=args.model,
+        arrival=arrival,
+        warmup=args.warmup,
+        token_budget=args.token_budget,
+        max_batch=args.max_batch,
+        lower_factor=args.lower_factor,
+        max_attempts=args.max_attempts,
+        pricing=pricing,
+        sim_api=args.api,
+        sim_params=engine_params(args),
+        seed=args.seed,
+    )
+    result = asyncio.run(run(opts, reqs, source))
+    for path in write_all(result, opts.out_dir):
+        print(f"wrote {path}")
+    for name, s in result["strategies"].items():
+        e2e = s["e2e_s"]["p50"]
+        print(
+            f"  {name:<13} failures={s['failures']:<3} e2e p50="
+            f"{'unknown' if e2e is None else f'{e2e * 1000:.0f} ms'} "
+            f"attempts={len(s['attempts'])}"
+        )
+    return 0
+
+
+def add_bench(sub: Sub) -> None:
+    p = sub.add_parser("bench", help="compare scheduling strategies on a fixed request set")
+    p.add_argument("--requests", help="request set (JSONL); default: a generated set")
+    p.add_argument("--strategies", default="serial,fixed-batch,token-budget")
+    p.add_argument("--upstream", help="vLLM/TGI base URL; default: start the simulator")
+    p.add_argument("--model", help="model name (default: asked from the upstream)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--concurrency", type=int, help="closed loop with N in flight")
+    g.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
+    g.add_argument("--burst", type=int, help="bursts of N")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument(
+        "--lower-factor",
+        type=float,
+        default=0.5,
+        help="budget multiplier after an out-of-memory attempt",
+    )
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--pricing", help="pricing YAML for cost per 1k tokens")
+    p.add_argument("--config", help="tollbooth config whose pricing to use")
+    p.add_argument("--api", choices=["vllm", "tgi"], default="vllm", help="simulator API")
+    add_engine_flags(p)
+    _add_distribution_flags(p, 48)
+    p.set_defaults(func=needs_lab(cmd_bench))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tollbooth_lab import demo
+
+    from ..telemetry import logs
+
+    logs.setup("WARNING", "text")
+    demo.main(
+        args.duration, args.keep_running, args.listen, args.admin_listen, args.upstream_listen
+    )
+    return 0
+
+
+def add_demo(sub: Sub) -> None:
+    p = sub.add_parser("demo", help="simulator + sidecar + a short mixed load, then a summary")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of traffic")
+    p.add_argument("--keep-running", action="store_true", help="stay up after the summary")
+    p.add_argument("--listen", default="127.0.0.1:8080")
+    p.add_argument("--admin-listen", default="127.0.0.1:9464")
+    p.add_argument("--upstream-listen", default="127.0.0.1:8000")
+    p.set_defaults(func=needs_lab(cmd_demo))
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from ..billing import audit, report
+    from ..config import load
+
+    path, ledger = args.path, args.ledger
+    if not path and not ledger:
+        cfg = load(args.config)
+        if cfg.audit.sink == "ledger":  # the fleet's rows when they are shipped
+            ledger = cfg.ledger.postgres_url or cfg.ledger.path
+        else:
+            path = cfg.audit.path
+    records = audit.read_records(report.parse_since(args.since), path=path, ledger=ledger)
+    print(audit.render(records, args.format))
+    return 0
+
+
+def add_audit(sub: Sub) -> None:
+    p = sub.add_parser("audit", help="list audit records of expensive requests")
+    p.add_argument("--since", default="24h")
+    p.add_argument("--format", default="table", choices=["table", "json"])
+    p.add_argument("--path", help="audit JSONL file (rotated files beside it are read too)")
+    p.add_argument(
+        "--ledger",
+        help="ledger with the audit table (audit.sink: ledger): SQLite file or postgresql:// URL",
+    )
+    p.add_argument("--config", help="tollbooth config to read audit.path / ledger.path from")
+    p.set_defaults(func=cmd_audit)
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    from ..proxy.identity import add_key
+
+    key = add_key(args.file, args.user, args.team)
+    print(key)  # the only time the key exists outside the client: the file keeps its hash
+    return 0
+
+
+def add_keys(sub: Sub) -> None:
+    p = sub.add_parser("keys", help="manage the API keys file (identity.keys_file)")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    a = keys.add_parser("add", help="create a key, print it once, store only its SHA-256")
+    a.add_argument("--file", required=True, help="the keys file (created if missing)")
+    a.add_argument("--user", required=True, help="the principal billed for this key")
+    a.add_argument("--team", help="the principal's team (team budgets)")
+    a.set_defaults(func=cmd_keys_add)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from ..config import load
+    from . import configdoc
+
+    config = load(args.config) if args.config and not args.print_defaults else None
+    print(configdoc.render(config), end="")
+    return 0
+
+
+def add_config(sub: Sub) -> None:
+    p = sub.add_parser("config", help="print every config key with its default, or a file's")
+    p.add_argument(
+        "--print-defaults",
+        action="store_true",
+        help="every key with its default: what tollbooth.example.yaml holds (the default)",
+    )
+    p.add_argument("--config", help="print this file's effective config (checked) instead")
+    p.set_defaults(func=cmd_config)
+
+
+ADDERS: list[Adder] = [
+    add_report,
+    add_simulate,
+    add_make_requests,
+    add_bench,
+    add_demo,
+    add_audit,
+    add_keys,
+    add_config,
+]

@@ -1,0 +1,132 @@
+"""Plugs the optional components into a Sidecar: each one a gate, a sink or a cleanup context.
+
+Owns: the order in which components see a request (gates: budgets, then admission, then the start
+of GPU attribution; sinks: GPU attribution, spend, ledger, then logs). Never: holds state of its
+own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..billing.admission import Admission
+from ..billing.audit import Audit, audit_context
+from ..billing.budget import Budgets, spent_by_scope
+from ..billing.ledger import Ledger, ledger_context
+from ..telemetry import thresholds, tracing
+from ..telemetry.accesslog import AccessLog, access_log_context
+from ..telemetry.gpu import Attribution, GpuCollector, gpu_context
+from .app import Sidecar
+
+if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
+    from ..billing.fleet_ledger import Shipper
+    from ..billing.redis_store import RedisStore
+
+
+def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar:
+    """Attach every component the config turns on. Returns `sc` for chaining.
+
+    `nvml` and `span_exporter` are the two boundaries tests replace (a fake NVML module, an
+    in-memory exporter); by default the real ones are used.
+    """
+    cfg = sc.config
+    if cfg.gpu.enabled:
+        attribution = sc.attribution = Attribution(sc.metrics, sc.prices, cfg.admission)
+        collector = GpuCollector(cfg.gpu, sc.metrics, nvml)
+
+        def up(c: GpuCollector) -> None:
+            attribution.enable(len(c.devices))
+            c.on_poll = attribution.poll_energy
+
+        sc.extra_contexts.append(gpu_context(collector, up))
+        sc.meter.add_sink("gpu", attribution.end)  # first sink: device_seconds for the others
+    if tracing.enabled(cfg) or span_exporter is not None:
+        t = sc.tracing = tracing.Tracing(cfg, sc.metrics, span_exporter)
+        sc.on_start.append(t.start)
+        sc.meter.add_sink("tracing", t.finish)
+        sc.extra_contexts.append(tracing.tracing_context(t))
+    shipper = _shipper(sc)
+    store = _shared_store(sc, shipper)
+    budgets = sc.budgets = Budgets(
+        cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
+    )
+    if budgets.enforcing:  # before the queue: a request over budget never waits in it
+        sc.gates.append(budgets.gate)
+    if cfg.admission.strategy != "none":
+        sc.admission = Admission(cfg.admission, sc.metrics)
+        sc.gates.append(sc.admission.gate)
+    sc.meter.add_sink("spend", budgets.settle)
+    if cfg.ledger.path:
+        ledger = sc.ledger = Ledger(cfg.ledger, sc.metrics)
+
+        async def restore(opened: Ledger) -> None:
+            since = budgets.day_start(budgets.clock())
+            by_user, by_team = await asyncio.to_thread(opened.spend_since, since)
+            if store is None:
+                await budgets.restore(by_user, by_team)
+            else:  # the shared store seeds itself from the fleet's ledger
+                budgets.restore_gauge(by_user)
+
+        if shipper is not None:  # ships after the ledger's last rows; starts after its retention
+            from ..billing.fleet_ledger import shipper_contexts
+
+            outer, inner = shipper_contexts(shipper)
+            sc.extra_contexts.append(outer)
+        sc.extra_contexts.append(ledger_context(ledger, on_open=restore))
+        if shipper is not None:
+            sc.extra_contexts.append(inner)
+        sc.meter.add_sink("ledger", ledger.append)
+    if cfg.audit.enabled:
+        audit = sc.audit = Audit(cfg.audit, thresholds.DEFAULT, sc.prices, sc.metrics, sc.ledger)
+        sc.extra_contexts.append(audit_context(audit))
+        sc.meter.add_sink("audit", audit.check)  # before the access log: audited lines are kept
+    if cfg.logging.access_log != "off":
+        access = sc.access_log = AccessLog(cfg.logging, metrics=sc.metrics)
+        sc.extra_contexts.append(access_log_context(access))
+        sc.meter.add_sink("access_log", access.write)
+    if sc.attribution is not None:  # the last gate: GPU time counts from admission, not arrival
+        sc.gates.append(sc.attribution.admitted)
+    return sc
+
+
+def _shipper(sc: Sidecar) -> Shipper | None:
+    cfg = sc.config.ledger
+    if not (cfg.postgres_url and cfg.path):
+        return None
+    from ..billing.fleet_ledger import Shipper
+
+    return Shipper(cfg, sc.metrics)
+
+
+def _shared_store(sc: Sidecar, shipper: Shipper | None) -> RedisStore | None:
+    """The Redis store when budgets.store is set; it seeds a day from PostgreSQL when the fleet
+    ledger is configured, else from this sidecar's own ledger."""
+    cfg = sc.config
+    if not cfg.budgets.store:
+        return None
+    from ..billing.fleet_ledger import local_spend_since
+    from ..billing.redis_store import RedisStore, store_context
+
+    path = cfg.ledger.path
+
+    async def source(day: int) -> tuple[Mapping[str, int], float]:
+        if shipper is not None:
+            by_user, by_team, read_at = await asyncio.to_thread(shipper.spend_since, day)
+        else:
+            assert path is not None
+            read_at = time.time()
+            by_user, by_team = await asyncio.to_thread(local_spend_since, path, day)
+        return spent_by_scope(by_user, by_team), read_at
+
+    store = RedisStore(
+        cfg.budgets,
+        sc.metrics,
+        lambda: sc.budgets.day_start(sc.budgets.clock()),
+        source if path else None,
+        max_scopes=cfg.budgets.max_tracked_users + 1 + len(cfg.budgets.teams),
+    )
+    sc.extra_contexts.append(store_context(store))
+    return store

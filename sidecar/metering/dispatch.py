@@ -1,0 +1,53 @@
+"""The route an `/invocations` body is dispatched to, told from the body as each server does.
+
+Owns: the order vLLM and TGI try their request models in, and `AmbiguousBody` for a body more
+than one of them could serve.
+Never: guesses: a body two routes could serve is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..exchange import Endpoint
+
+
+class AmbiguousBody(ValueError):
+    """An /invocations body more than one route could serve; refused with 400."""
+
+
+def _names(order: tuple[tuple[str, Any, Endpoint], ...]) -> str:
+    return ", ".join(f"'{key}'" for key, _, _ in order)
+
+
+def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
+    """The route `/invocations` dispatches a body to, in the order the server tries them.
+
+    vLLM validates the body as a chat request (`messages`), then a completion (`prompt`), then a
+    pooling request (`input`); TGI tries its generate request (`inputs`), then chat, then
+    completion. Text generation is metered; anything else is OTHER.
+    """
+    order = _TGI_INVOCATIONS if api == "tgi" else _VLLM_INVOCATIONS
+    if sum(key in obj for key, _, _ in order) > 1:
+        # Which route serves it then depends on which request model fails to validate first
+        # (TGI serves {"inputs", "parameters": {"seed": -1}, "messages"} as chat): not guessed.
+        raise AmbiguousBody("an /invocations body names more than one of " + _names(order))
+    for key, kinds, endpoint in order:
+        if isinstance(obj.get(key), kinds):
+            return endpoint
+    return Endpoint.OTHER
+
+
+_VLLM_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
+    ("messages", list, Endpoint.CHAT),
+    ("prompt", (str, list), Endpoint.COMPLETIONS),
+    ("input", (str, list), Endpoint.EMBEDDINGS),
+)
+
+
+_TGI_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
+    ("inputs", str, Endpoint.TGI_COMPAT),
+    ("messages", list, Endpoint.CHAT),
+    ("prompt", (str, list), Endpoint.COMPLETIONS),
+)

@@ -1,0 +1,113 @@
+"""The record of one proxied request, and what happens to it once it is finished.
+
+Owns: the `Exchange` (everything measured about a request), and `Meter.record()`, which turns it
+into metrics, cost, spend and sinks (ledger, access log, audit, GPU attribution).
+Never: raises into the proxy. Any failure here is logged and counted in
+`tollbooth_metering_errors_total{stage}`; the client's response is already decided.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ..exchange import UPSTREAM_FAILED, Cost, Exchange, Sink, consumed, priced_model
+from ..telemetry.metrics import Metrics
+from .pricing import PriceBook
+
+log = logging.getLogger("tollbooth.meter")
+
+
+class Meter:
+    def __init__(self, metrics: Metrics, prices: PriceBook) -> None:
+        self.metrics = metrics
+        self.prices = prices
+        self._sinks: list[tuple[str, Sink]] = []
+
+    def add_sink(self, stage: str, sink: Sink) -> None:
+        """Sinks run in order after metrics and cost; each is isolated from the others' failures."""
+        self._sinks.append((stage, sink))
+
+    def record(self, ex: Exchange) -> None:
+        self._guard("metrics", self._count, ex)
+        self._guard("cost", self._price, ex)
+        for stage, sink in self._sinks:
+            self._guard(stage, sink, ex)
+
+    def _guard(self, stage: str, fn: Sink, ex: Exchange) -> None:
+        try:
+            fn(ex)
+        except Exception:
+            log.exception("metering stage %s failed for request %s", stage, ex.request_id)
+            with contextlib.suppress(Exception):  # the registry itself is broken
+                self.metrics.metering_errors.labels(stage).inc()
+
+    def _count(self, ex: Exchange) -> None:
+        m, ep, u, c = self.metrics, ex.endpoint.label, ex.usage, self.metrics.child
+        c(m.requests, ex.model, ep, ex.status_label).inc()
+        if ex.duration_s is not None:
+            c(m.duration, ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
+        if (ttft := ex.ttft_s) is not None:
+            c(m.ttft, ex.model, ep).observe(ttft)
+            if (tpot := time_per_output_token(ex)) is not None:
+                c(m.tpot, ex.model, ep).observe(tpot)
+        if not consumed(ex):
+            return
+        if u.input_tokens is not None:
+            c(m.tokens, ex.model, "input", ep, ex.user).inc(u.input_tokens)
+        if u.output_tokens is not None:
+            c(m.tokens, ex.model, "output", ep, ex.user).inc(u.output_tokens)
+        if u.cached_input_tokens is not None:
+            c(m.cached_tokens, ex.model, ep, ex.user).inc(u.cached_input_tokens)
+        if u.input_tokens is None or u.output_tokens is None:
+            failed = ex.status >= 500 or ex.status_label == "stream_error"
+            reason = UPSTREAM_FAILED if failed else (u.unknown_reason or "unknown")
+            c(m.usage_unknown, ex.model, ep, reason).inc()
+
+    def _price(self, ex: Exchange) -> None:
+        if not consumed(ex):
+            return
+        m, ep, c = self.metrics, ex.endpoint.label, self.metrics.child
+        cost = price_cost(self.prices, ex)
+        if cost is None:
+            # Each measured direction is spent even if the other is unknown.
+            if (partial := _partial_cost(self.prices, ex)) is not None:
+                c(m.cost, ex.model, "input", ep, ex.user).inc(partial)
+            c(m.cost_unknown, ex.model, ex.cost_unknown_reason or "unknown").inc()
+            return
+        c(m.cost, ex.model, "input", ep, ex.user).inc(cost.input_usd)
+        c(m.cost, ex.model, "output", ep, ex.user).inc(cost.output_usd)
+        c(m.request_cost, ex.model, ep).observe(cost.total_usd, self._exemplar(ex))
+
+    @staticmethod
+    def _exemplar(ex: Exchange) -> dict[str, str] | None:
+        return {"trace_id": ex.trace_id} if ex.trace_id and ex.trace_sampled else None
+
+
+def time_per_output_token(ex: Exchange) -> float | None:
+    """Decode time per token after the first, per choice: the choices of one request (`n`, or
+    several prompts) are decoded side by side, so the time is divided by the tokens of one choice
+    (all output tokens / choices, the mean when their lengths differ), not by all choices' tokens.
+    The choices are those that reported a finish reason, at least the `n` asked for."""
+    out, first = ex.usage.output_tokens, ex.first_token_at
+    if not out or first is None or ex.duration_s is None:
+        return None
+    choices = max(len(ex.usage.finish_reasons), ex.info.n or 1)
+    per_choice = out / choices
+    if per_choice <= 1:
+        return None
+    return max(ex.t0 + ex.duration_s - first, 0.0) / (per_choice - 1)
+
+
+def price_cost(prices: PriceBook, ex: Exchange) -> Cost | None:
+    """Set `ex.cost` (or `ex.cost_unknown_reason`) once; the proxy calls it for the cost header."""
+    if ex.cost is None and ex.cost_unknown_reason is None:
+        ex.cost, ex.cost_unknown_reason = prices.cost(priced_model(ex), ex.usage)
+    return ex.cost
+
+
+def _partial_cost(prices: PriceBook, ex: Exchange) -> float | None:
+    """Input spend when only the input was measured (output unknown)."""
+    if ex.usage.output_tokens is not None:
+        return None
+    return prices.input_cost(priced_model(ex), ex.usage)

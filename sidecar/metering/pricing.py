@@ -1,0 +1,69 @@
+"""Prices and cost: USD per million tokens, per model.
+
+Owns: the price table (from the config or a separate file, re-read on SIGHUP) and the arithmetic
+from measured token counts to dollars.
+Never: prices a model it has no price for (that cost is unknown, not $0), or prices a token count
+that was not measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConfigError, ModelPrice, PricingConfig, build, load_yaml
+from ..exchange import Cost, Usage
+
+
+class PriceBook:
+    """The current prices. `replace()` swaps them atomically (SIGHUP reload)."""
+
+    def __init__(self, pricing: PricingConfig) -> None:
+        self._p = pricing
+
+    @property
+    def config(self) -> PricingConfig:
+        return self._p
+
+    def replace(self, pricing: PricingConfig) -> None:
+        self._p = pricing
+
+    def price(self, model: str | None) -> ModelPrice | None:
+        if model is not None and model in self._p.models:
+            return self._p.models[model]
+        return self._p.default
+
+    def cost(self, model: str | None, usage: Usage) -> tuple[Cost | None, str | None]:
+        """(cost, None) when both directions are measured and priced, else (None, reason)."""
+        price = self.price(model)
+        if price is None:
+            return None, "no_price"
+        if usage.input_tokens is None or usage.output_tokens is None:
+            return None, "usage_unknown"
+        return compute(
+            price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens
+        ), None
+
+    def input_cost(self, model: str | None, usage: Usage) -> float | None:
+        """Cost of the input alone (audit threshold), when measured and priced."""
+        price = self.price(model)
+        if price is None or usage.input_tokens is None:
+            return None
+        return compute(price, usage.input_tokens, usage.cached_input_tokens, 0).input_usd
+
+
+def compute(price: ModelPrice, input_tokens: int, cached: int | None, output_tokens: int) -> Cost:
+    """Cached input is part of input, billed at its own price (the input price if none is set)."""
+    cached = min(cached or 0, input_tokens)
+    cached_price = price.cached_input_per_1m
+    if cached_price is None:
+        cached_price = price.input_per_1m
+    inp = ((input_tokens - cached) * price.input_per_1m + cached * cached_price) / 1e6
+    return Cost(input_usd=inp, output_usd=output_tokens * price.output_per_1m / 1e6)
+
+
+def load_pricing_file(path: str | Path) -> PricingConfig:
+    """A pricing file has the same shape as the config's `pricing:` section."""
+    try:
+        return build(PricingConfig, load_yaml(path), prefix="pricing")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (in {path})") from exc

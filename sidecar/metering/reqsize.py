@@ -1,0 +1,192 @@
+"""What a request can cost, read from its body: the text the server may tokenize and the output
+limit as the route's server reads it. The budget's hold (docs/budgets.md) is made of these.
+
+Owns: which strings of a body count as prompt text (every one, keys of nested objects too, but
+base64 media in a message's media part), the token ids sent as a prompt, and the output limit of
+each route on vLLM and TGI (the table in docs/budgets.md, each row from the engine's source).
+Never: skips a string for what it says, reads a limit from a field the route's server ignores, or
+recurses (a deeply nested body must not exhaust the stack).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ..exchange import Endpoint
+
+_LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
+_BIG = 2**62  # any longer number of digits reads as this (a hold that large is refused)
+
+
+def lax_int(value: object) -> int | None:
+    """An integer as vLLM's request models read one (pydantic's lax mode): an int, a bool, a float
+    without a fraction, or a string of one ("+8", " 30_000 ", "30000.0"). None otherwise."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str) and len(value) < 64:
+        text = value.strip().removeprefix("+")
+        if _LAX_INT.fullmatch(text):
+            digits = text.partition(".")[0].replace("_", "")
+            return int(digits) if len(digits) < 19 else _BIG
+    return None
+
+
+def positive(v: int | None) -> int | None:
+    return v if v is not None and v > 0 else None
+
+
+# --- output limits --------------------------------------------------------------------------------
+
+# The fields each route's server reads its output limit from, first positive first (the table in
+# docs/budgets.md names the source of each). vLLM's chat takes `max_completion_tokens or
+# max_tokens`; TGI's chat reads `max_tokens` with `max_completion_tokens` as its serde alias (a
+# body with both is refused there, so either may be read). A route's other fields are no limit.
+_VLLM_LIMITS: Mapping[Endpoint, tuple[str, ...]] = {
+    Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
+    Endpoint.COMPLETIONS: ("max_tokens",),
+    Endpoint.RESPONSES: ("max_output_tokens",),
+}
+_TGI_LIMITS: Mapping[Endpoint, tuple[str, ...]] = {
+    Endpoint.CHAT: ("max_tokens", "max_completion_tokens"),
+    Endpoint.COMPLETIONS: ("max_tokens",),
+}
+_TGI_NATIVE_LIMIT = ("max_new_tokens",)  # in `parameters`
+
+
+def limit_fields(endpoint: Endpoint, api: str) -> tuple[str, ...]:
+    """The fields the route's limit is read from (in `parameters` on TGI's native routes)."""
+    if endpoint.is_tgi_native:
+        return _TGI_NATIVE_LIMIT
+    return (_TGI_LIMITS if api == "tgi" else _VLLM_LIMITS).get(endpoint, ())
+
+
+def read_limit(
+    fields: tuple[str, ...], values: Mapping[str, Any]
+) -> tuple[int | None, tuple[str, ...]]:
+    """(the first positive of `fields` in `values`, the fields present that are no integer the
+    server would read). A 0 or a missing field falls through to the next."""
+    limit: int | None = None
+    unreadable: tuple[str, ...] = ()
+    for key in fields:
+        value = values.get(key)
+        if value is None:
+            continue
+        read = value if type(value) is int else lax_int(value)
+        if read is None:
+            unreadable += (key,)
+        elif limit is None and read > 0:
+            limit = read
+    return limit, unreadable
+
+
+def vertex_limit(instance: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """TGI's /vertex instance: a generate request (`inputs`, `parameters.max_new_tokens`) when it
+    has a string `inputs` (serde's untagged enum tries that first), else a chat request."""
+    if isinstance(instance.get("inputs"), str):
+        params = instance.get("parameters")
+        return read_limit(_TGI_NATIVE_LIMIT, params if isinstance(params, dict) else {})
+    return read_limit(_TGI_LIMITS[Endpoint.CHAT], instance)
+
+
+# --- the prompt's size ----------------------------------------------------------------------------
+
+# Where a value sits, for what counts in it. The server reads an object's keys as field names,
+# but where it renders the object into the prompt as JSON: tools (vLLM's and TGI's chat templates
+# and TGI's tool prompt), legacy functions, and RAG documents, whose keys are tokens too.
+_PLAIN, _SCHEMA, _PROMPT, _REQUEST, _MESSAGES, _MESSAGE, _CONTENT, _PART, _MEDIA = range(9)
+_RENDERED = frozenset({"tools", "functions", "documents"})
+
+# A content part's media, left out as the bound's documented term (docs/budgets.md): the server
+# turns it into media tokens and never tokenizes its characters. Base64 in a URL slot (a `data:`
+# URL; any other URL is fetched, and its characters count) or in a raw base64 slot.
+_MEDIA_OBJECTS = frozenset({"image_url", "audio_url", "video_url", "input_audio", "file"})
+_MEDIA_BASE64 = frozenset({"file_data", "image_embeds"})
+_MEDIA_SLOTS = frozenset({"data", "file_data"})  # in a media object: raw base64
+_NOT_TEXT = frozenset({"model", "user"})  # a request's own fields that are never prompt text
+_CONVERSATIONS = frozenset({"messages", "input"})  # chat's messages, the Responses API's input
+
+
+def body_size(obj: object) -> tuple[int, int]:
+    """(characters of every string the server may tokenize, integers inside a `prompt`): what
+    the prompt can be made of, for the budget's worst case.
+
+    Every string counts, whatever it says, and every key inside `tools`, `functions` and
+    `documents` (rendered into the prompt as JSON). Left out: the top-level `model` and
+    `user`, and the base64 media of a content part
+    (`messages[].content[]`, the Responses API's `input[].content[]`, each of TGI's /vertex
+    `instances`): a `data:` URL in `image_url`, `audio_url`, `video_url` (or in their `url`),
+    `input_audio.data`, `file_data` (or `file.file_data`), `image_embeds`. Only inside a
+    `prompt` member is an integer a token id. Iterative and linear: each value is visited
+    once, no recursion.
+    """
+    if not isinstance(obj, dict):
+        return 0, 0
+    stack: list[tuple[int, object]] = [(_REQUEST, obj)]
+    chars = ids = 0
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            chars += _members(where, value, stack)
+            continue
+        assert isinstance(value, list)
+        inner = _MESSAGE if where == _MESSAGES else _PART if where == _CONTENT else where
+        inner = _PLAIN if inner == _MEDIA else inner
+        for v in value:
+            if isinstance(v, str):
+                chars += len(v)
+            elif isinstance(v, dict | list):
+                stack.append((inner, v))
+            elif where == _PROMPT and type(v) is int:
+                ids += 1
+    return chars, ids
+
+
+def _members(where: int, obj: Mapping[str, object], stack: list[tuple[int, object]]) -> int:
+    """Characters of an object's strings (and of its keys, in what is rendered as JSON); its
+    containers go on `stack`, each with where it sits."""
+    chars = 0
+    for k, v in obj.items():
+        if where == _SCHEMA:
+            chars += len(k)
+        elif where == _REQUEST and k in _NOT_TEXT:
+            continue
+        if isinstance(v, str):
+            if not _is_media(where, k, v):
+                chars += len(v)
+        elif isinstance(v, dict | list):
+            stack.append((_inside(where, k, v), v))
+    return chars
+
+
+def _inside(where: int, key: str, value: object) -> int:
+    """Where a member's value sits."""
+    if where == _SCHEMA:
+        return _SCHEMA
+    if key == "prompt":
+        return _PROMPT
+    if where == _REQUEST:
+        if key in _CONVERSATIONS:
+            return _MESSAGES
+        if key in _RENDERED:
+            return _SCHEMA
+        return _REQUEST if key == "instances" and isinstance(value, list) else _PLAIN
+    if where == _MESSAGE and key == "content":
+        return _CONTENT
+    if where == _PART and key in _MEDIA_OBJECTS and isinstance(value, dict):
+        return _MEDIA
+    return _PLAIN
+
+
+def _is_media(where: int, key: str, value: str) -> bool:
+    """A string member that is base64 media (see `body_size`)."""
+    if where == _PART:
+        if key in _MEDIA_BASE64:
+            return True
+        return key in _MEDIA_OBJECTS and value.startswith("data:")
+    if where == _MEDIA:  # an image_url's {"url": "data:..."}, input_audio's {"data"}, a file's
+        return key in _MEDIA_SLOTS or (key == "url" and value.startswith("data:"))
+    return False

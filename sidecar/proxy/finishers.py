@@ -1,0 +1,230 @@
+"""Work that outlives a request's handler, so a request whose client left is still billed.
+
+Owns: the bounded set of background tasks that finish such requests (keep reading a finished
+stream to its usage chunk, or cancel the upstream mid-generation), and the exact prompt size from
+the upstream's own tokenizer when the wire did not give it.
+Never: runs without a deadline, holds more than `limit` tasks (beyond it a request is recorded at
+once with what was measured), or sends anything to a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..metering.usage import StreamMeter
+from ..telemetry.metrics import Metrics
+from .upstream import Upstream, UpstreamResponse
+
+log = logging.getLogger("tollbooth.finishers")
+
+
+class Finishers:
+    """Background tasks, each ending by recording its exchange; bounded in number."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Run `coro` in the background; None (and `coro` closed) when at the limit."""
+        if len(self._tasks) >= self.limit:
+            coro.close()
+            return None
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self, grace: float) -> None:
+        """Let running tasks end within `grace` seconds (each is bounded anyway), then cancel."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+# Chat request fields that change how vLLM renders the prompt; /tokenize takes the same ones.
+_VLLM_TEMPLATE_KEYS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+
+
+def tokenize_requests(info: RequestInfo, api: str) -> list[tuple[str, bytes]] | None:
+    """The upstream calls that count this request's prompt exactly as its generation did:
+    (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
+
+    vLLM's /tokenize renders chat messages with the same template inputs as the chat route; TGI's
+    /tokenize takes a generate request and /chat_tokenize a chat request.
+    """
+    try:
+        obj = json.loads(info.body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    ep = info.endpoint
+    if ep is Endpoint.TGI_VERTEX:
+        instances = obj.get("instances")
+        if not isinstance(instances, list) or not instances or len(instances) > 64:
+            return None
+        calls = [_tgi_tokenize(i) for i in instances]
+        return None if None in calls else calls  # type: ignore[return-value]
+    if ep.is_tgi_native:
+        call = _tgi_tokenize(obj)
+        return [call] if call else None
+    if ep is Endpoint.CHAT and isinstance(obj.get("messages"), list):
+        if api == "tgi":
+            return [("/chat_tokenize", info.body)]
+        body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
+        return [("/tokenize", json.dumps(body).encode())]
+    if ep is Endpoint.COMPLETIONS:
+        return _completion_tokenize(obj, api)
+    return None
+
+
+def _completion_tokenize(obj: dict[str, Any], api: str) -> list[tuple[str, bytes]] | None:
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or "truncate_prompt_tokens" in obj:
+        return None  # a batch, token ids (counted without asking) or a truncated prompt
+    if api == "tgi":  # TGI's completions generate from the prompt as given
+        return [("/tokenize", json.dumps({"inputs": prompt}).encode())]
+    body = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
+    return [("/tokenize", json.dumps({**body, "prompt": prompt}).encode())]
+
+
+def _tgi_tokenize(obj: object) -> tuple[str, bytes] | None:
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("inputs"), str):
+        keep = {k: obj[k] for k in ("inputs", "parameters", "add_special_tokens") if k in obj}
+        return ("/tokenize", json.dumps(keep).encode())
+    if isinstance(obj.get("messages"), list):
+        return ("/chat_tokenize", json.dumps(obj).encode())
+    return None
+
+
+def prompt_token_ids(info: RequestInfo) -> int | None:
+    """A completion whose prompt is token ids is counted without asking anyone."""
+    if info.endpoint is not Endpoint.COMPLETIONS:
+        return None
+    try:
+        prompt = json.loads(info.body).get("prompt")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return len(prompt)
+    return None
+
+
+class PromptCounter:
+    """The prompt's exact token count, from the upstream that served the request.
+
+    The calls come from `usage.tokenize_requests` (the same template inputs the generation used);
+    vLLM answers `{"count": N}`, TGI's /tokenize a list of tokens and /chat_tokenize
+    `{"tokenize_response": [...]}`. Any failure gives None, counted as a tokenize upstream error.
+    """
+
+    TIMEOUT_S = 2.0
+
+    def __init__(self, upstream: Upstream, api: str, metrics: Metrics) -> None:
+        self.upstream, self.api, self.metrics = upstream, api, metrics
+
+    async def count(self, info: RequestInfo, headers: dict[str, str] | None = None) -> int | None:
+        if (ids := prompt_token_ids(info)) is not None:
+            return ids
+        calls = tokenize_requests(info, self.api)
+        if not calls:
+            return None
+        total = 0
+        for path, body in calls:
+            n = await self._one(path, body, headers or {})
+            if n is None:
+                self.metrics.upstream_errors.labels("tokenize").inc()
+                return None
+            total += n
+        return total
+
+    async def _one(self, path: str, body: bytes, headers: dict[str, str]) -> int | None:
+        hdrs = {**headers, "Content-Type": "application/json"}
+        try:
+            status, data = await self.upstream.fetch(
+                "POST", path, body=body, headers=hdrs, timeout=self.TIMEOUT_S
+            )
+            return _count(json.loads(data)) if status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("upstream %s failed: %r", path, exc)
+            return None
+
+
+def _count(data: object) -> int | None:
+    if isinstance(data, dict):
+        if isinstance(data.get("count"), int):
+            return int(data["count"])
+        tokens = data.get("tokenize_response")
+        return len(tokens) if isinstance(tokens, list) else None
+    if isinstance(data, list):
+        if data and isinstance(data[0], list):  # a batch of one input
+            return len(data[0]) if len(data) == 1 else None
+        return len(data)
+    return None
+
+
+# --- after the client left ------------------------------------------------------------------------
+
+
+async def stream_usage(up: UpstreamResponse, meter: StreamMeter, drain_s: float) -> Usage:
+    """Usage of a stream whose client left. A finished generation is read on (at most `drain_s`)
+    to its usage chunk; one still generating is cancelled by the caller closing `up`."""
+    if meter.finished and not meter.done:
+        try:
+            async with asyncio.timeout(drain_s):
+                async for chunk in up.content.iter_any():
+                    meter.feed(chunk)  # nobody is listening: the bytes are only metered
+                    if meter.done:
+                        break
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.info("reading on after the client left ended early: %r", exc)
+    return meter.usage_so_far()
+
+
+async def with_prompt_count(
+    usage: Usage,
+    info: RequestInfo,
+    counter: PromptCounter | None,
+    headers: dict[str, str],
+    *,
+    client_left: bool,
+) -> Usage:
+    """`usage` with its input count from the upstream's tokenizer when the wire lacked it."""
+    if usage.input_tokens is None and counter is not None:
+        n = await counter.count(info, headers)
+        if n is not None:
+            usage = replace(usage, input_tokens=n)
+    if usage.input_tokens is not None and usage.output_tokens is not None:
+        return replace(usage, unknown_reason=None)
+    if client_left:
+        return replace(usage, unknown_reason="client_disconnected")
+    return usage

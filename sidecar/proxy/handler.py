@@ -1,0 +1,781 @@
+"""The reverse proxy: every method and path to the one configured upstream, metered on the way.
+
+Owns: forwarding (headers minus hop-by-hop, X-Forwarded-*, bodies streamed), the upstream's
+failures as OpenAI-shaped 502/504 errors, client disconnects, and handing each finished request to
+the meter. The client gets the upstream's bytes; the only changes are listed in docs/traffic.md.
+Never: buffers a stream, blocks the event loop, or lets an accounting failure fail a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, MultiMapping
+from yarl import URL
+
+from ..exchange import (
+    STATUS_CLIENT_CLOSED,
+    Endpoint,
+    Exchange,
+    Gate,
+    Refusal,
+    RequestInfo,
+    Usage,
+    new_uid,
+)
+from ..metering.meter import Meter, price_cost
+from ..metering.usage import StreamMeter, inspect_request, usage_from_body
+from ..telemetry.logs import REQUEST_CONTEXT
+from ..telemetry.metrics import LabelCap, Metrics, sanitize
+from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
+from .identity import Identity, Principal, Unauthorized
+from .routes import AmbiguousPath, classify, endpoint_class, routing_path
+from .upstream import Upstream, UpstreamResponse
+
+log = logging.getLogger("tollbooth.proxy")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Trailers",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Connection",
+    )
+)
+COST_HEADER = "x-tollbooth-cost-usd"
+# A non-streaming body larger than this is forwarded as a stream and its usage marked unknown.
+MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
+# json.loads takes ~1 ms per 100 KB: above this a request body is parsed off the event loop.
+PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+
+
+def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """`src` without the headers in `drop` (lower case) and those named in its Connection."""
+    if "Connection" in src:
+        drop = drop | _connection_listed(src)
+    out: CIMultiDict[str] = CIMultiDict(src)  # a copy in C, then a dozen lookups: half the time
+    for name in drop:
+        if name in out:
+            del out[name]
+    return out
+
+
+# Expect: the sidecar answers a 100-continue itself (aiohttp's server sends the 100 before the
+# handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
+_LENGTH = HOP_BY_HOP | {"content-length"}
+
+
+def request_headers(
+    src: Mapping[str, str], *, peer: str | None, scheme: str, authorization: str | None = None
+) -> CIMultiDict[str]:
+    """Headers for the upstream: the client's minus hop-by-hop, Host, Content-Length and Expect;
+    with an upstream key configured, its `Authorization` in place of the client's."""
+    out = _end_to_end(src, _NOT_FORWARDED)
+    if len(out) != len(out.keys() | ()):  # a name repeated (the keys' set is case-insensitive)
+        out = _one_spelling(out)
+    if authorization is not None:
+        out["Authorization"] = authorization
+    if peer:
+        prior = _joined(src, "X-Forwarded-For")
+        out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    out["X-Forwarded-Proto"] = src.get("X-Forwarded-Proto", scheme)
+    return out
+
+
+def _one_spelling(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """Every line of a repeated name spelt as its first: aiohttp's client tells names apart by
+    case when it merges its defaults in (`ClientSession._prepare_headers`), and of `x-a: 1` and
+    `X-A: 2` it would send only `X-A: 2`."""
+    first: dict[str, str] = {}
+    return CIMultiDict((first.setdefault(k.lower(), k), v) for k, v in headers.items())
+
+
+def _joined(headers: Mapping[str, str], name: str) -> str | None:
+    """All the field lines of `name` as one list (RFC 9110 5.3), None when there are none."""
+    if isinstance(headers, MultiMapping):
+        values = headers.getall(name, ())
+        return ", ".join(values) if values else None
+    return headers.get(name)
+
+
+def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
+    return _end_to_end(src, _LENGTH if drop_length else HOP_BY_HOP)
+
+
+def _connection_listed(headers: Mapping[str, str]) -> set[str]:
+    """The options named in every Connection field line (RFC 9110 7.6.1: one list, however many
+    lines carry it)."""
+    value = _joined(headers, "Connection") or ""
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def error_body(err_type: str, message: str) -> bytes:
+    """OpenAI's error shape; `code` is the same machine-readable string as `type`."""
+    return json.dumps({"error": {"message": message, "type": err_type, "code": err_type}}).encode()
+
+
+def error_response(
+    status: int, err_type: str, message: str, retry_after: float | None = None
+) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return web.Response(
+        status=status,
+        body=error_body(err_type, message),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def request_id(headers: Mapping[str, str], uid: str) -> str:
+    """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
+    given = headers.get("X-Request-Id")
+    return sanitize(given, 64) if given else uid
+
+
+def decoded(body: bytes, encoding: str | None) -> bytes:
+    """A decompressed copy for metering; the client still gets the original bytes."""
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+    if encoding == "deflate":
+        return zlib.decompress(body)
+    return body
+
+
+# --- the upstream's model name for TGI's native routes -----------------------------------------
+
+
+class TgiModelName:
+    """`model_id` from the upstream's /info, fetched once and again after a failure."""
+
+    RETRY_S = 5.0
+
+    def __init__(self, upstream: Upstream, configured: str | None):
+        self._upstream = upstream
+        self._name = configured
+        self._lock = asyncio.Lock()
+        self._failed_at = -1e9
+
+    async def get(self) -> str | None:
+        if self._name or time.monotonic() - self._failed_at < self.RETRY_S:
+            return self._name
+        async with self._lock:
+            if not self._name:
+                await self._fetch()
+        return self._name
+
+    async def _fetch(self) -> None:
+        try:
+            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
+            data = json.loads(body)
+            name = data.get("model_id") if isinstance(data, dict) else None
+            if isinstance(name, str) and name:
+                self._name = name
+                return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("upstream /info unavailable (%s); TGI model name unknown for now", exc)
+        self._failed_at = time.monotonic()
+
+
+# --- the handler ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ProxySettings:
+    upstream: str  # base URL without trailing slash
+    inject_usage: bool
+    max_body: int
+    connect_timeout: float
+    read_timeout: float
+    capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
+    authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
+    api: str = "vllm"
+    continuous_usage: bool = False  # ask vLLM for running totals on every chunk (cut back out)
+    free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
+    refuse_unknown_routes: bool = True
+    drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
+    size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
+    body_timeout: float = 60.0  # a metered request's body arrives within this after its headers
+    max_event_bytes: int = 1 << 20  # metering.max_event_bytes: a longer SSE event is not parsed
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        upstream: Upstream,
+        metrics: Metrics,
+        meter: Meter,
+        users: LabelCap,
+        models: LabelCap,
+        tgi_name: TgiModelName,
+        gates: list[Gate],
+        on_start: list[Callable[[Exchange], None]],
+        identity: Identity,
+        counter: PromptCounter | None = None,
+        finishers: Finishers | None = None,
+    ) -> None:
+        self.s = settings
+        self.identity = identity
+        self.upstream = upstream  # every call to the inference server
+        self.metrics = metrics
+        self.meter = meter
+        self.users = users
+        self.models = models
+        self.tgi_name = tgi_name
+        self.gates = gates  # budgets, admission: may refuse a request before the upstream
+        self.on_start = on_start  # e.g. open a span, set the upstream's traceparent
+        self.counter = counter  # exact prompt size for requests whose usage the wire lacked
+        self.finishers = finishers or Finishers()  # work after the handler (client left)
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            path = routing_path(request.rel_url.raw_path)
+        except AmbiguousPath as exc:
+            return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
+        endpoint = classify(request.method, path)
+        try:
+            # Under verified keys the headers decide: an unknown client's body is never read.
+            principal = (
+                None if self.identity.needs_body else self.identity.resolve(request.headers, None)
+            )
+            if endpoint is None:  # a required key is checked, also here
+                principal = principal or self.identity.resolve(request.headers, None)
+                return await self._not_metered(request, path, principal)
+            try:
+                body = await self._read_body(request)
+            except web.HTTPRequestEntityTooLarge:
+                return self._too_large()
+            except TimeoutError:
+                return self._too_slow()
+            info = await self._inspect(endpoint, body)
+            if principal is None:
+                principal = self.identity.resolve(request.headers, info.user)
+        except Unauthorized as exc:
+            self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
+            return error_response(401, "invalid_api_key", str(exc))
+        if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
+            return await self._unmetered(request, path, info, principal)
+        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
+        ex = self._new_exchange(request, info, path, model, len(body), principal)
+        return await self._metered(request, ex)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, bounded in size by the app's client_max_size and in time by
+        `body_timeout`. A body that is here already (most are: they come with the headers) is
+        read without a timer."""
+        if request.content.is_eof():
+            return await request.read()
+        async with asyncio.timeout(self.s.body_timeout):
+            return await request.read()
+
+    async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
+        """Parse the request; a large body is parsed in a thread so the loop keeps serving. A
+        failure to read it is a bug in accounting: logged, counted, and the body forwarded as it
+        is, metered like one that is not JSON (its usage from the response, its hold from its
+        size)."""
+        inspect = functools.partial(
+            inspect_request,
+            endpoint,
+            body,
+            inject_usage=self.s.inject_usage,
+            continuous_usage=self.s.continuous_usage,
+            api=self.s.api,
+        )
+        try:
+            if len(body) < PARSE_IN_THREAD_BYTES:
+                return inspect()
+            return await asyncio.to_thread(inspect)
+        except Exception:
+            log.exception("could not read a %s request body", endpoint.value)
+            self.metrics.metering_errors.labels("inspect").inc()
+            resolved = Endpoint.OTHER if endpoint is Endpoint.INVOCATIONS else endpoint
+            return RequestInfo(endpoint=resolved, body=body, parsed=False)
+
+    def _new_exchange(
+        self,
+        request: web.Request,
+        info: RequestInfo,
+        path: str,
+        model: str | None,
+        size: int,
+        principal: Principal,
+    ) -> Exchange:
+        """The record of one request, metered or not, billed to `principal`."""
+        user_id = sanitize(principal.user, 128)
+        uid = new_uid()
+        return Exchange(
+            uid=uid,
+            request_id=request_id(request.headers, uid),
+            endpoint=info.endpoint,
+            info=info,
+            user=self.users(user_id),
+            user_id=user_id,
+            model=self.models(model or "unknown"),
+            bytes_in=size,
+            upstream=self.s.upstream,
+            request_headers=request.headers,
+            team=principal.team,
+            end_user=sanitize(info.user, 128) if info.user else None,
+            key_id=principal.key_id,
+            path=path,
+        )
+
+    async def _not_metered(
+        self, request: web.Request, path: str, principal: Principal
+    ) -> web.StreamResponse:
+        """Not a metered route: forwarded as is, unless it is a POST that may generate."""
+        if request.method != "POST" or path in self.s.free_routes:
+            return await self._passthrough(request, path)
+        return await self._unmetered(request, path, None, principal)
+
+    async def _unmetered(
+        self,
+        request: web.Request,
+        path: str,
+        info: RequestInfo | None,
+        principal: Principal,
+    ) -> web.StreamResponse:
+        """A POST no metered route matches: counted, gated like any request, then refused or
+        forwarded with its usage unknown (`metering.unknown_routes`)."""
+        self.metrics.unmetered.labels(endpoint_class(path)).inc()
+        info = info or RequestInfo(endpoint=Endpoint.OTHER, body=b"", parsed=False)
+        size = len(info.body) or request.content_length or 0
+        ex = self._new_exchange(request, info, path, None, size, principal)
+        return await self._metered(request, ex)
+
+    async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
+        in_flight.inc()
+        releases: list[Callable[[], None]] = []
+        for hook in self.on_start:  # before the gates: a span covers the queue wait too
+            try:
+                hook(ex)
+            except Exception:
+                log.exception("start hook failed for request %s", ex.request_id)
+                self.metrics.metering_errors.labels("start").inc()
+        context = REQUEST_CONTEXT.set(_log_context(ex))
+        try:
+            if ex.info.ambiguous:
+                raise Refusal(400, "ambiguous_request", ex.info.ambiguous)
+            if ex.endpoint is Endpoint.OTHER and self.s.refuse_unknown_routes:
+                raise Refusal(
+                    403,
+                    "route_not_metered",
+                    f"POST {ex.path} is not a metered route; the operator can allow it with "
+                    "metering.free_routes or metering.unknown_routes: forward",
+                )
+            if self.s.size_prompts and self.counter is not None and ex.info.parsed:
+                # budgets and admission both use it; the finisher reuses it for a client that left
+                ex.prompt_tokens = await self.counter.count(ex.info, self._tokenize_auth(ex))
+            for gate in self.gates:
+                release = await self._pass(gate, ex)
+                if release is not None:
+                    releases.append(release)
+            return await self._exchange(request, ex)
+        except Refusal as r:
+            ex.status, ex.error = r.status, r.err_type
+            return error_response(r.status, r.err_type, str(r), r.retry_after)
+        except asyncio.CancelledError:
+            _client_left(ex)
+            raise
+        finally:
+            ex.finish()
+            done = functools.partial(self._complete, ex, releases, in_flight)
+            if ex.finisher is not None:  # the meter hears of it once the finisher is through
+                ex.finisher.add_done_callback(lambda _: done())
+            else:
+                done()
+            REQUEST_CONTEXT.reset(context)
+
+    def _complete(self, ex: Exchange, releases: list[Callable[[], None]], in_flight: Any) -> None:
+        for release in reversed(releases):
+            release()
+        in_flight.dec()
+        self.meter.record(ex)
+
+    async def _pass(self, gate: Gate, ex: Exchange) -> Callable[[], None] | None:
+        """Run a gate. A Refusal is the gate's answer; any other failure is a bug in accounting:
+        logged and counted, and the request goes on."""
+        try:
+            return await gate(ex)
+        except (Refusal, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("gate failed for request %s", ex.request_id)
+            self.metrics.metering_errors.labels("gate").inc()
+            return None
+
+    async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        headers = self._upstream_headers(request)
+        headers.update(ex.trace_headers)
+        ex.upstream_start = time.perf_counter()
+        up: UpstreamResponse | None = None
+        try:
+            up = await self._send(request, ex, headers)
+            ex.status = up.status
+            if ex.endpoint is Endpoint.OTHER:
+                ex.usage = Usage(unknown_reason="unmetered_route")
+                return await self._relay(request, up, ex)
+            if up.content_type == "text/event-stream":
+                return await self._stream(request, ex, up)
+            return await self._buffered(request, ex, up)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return self._upstream_failed(ex, 504, "upstream_timeout", exc)
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(ex, 502, "upstream_unreachable", exc)
+        except asyncio.CancelledError:
+            # The client left while the upstream had the request (queued, prefilling, or
+            # generating a non-streamed answer): cancel it, and count the prompt it was sent.
+            if ex.finisher is None and ex.endpoint is not Endpoint.OTHER:
+                _client_left(ex)
+                self._finish_later(ex, up, None)
+            raise
+        finally:
+            if up is not None and ex.finisher is None:
+                up.release()  # closes the connection (cancelling the upstream) if unread
+
+    async def _send(
+        self, request: web.Request, ex: Exchange, headers: CIMultiDict[str]
+    ) -> UpstreamResponse:
+        target = self._url(ex.path, request).raw_path_qs
+        body = ex.info.body
+        if body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
+            return await self.upstream.request(request.method, target, headers, body)
+        return await self._streamed(request, target, headers)  # an unmetered body is never read
+
+    async def _streamed(
+        self, request: web.Request, target: str, headers: CIMultiDict[str]
+    ) -> UpstreamResponse:
+        """Send the request with its body streamed from the client as it arrives."""
+        body = request.content.iter_any() if request.body_exists else b""
+        length = request.content_length if request.body_exists else None
+        return await self.upstream.request(request.method, target, headers, body, length=length)
+
+    async def _buffered(
+        self, request: web.Request, ex: Exchange, up: UpstreamResponse
+    ) -> web.StreamResponse:
+        if up.content_length is not None and up.content_length > MAX_METERED_RESPONSE_BYTES:
+            ex.usage = Usage(unknown_reason="response_too_large")
+            return await self._relay(request, up, ex)
+        body = await up.read()
+        ex.bytes_out = len(body)
+        if self.s.capture_bytes:
+            ex.response_sample = body  # a reference to what is in memory anyway, not a copy
+        try:
+            plain = decoded(body, up.headers.get("Content-Encoding"))
+            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers))
+        except Exception:
+            log.exception("could not read usage of request %s", ex.request_id)
+            self.metrics.metering_errors.labels("parse").inc()
+            ex.usage = Usage(unknown_reason="parse_error")
+        if ex.endpoint is Endpoint.TGI_VERTEX and 200 <= up.status < 300:
+            self._finish_later(ex, up, None)  # /vertex reports no counts: ask for the prompt's
+        headers = response_headers(up.headers, drop_length=True)
+        cost = self._cost_now(ex)
+        if cost is not None:
+            headers[COST_HEADER] = f"{cost:.8f}"
+        return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
+
+    async def _stream(
+        self, request: web.Request, ex: Exchange, up: UpstreamResponse
+    ) -> web.StreamResponse:
+        info = ex.info
+        meter = StreamMeter(
+            ex.endpoint,
+            strip_usage=info.injected_usage,
+            strip_chunk_usage=info.strip_chunk_usage,
+            choices=info.choices,
+            per_prompt=info.n or 1,
+            max_event_bytes=self.s.max_event_bytes,
+        )
+        resp = web.StreamResponse(
+            status=up.status,
+            reason=up.reason,
+            headers=response_headers(up.headers, drop_length=True),
+        )
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            _client_left(ex)
+            self._finish_later(ex, up, meter)
+            return resp
+        capture, write = self.s.capture_bytes, resp.write
+        try:
+            async for chunk in up.content.iter_any():  # upstream failures raise here...
+                try:  # the meter, called here: this loop runs once per read of the upstream
+                    out = meter.feed(chunk)
+                except Exception:
+                    out = self._meter_failed(meter, chunk, ex)
+                if ex.first_token_at is None and meter.token_events:
+                    ex.first_token_at = time.perf_counter()
+                if capture:
+                    _sample(ex, out, capture)
+                if not out:
+                    continue
+                try:  # `_write`, inlined: this loop runs once per read of the upstream
+                    await write(out)
+                except ConnectionResetError:
+                    _client_left(ex)
+                    self._finish_later(ex, up, meter)  # the client left
+                    return resp
+                ex.bytes_out += len(out)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            ex.error = "upstream_reset"
+            self.metrics.upstream_errors.labels("stream_interrupted").inc()
+            log.warning("upstream stream of request %s broke: %r", ex.request_id, exc)
+            self._end_stream(ex, meter)
+            _abort(request)  # the client must see a broken stream, not a clean end
+            return resp
+        except asyncio.CancelledError:  # the client left (the server cancels the handler)
+            _client_left(ex)
+            self._finish_later(ex, up, meter)
+            raise
+        tail = self._end_stream(ex, meter)
+        if tail and not await self._write(resp, tail, ex):
+            return resp
+        with contextlib.suppress(ConnectionResetError):  # usage is known; leaving now is a 499
+            await resp.write_eof()
+            return resp
+        _client_left(ex)
+        return resp
+
+    async def _write(self, resp: web.StreamResponse, data: bytes, ex: Exchange) -> bool:
+        """Write to the client. False when it went away: the request ends as 499.
+
+        Caught here, where it happens, because aiohttp's ClientConnectionResetError is also a
+        ClientConnectionError, the class the upstream's failures are caught by.
+        """
+        try:
+            await resp.write(data)
+        except ConnectionResetError:
+            _client_left(ex)
+            return False
+        ex.bytes_out += len(data)
+        return True
+
+    def _finish_later(
+        self, ex: Exchange, up: UpstreamResponse | None, meter: StreamMeter | None
+    ) -> None:
+        """Hand the exchange to a background finisher, which owns `up` from now on and ends
+        when the usage is settled; the meter records the exchange after it."""
+        ex.finisher = self.finishers.start(self._finish(ex, up, meter))
+        if ex.finisher is None:  # too many already: cancel now, record what was measured
+            log.warning("finishers at their limit; request %s recorded as is", ex.request_id)
+            self.metrics.metering_errors.labels("finisher_limit").inc()
+            if up is not None:
+                up.close()
+            if meter is not None:
+                usage = meter.usage_so_far()
+                if usage.input_tokens is None or usage.output_tokens is None:
+                    usage = replace(usage, unknown_reason="client_disconnected")
+                self._set_usage(ex, usage)
+
+    async def _finish(
+        self, ex: Exchange, up: UpstreamResponse | None, meter: StreamMeter | None
+    ) -> None:
+        left = ex.status == STATUS_CLIENT_CLOSED
+        try:
+            usage = ex.usage
+            if up is not None and meter is not None:
+                usage = await stream_usage(up, meter, self.s.drain_s)
+            if up is not None:
+                up.release()  # closes the connection, cancelling a generation still running
+            if usage.input_tokens is None and ex.prompt_tokens is not None:
+                usage = replace(usage, input_tokens=ex.prompt_tokens)  # admission counted it
+            self._set_usage(
+                ex,
+                await with_prompt_count(
+                    usage, ex.info, self.counter, self._tokenize_auth(ex), client_left=left
+                ),
+            )
+        except Exception:
+            log.exception("finishing request %s failed", ex.request_id)
+            self.metrics.metering_errors.labels("finish").inc()
+        finally:
+            if up is not None:
+                up.release()
+
+    def _meter_failed(self, meter: StreamMeter, chunk: bytes, ex: Exchange) -> bytes:
+        """Accounting broke: stop metering this stream, keep forwarding the bytes unchanged."""
+        log.exception("stream metering failed for request %s", ex.request_id)
+        self.metrics.metering_errors.labels("stream").inc()
+        meter.passthrough = True
+        return chunk
+
+    def _end_stream(self, ex: Exchange, meter: StreamMeter) -> bytes:
+        try:
+            tail, usage = meter.finish()
+        except Exception:
+            log.exception("stream finish failed for request %s", ex.request_id)
+            self.metrics.metering_errors.labels("stream").inc()
+            return b""
+        if usage.unknown_reason and ex.error is None:
+            if not meter.done:
+                usage = replace(usage, unknown_reason="stream_truncated")
+            elif not ex.info.utf8:
+                usage = replace(usage, unknown_reason="body_not_utf8")  # never changed: no usage
+        self._set_usage(ex, usage)
+        return tail
+
+    def _set_usage(self, ex: Exchange, usage: Usage) -> None:
+        ex.usage = usage
+        if usage.model:
+            ex.model = self.models(usage.model)
+        if usage.error and ex.error is None:
+            ex.error = usage.error  # e.g. an error event inside a 200 stream
+
+    def _cost_now(self, ex: Exchange) -> float | None:
+        try:
+            cost = price_cost(self.meter.prices, ex)
+        except Exception:
+            log.exception("pricing failed for request %s", ex.request_id)
+            return None
+        return cost.total_usd if cost is not None else None
+
+    async def _relay(
+        self, request: web.Request, up: UpstreamResponse, ex: Exchange | None = None
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=up.status,
+            reason=up.reason,
+            headers=response_headers(up.headers, drop_length=False),
+        )
+        try:
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+                if ex is not None:
+                    ex.bytes_out += len(chunk)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left: not an upstream failure
+            if ex is not None:
+                _client_left(ex)
+        return resp
+
+    async def _passthrough(self, request: web.Request, path: str) -> web.StreamResponse:
+        """Routes that generate nothing: both bodies streamed, nothing recorded but failures."""
+        headers = self._upstream_headers(request)
+        target = self._url(path, request).raw_path_qs
+        try:
+            up = await self._streamed(request, target, headers)
+            try:
+                return await self._relay(request, up)
+            finally:
+                up.release()
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return self._upstream_failed(None, 504, "upstream_timeout", exc)
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(None, 502, "upstream_unreachable", exc)
+
+    def _upstream_failed(
+        self, ex: Exchange | None, status: int, kind: str, exc: BaseException
+    ) -> web.Response:
+        log.warning("upstream %s: %s %r", self.s.upstream, kind, exc)
+        self.metrics.upstream_errors.labels(kind).inc()
+        if ex is not None:
+            ex.status, ex.error = status, kind
+        what = "did not answer in time" if status == 504 else "could not be reached"
+        return error_response(status, kind, f"the inference server {what}")
+
+    def _too_slow(self) -> web.Response:
+        """408, and the connection closed: the rest of the body may still come."""
+        self.metrics.connections_cut.labels("proxy", "body_timeout").inc()
+        resp = error_response(
+            408,
+            "request_timeout",
+            f"the request body did not arrive within {self.s.body_timeout:g} s of its headers",
+        )
+        resp.force_close()
+        return resp
+
+    def _too_large(self) -> web.Response:
+        return error_response(
+            413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+        )
+
+    def _tokenize_auth(self, ex: Exchange) -> dict[str, str]:
+        """The sidecar's own /tokenize calls authenticate as the proxied request did: the upstream
+        client adds the upstream key when one is configured, else the client's key is passed on."""
+        client = ex.request_headers.get("Authorization")
+        return {"Authorization": client} if client and not self.s.authorization else {}
+
+    def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
+        return request_headers(
+            request.headers,
+            peer=request.remote,
+            scheme=request.scheme,
+            authorization=self.s.authorization,
+        )
+
+    def _url(self, path: str, request: web.Request) -> URL:
+        """The upstream URL for exactly the path that was classified (already normalised, so the
+        client library has nothing left to change), with the client's query string as sent."""
+        query = request.rel_url.raw_query_string
+        key = (path, query)
+        url = self._urls.get(key)
+        if url is None:
+            target = self.s.upstream + quote(path, safe=_PATH_SAFE) + ("?" + query if query else "")
+            url = URL(target, encoded=True)
+            if len(self._urls) >= _URL_CACHE:  # bounded: odd paths and queries come and go
+                self._urls.clear()
+            self._urls[key] = url
+        return url
+
+
+# RFC 3986 pchar and "/": what may stand unencoded in a path.
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+_URL_CACHE = 1024  # upstream URLs kept by (path, query): most requests share a few
+
+
+def _client_left(ex: Exchange) -> None:
+    """The client went away before the response ended: 499, whatever the upstream did."""
+    if ex.status < 400 or ex.status == 0:
+        ex.status = STATUS_CLIENT_CLOSED
+    ex.error = ex.error or "client_disconnected"
+
+
+def _sample(ex: Exchange, data: bytes, limit: int) -> None:
+    if ex.response_sample is None:
+        ex.response_sample = bytearray()
+    room = limit - len(ex.response_sample)
+    if room > 0:
+        ex.response_sample += data[:room]
+
+
+def _log_context(ex: Exchange) -> dict[str, str]:
+    ctx = {"request_id": ex.request_id}
+    if ex.trace_id:
+        ctx["trace_id"] = ex.trace_id
+    if ex.span_id:
+        ctx["span_id"] = ex.span_id
+    return ctx
+
+
+def _abort(request: web.Request) -> None:
+    with contextlib.suppress(Exception):
+        if request.transport is not None:
+            request.transport.abort()
