@@ -20,7 +20,7 @@ import aiohttp
 
 from .metrics import Metrics
 from .upstream import UpstreamResponse
-from .usage import Endpoint, RequestInfo, StreamMeter, Usage
+from .usage import Endpoint, RequestInfo, StreamMeter, Usage, token_count
 
 log = logging.getLogger("tollbooth.finishers")
 
@@ -172,7 +172,7 @@ class PromptCounter:
                 self.metrics.upstream_errors.labels("tokenize").inc()
                 return None
             total += n
-        return total
+        return token_count(total)  # several prompts: their sum under the same ceiling
 
     async def _one(
         self, session: aiohttp.ClientSession, path: str, body: bytes, headers: dict[str, str]
@@ -191,8 +191,8 @@ class PromptCounter:
 
 def _count(data: object) -> int | None:
     if isinstance(data, dict):
-        if isinstance(data.get("count"), int):
-            return int(data["count"])
+        if "count" in data:  # vLLM's: a count like any other from the upstream
+            return token_count(data["count"])
         tokens = data.get("tokenize_response")
         return len(tokens) if isinstance(tokens, list) else None
     if isinstance(data, list):
