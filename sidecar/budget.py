@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from .config import AdmissionConfig, BudgetConfig
@@ -32,11 +32,24 @@ DAY = 86400
 MICRO = 1_000_000
 # Larger token counts are read as this: the hold stays a finite number (and is refused).
 MAX_TOKENS = 2**31
+# Every micro-dollar amount (hold, charge, limit, seed) is at most this ($9.0e9): exact in a
+# double (Lua's numbers), and far inside the int64 of a Redis hash field, so that no store's sum
+# overflows. The stores saturate their totals at it too (docs/budgets.md, "Numbers").
+MAX_MICROS = 2**53 - 1
 
 
 def to_micros(usd: float) -> int:
-    """Dollars to integer micro-dollars, rounded up: a hold or a charge never rounds to less."""
-    return math.ceil(usd * MICRO - 1e-6)
+    """Dollars to integer micro-dollars, rounded up: a hold or a charge never rounds to less.
+    Within [0, MAX_MICROS]: a negative amount is 0 (never a credit), an infinite or NaN one the
+    most (never less than it could be). The 1e-6 absorbs float noise (0.1 * 1e6 is not exact)."""
+    if not usd > 0:  # also NaN
+        return 0 if usd <= 0 else MAX_MICROS
+    micros = usd * MICRO - 1e-6
+    return MAX_MICROS if micros >= MAX_MICROS else max(0, math.ceil(micros))
+
+
+def valid_micros(amount: int) -> bool:
+    return 0 <= amount <= MAX_MICROS
 
 
 def usd(micros: int) -> float:
@@ -93,14 +106,25 @@ class BudgetStore(Protocol):
 
 
 class LocalStore:
-    """One process's holds and spend, for the current budget day only."""
+    """One process's holds and spend, for the current budget day only. A hold or a spend never
+    goes negative: an amount out of [0, MAX_MICROS] is clamped into it and counted
+    (`tollbooth_metering_errors_total{stage="budget_amount"}`)."""
 
-    def __init__(self, max_scopes: int) -> None:
+    def __init__(self, max_scopes: int, metrics: Metrics | None = None) -> None:
         self.max_scopes = max_scopes
+        self.metrics = metrics
         self.day = -1
         self.spent: dict[str, int] = {}
         self.held: dict[str, int] = {}
         self.holds: dict[str, Hold] = {}
+
+    def _checked(self, amount: int) -> int:
+        if valid_micros(amount):
+            return amount
+        log.error("budget amount %r out of range: clamped", amount)
+        if self.metrics is not None:
+            self.metrics.metering_errors.labels("budget_amount").inc()
+        return min(max(amount, 0), MAX_MICROS)
 
     def _at(self, day: int) -> bool:
         """Move to `day` if it is newer; False for a day already gone."""
@@ -114,6 +138,8 @@ class LocalStore:
     async def reserve(self, hold: Hold) -> Verdict:
         if hold.request_id in self.holds or not self._at(hold.day):
             return Verdict(True)
+        if (amount := self._checked(hold.amount)) != hold.amount:
+            hold = replace(hold, amount=amount)
         new = sum(1 for s in hold.scopes if s.key not in self.spent)
         if new and len(self.spent) + new > self.max_scopes:
             return Verdict(
@@ -133,16 +159,17 @@ class LocalStore:
         hold = self.holds.pop(request_id, None)
         if hold is None or hold.day != self.day:
             return
+        charge = self._checked(charge)
         for s in hold.scopes:
-            self.held[s.key] -= hold.amount
-            self.spent[s.key] = self.spent.get(s.key, 0) + charge
+            self.held[s.key] = max(0, self.held.get(s.key, 0) - hold.amount)
+            self.spent[s.key] = min(self.spent.get(s.key, 0) + charge, MAX_MICROS)
 
     async def seed(self, day: int, spent: Mapping[str, int]) -> None:
         if not self._at(day):
             return
         for key, micros in spent.items():
             if key not in self.spent and len(self.spent) < self.max_scopes:
-                self.spent[key] = micros
+                self.spent[key] = self._checked(micros)
 
 
 class Budgets:
@@ -164,7 +191,7 @@ class Budgets:
         self.users = users
         self.prices = prices
         self.store: BudgetStore = store or LocalStore(
-            config.max_tracked_users + 1 + len(config.teams)
+            config.max_tracked_users + 1 + len(config.teams), metrics
         )
         self.clock = clock
         self._gauge_day = self.day_start(clock())
