@@ -266,6 +266,9 @@ class Budgets:
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
             ex.budget_hold = hold
+            # The request belongs to the day it was admitted in; its ledger row (ts, the start)
+            # too, also when its body arrived across the boundary (a restart restores by ts).
+            ex.started_at = max(ex.started_at, float(hold.day))
             return None
         self._refuse(verdict, hold.amount)
 
@@ -308,7 +311,14 @@ class Budgets:
         if ex.budget_hold is not None:
             self.store.settle(ex.budget_hold.request_id, self.charge(ex, measured))
         if measured:
-            self._gauge(ex.user_id, measured)
+            self._gauge(ex.user_id, measured, self.request_day(ex))
+
+    def request_day(self, ex: Exchange) -> int:
+        """The budget day a request belongs to: the one it was admitted in (its hold's), else
+        the one it started in. Never the day it happens to end in."""
+        if ex.budget_hold is not None:
+            return int(ex.budget_hold.day)
+        return self.day_start(ex.started_at)
 
     def measured_usd(self, ex: Exchange) -> float:
         if ex.cost is not None:
@@ -329,12 +339,16 @@ class Budgets:
             return max(hold.amount, to_micros(measured))
         return to_micros(measured)
 
-    def _gauge(self, user: str, amount: float) -> None:
+    def _gauge(self, user: str, amount: float, day: int) -> None:
+        """Spend of budget day `day` on today's gauge: an earlier day's (a stream admitted before
+        the boundary that ended after it) is that day's, in the ledger and the report, not
+        today's."""
         now = self.clock()
         if not self._gauge_day <= now < self._gauge_day + DAY:  # another budget day
             self._gauge_day = self.day_start(now)
             self.metrics.clear(self.metrics.spend_today)
-        self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
+        if day >= self._gauge_day:
+            self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
 
     async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
         """Today's spend read from the ledger at start: the gauge and the store."""
@@ -344,8 +358,9 @@ class Budgets:
     def restore_gauge(self, by_user: Mapping[str, float]) -> None:
         """This process's spend today (its own ledger): the gauge only. A shared store seeds
         itself from the fleet's ledger."""
+        today = self.day_start(self.clock())
         for user, amount in by_user.items():
-            self._gauge(user, amount)
+            self._gauge(user, amount, today)
 
 
 def spent_by_scope(by_user: Mapping[str, float], by_team: Mapping[str, float]) -> dict[str, int]:
