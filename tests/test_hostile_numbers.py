@@ -21,21 +21,34 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from sidecar.budget import MAX_MICROS, Hold, LocalStore, Scope, to_micros
+from sidecar.budget import MAX_MICROS, Budgets, Hold, LocalStore, Scope, to_micros
 from sidecar.budget_redis import RedisStore, day_keys
-from sidecar.config import BudgetConfig, ConfigError, ModelPrice, PricingConfig, build
+from sidecar.config import (
+    AdmissionConfig,
+    BudgetConfig,
+    ConfigError,
+    ModelPrice,
+    PricingConfig,
+    build,
+)
 from sidecar.finishers import _count
-from sidecar.metrics import Metrics
-from sidecar.pricing import compute
+from sidecar.meter import Exchange, price_cost
+from sidecar.metrics import LabelCap, Metrics
+from sidecar.pricing import PriceBook, compute
 from sidecar.usage import (
     INVALID_USAGE,
     MAX_TOKEN_COUNT,
     Endpoint,
+    RequestInfo,
     StreamMeter,
+    Usage,
     usage_from_body,
 )
 from tests.conftest import StartSidecar
+from tests.test_budget_day import Clock
 
 MODEL = "hostile"
 PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}}  # $0.001/token
@@ -433,3 +446,156 @@ async def test_an_upstream_reporting_10_to_the_30_tokens_is_charged_its_hold(
         store = budgets_.store
         assert isinstance(store, LocalStore)
         assert (store.spent["user:eve"], store.held) == (charged, {"user:eve": 0})
+
+
+# --- properties: any JSON value in any usage field ------------------------------------------------
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**40), 10**40)
+    | st.integers(0, 2 * MAX_TOKEN_COUNT)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+ENDPOINTS = st.sampled_from(
+    [Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES]
+)
+
+
+def hostile_usage(endpoint: Endpoint, inp: Any, out: Any, cached: Any) -> dict[str, Any]:
+    if endpoint is Endpoint.RESPONSES:
+        return {"input_tokens": inp, "output_tokens": out, "input_tokens_details": cached}
+    return {"prompt_tokens": inp, "completion_tokens": out, "prompt_tokens_details": cached}
+
+
+def assert_sane(u: Usage) -> None:
+    for n in (u.input_tokens, u.output_tokens, u.cached_input_tokens):
+        assert n is None or (type(n) is int and 0 <= n <= MAX_TOKEN_COUNT)
+    if u.cached_input_tokens is not None and u.input_tokens is not None:
+        assert u.cached_input_tokens <= u.input_tokens
+    if u.input_tokens is None or u.output_tokens is None:
+        assert u.unknown_reason is not None
+
+
+HOSTILE_PRICE = PriceBook(
+    PricingConfig(default=ModelPrice(input_per_1m=1e6, output_per_1m=1e6, cached_input_per_1m=0.0))
+)
+
+
+def assert_priced_sane(u: Usage) -> None:
+    cost, _ = HOSTILE_PRICE.cost(None, u)
+    if cost is not None:
+        assert math.isfinite(cost.total_usd) and cost.input_usd >= 0 and cost.output_usd >= 0
+        assert 0 <= to_micros(cost.total_usd) <= MAX_MICROS
+
+
+@settings(max_examples=300, deadline=None)
+@given(ENDPOINTS, JSON, JSON, st.one_of(JSON, st.builds(lambda c: {"cached_tokens": c}, JSON)))
+def test_any_json_value_in_a_usage_field_is_a_count_or_unknown(
+    endpoint: Endpoint, inp: Any, out: Any, cached: Any
+) -> None:
+    usage = hostile_usage(endpoint, inp, out, cached)
+    raw = json.dumps({"id": "x", "model": MODEL, "choices": [], "usage": usage}).encode()
+    u = usage_from_body(endpoint, raw, {})
+    assert_sane(u)
+    assert_priced_sane(u)
+    if endpoint is not Endpoint.EMBEDDINGS:
+        meter = StreamMeter(endpoint)
+        if endpoint is Endpoint.RESPONSES:
+            done = {
+                "type": "response.completed",
+                "response": {"status": "completed", **{"usage": usage}},
+            }
+            meter.feed(f"data: {json.dumps(done)}\n\n".encode())
+        else:
+            meter.feed(f"data: {raw.decode()}\n\ndata: [DONE]\n\n".encode())
+        _, su = meter.finish()
+        assert_sane(su)
+        assert_priced_sane(su)
+        assert_sane(meter.usage_so_far())
+
+
+@settings(max_examples=150, deadline=None)
+@given(JSON, JSON, JSON)
+def test_any_json_value_in_tgi_counts_is_a_count_or_unknown(
+    gen: Any, inp: Any, header: Any
+) -> None:
+    details = {"finish_reason": "length", "generated_tokens": gen, "input_length": inp}
+    token = {"token": {"id": 1, "text": "hi"}, "generated_text": None, "details": None}
+    last = {"token": {"id": 2, "text": "!"}, "generated_text": "hi!", "details": details}
+    meter = StreamMeter(Endpoint.TGI_GENERATE_STREAM)
+    meter.feed(f"data:{json.dumps(token)}\n\ndata:{json.dumps(last)}\n\n".encode())
+    _, u = meter.finish()
+    assert_sane(u)
+    raw = json.dumps({"generated_text": "hi", "details": details}).encode()
+    hdr = {"x-prompt-tokens": json.dumps(header).strip('"'), "x-generated-tokens": "3"}
+    assert_sane(usage_from_body(Endpoint.TGI_GENERATE, raw, hdr))
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.lists(st.tuples(JSON, JSON, JSON), min_size=1, max_size=4), st.booleans())
+def test_any_usage_through_the_budget_path_never_holds_or_spends_below_zero(
+    redis_server: Any, answers: list[tuple[Any, Any, Any]], streaming: bool
+) -> None:
+    """Hostile usage, read as the proxy reads it, priced, charged and settled into the real Redis
+    store: no exception, and every hold and spend in Redis within [0, MAX_MICROS]; every hold
+    released once settled."""
+
+    async def scenario() -> None:
+        redis_server.client().flushall()
+        clock = Clock(time.time())
+        cfg = BudgetConfig(store=redis_server.url, user_daily_usd=100.0, store_timeout_s=1.0)
+        holder: list[Budgets] = []
+        store = RedisStore(
+            cfg, Metrics(), lambda: holder[0].day_start(clock()), None, max_scopes=10, clock=clock
+        )
+        b = Budgets(
+            cfg, AdmissionConfig(), store.metrics, LabelCap(10), HOSTILE_PRICE, store, clock
+        )
+        holder.append(b)
+        store.start()
+        try:
+            for inp, out, cached in answers:
+                ex = Exchange(
+                    "r",
+                    Endpoint.CHAT,
+                    RequestInfo(Endpoint.CHAT, b"{}", True, max_tokens=3),
+                    "eve",
+                    "eve",
+                    MODEL,
+                )
+                await b.gate(ex)
+                usage = hostile_usage(Endpoint.CHAT, inp, out, {"cached_tokens": cached})
+                if streaming:
+                    meter = StreamMeter(Endpoint.CHAT)
+                    meter.feed(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+                    ex.usage = meter.finish()[1]
+                else:
+                    ex.usage = usage_from_body(
+                        Endpoint.CHAT, json.dumps({"usage": usage}).encode(), {}
+                    )
+                ex.status, ex.upstream_start = 200, 0.0
+                price_cost(HOSTILE_PRICE, ex)
+                b.settle(ex)
+            spent_key, held_key = day_keys(b.day_start(clock()))[:2]
+            c = redis_server.client()
+            for _ in range(500):  # bounded: until every settlement was answered
+                if not store.queue and all(int(v) == 0 for v in c.hvals(held_key)):
+                    break
+                await asyncio.sleep(0.01)
+            for key in (spent_key, held_key):
+                assert all(0 <= int(v) <= MAX_MICROS for v in c.hvals(key))
+            assert [int(v) for v in c.hvals(held_key)] == [0]
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
