@@ -167,3 +167,19 @@ async def test_the_shared_store_keeps_an_old_days_stream_in_that_days_keys(
         assert gauge(b) == SPEND
     finally:
         await store.close()
+
+
+async def test_the_report_by_day_follows_the_budget_days_start_hour(tmp_path: Path) -> None:
+    """With `budgets.day_start_hour_utc: 6`, a request at 05:59 UTC is the previous budget day's
+    (named by the date it started on), one at 06:01 the next one's."""
+    db = tmp_path / "ledger.db"
+    ledger = Ledger(LedgerConfig(path=str(db), flush_interval_s=0.05), Metrics())
+    await asyncio.to_thread(ledger.open)
+    for ts in (NEW + 6 * 3600 - 60, NEW + 6 * 3600 + 60):
+        ledger.append(measured(exchange(ts)))
+    await asyncio.to_thread(ledger.close)
+    date = time.strftime("%Y-%m-%d", time.gmtime(NEW))
+    before = time.strftime("%Y-%m-%d", time.gmtime(OLD))
+    by_budget_day = {r["day"]: r["requests"] for r in summarize(str(db), OLD, "day", 6)}
+    assert by_budget_day == {before: 1, date: 1}
+    assert {r["day"]: r["requests"] for r in summarize(str(db), OLD, "day")} == {date: 2}
