@@ -266,8 +266,9 @@ class Budgets:
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
             ex.budget_hold = hold
-            # The request belongs to the day it was admitted in; its ledger row (ts, the start)
-            # too, also when its body arrived across the boundary (a restart restores by ts).
+            # The request belongs to the day it was admitted in, its ledger row (ts: the start,
+            # once the body was read) too, when a boundary fell between its start and this
+            # admission (a restart restores by ts).
             ex.started_at = max(ex.started_at, float(hold.day))
             return None
         self._refuse(verdict, hold.amount)

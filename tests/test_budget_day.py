@@ -117,11 +117,12 @@ async def test_an_old_days_stream_settled_after_the_boundary_is_the_old_days(
         await asyncio.to_thread(ledger.close)
 
 
-async def test_a_request_whose_body_arrived_across_the_boundary_is_the_new_days_everywhere(
+async def test_a_request_admitted_just_after_the_boundary_is_the_new_days_everywhere(
     tmp_path: Path,
 ) -> None:
-    """Started at 23:59:59, admitted at 00:00:01: held, charged and recorded in the new day (its
-    row's ts is moved to that day's start), so a restart restores it where the store had it."""
+    """Started at 23:59:59, admitted at 00:00:01 (a boundary between the exchange's start and the
+    gate): held, charged and recorded in the new day (its row's ts is moved to that day's start),
+    so a restart restores it where the store had it."""
     clock = Clock(NEW + 1)
     b = budgets(clock)
     ex = exchange(NEW - 1)
