@@ -8,6 +8,7 @@ Never: reads the environment at request time or mutates a config after it is bui
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -297,6 +298,8 @@ def _scalar(key: str, value: object, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(key, value, "not a number")
+        if not math.isfinite(value):  # YAML reads .inf and .nan: a price of inf costs NaN
+            _fail(key, value, "not a finite number")
         if value < 0:
             _fail(key, value, "must not be negative")
         return float(value)

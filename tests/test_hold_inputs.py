@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.metering import reqsize
 from sidecar.exchange import Endpoint
+from sidecar.metering import reqsize
 from sidecar.metering.usage import inspect_request
 from tests.test_budget import worst_case
 

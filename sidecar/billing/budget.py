@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from ..config import AdmissionConfig, BudgetConfig
@@ -31,11 +31,24 @@ DAY = 86400
 MICRO = 1_000_000
 # Larger token counts are read as this: the hold stays a finite number (and is refused).
 MAX_TOKENS = 2**31
+# Every micro-dollar amount (hold, charge, limit, seed) is at most this ($9.0e9): exact in a
+# double (Lua's numbers), and far inside the int64 of a Redis hash field, so that no store's sum
+# overflows. The stores saturate their totals at it too (docs/budgets.md, "Numbers").
+MAX_MICROS = 2**53 - 1
 
 
 def to_micros(usd: float) -> int:
-    """Dollars to integer micro-dollars, rounded up: a hold or a charge never rounds to less."""
-    return math.ceil(usd * MICRO - 1e-6)
+    """Dollars to integer micro-dollars, rounded up: a hold or a charge never rounds to less.
+    Within [0, MAX_MICROS]: a negative amount is 0 (never a credit), an infinite or NaN one the
+    most (never less than it could be). The 1e-6 absorbs float noise (0.1 * 1e6 is not exact)."""
+    if not usd > 0:  # also NaN
+        return 0 if usd <= 0 else MAX_MICROS
+    micros = usd * MICRO - 1e-6
+    return MAX_MICROS if micros >= MAX_MICROS else max(0, math.ceil(micros))
+
+
+def valid_micros(amount: int) -> bool:
+    return 0 <= amount <= MAX_MICROS
 
 
 def usd(micros: int) -> float:
@@ -92,14 +105,25 @@ class BudgetStore(Protocol):
 
 
 class LocalStore:
-    """One process's holds and spend, for the current budget day only."""
+    """One process's holds and spend, for the current budget day only. A hold or a spend never
+    goes negative: an amount out of [0, MAX_MICROS] is clamped into it and counted
+    (`tollbooth_metering_errors_total{stage="budget_amount"}`)."""
 
-    def __init__(self, max_scopes: int) -> None:
+    def __init__(self, max_scopes: int, metrics: Metrics | None = None) -> None:
         self.max_scopes = max_scopes
+        self.metrics = metrics
         self.day = -1
         self.spent: dict[str, int] = {}
         self.held: dict[str, int] = {}
         self.holds: dict[str, Hold] = {}
+
+    def _checked(self, amount: int) -> int:
+        if valid_micros(amount):
+            return amount
+        log.error("budget amount %r out of range: clamped", amount)
+        if self.metrics is not None:
+            self.metrics.metering_errors.labels("budget_amount").inc()
+        return min(max(amount, 0), MAX_MICROS)
 
     def _at(self, day: int) -> bool:
         """Move to `day` if it is newer; False for a day already gone."""
@@ -113,6 +137,8 @@ class LocalStore:
     async def reserve(self, hold: Hold) -> Verdict:
         if hold.request_id in self.holds or not self._at(hold.day):
             return Verdict(True)
+        if (amount := self._checked(hold.amount)) != hold.amount:
+            hold = replace(hold, amount=amount)
         new = sum(1 for s in hold.scopes if s.key not in self.spent)
         if new and len(self.spent) + new > self.max_scopes:
             return Verdict(
@@ -132,16 +158,17 @@ class LocalStore:
         hold = self.holds.pop(request_id, None)
         if hold is None or hold.day != self.day:
             return
+        charge = self._checked(charge)
         for s in hold.scopes:
-            self.held[s.key] -= hold.amount
-            self.spent[s.key] = self.spent.get(s.key, 0) + charge
+            self.held[s.key] = max(0, self.held.get(s.key, 0) - hold.amount)
+            self.spent[s.key] = min(self.spent.get(s.key, 0) + charge, MAX_MICROS)
 
     async def seed(self, day: int, spent: Mapping[str, int]) -> None:
         if not self._at(day):
             return
         for key, micros in spent.items():
             if key not in self.spent and len(self.spent) < self.max_scopes:
-                self.spent[key] = micros
+                self.spent[key] = self._checked(micros)
 
 
 class Budgets:
@@ -163,7 +190,7 @@ class Budgets:
         self.users = users
         self.prices = prices
         self.store: BudgetStore = store or LocalStore(
-            config.max_tracked_users + 1 + len(config.teams)
+            config.max_tracked_users + 1 + len(config.teams), metrics
         )
         self.clock = clock
         self._gauge_day = self.day_start(clock())
@@ -238,6 +265,10 @@ class Budgets:
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
             ex.budget_hold = hold
+            # The request belongs to the day it was admitted in, its ledger row (ts: the start,
+            # once the body was read) too, when a boundary fell between its start and this
+            # admission (a restart restores by ts).
+            ex.started_at = max(ex.started_at, float(hold.day))
             return None
         self._refuse(verdict, hold.amount)
 
@@ -280,7 +311,14 @@ class Budgets:
         if ex.budget_hold is not None:
             self.store.settle(ex.budget_hold.request_id, self.charge(ex, measured))
         if measured:
-            self._gauge(ex.user_id, measured)
+            self._gauge(ex.user_id, measured, self.request_day(ex))
+
+    def request_day(self, ex: Exchange) -> int:
+        """The budget day a request belongs to: the one it was admitted in (its hold's), else
+        the one it started in. Never the day it happens to end in."""
+        if ex.budget_hold is not None:
+            return int(ex.budget_hold.day)
+        return self.day_start(ex.started_at)
 
     def measured_usd(self, ex: Exchange) -> float:
         if ex.cost is not None:
@@ -301,12 +339,16 @@ class Budgets:
             return max(hold.amount, to_micros(measured))
         return to_micros(measured)
 
-    def _gauge(self, user: str, amount: float) -> None:
+    def _gauge(self, user: str, amount: float, day: int) -> None:
+        """Spend of budget day `day` on today's gauge: an earlier day's (a stream admitted before
+        the boundary that ended after it) is that day's, in the ledger and the report, not
+        today's."""
         now = self.clock()
         if not self._gauge_day <= now < self._gauge_day + DAY:  # another budget day
             self._gauge_day = self.day_start(now)
             self.metrics.clear(self.metrics.spend_today)
-        self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
+        if day >= self._gauge_day:
+            self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
 
     async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
         """Today's spend read from the ledger at start: the gauge and the store."""
@@ -316,8 +358,9 @@ class Budgets:
     def restore_gauge(self, by_user: Mapping[str, float]) -> None:
         """This process's spend today (its own ledger): the gauge only. A shared store seeds
         itself from the fleet's ledger."""
+        today = self.day_start(self.clock())
         for user, amount in by_user.items():
-            self._gauge(user, amount)
+            self._gauge(user, amount, today)
 
 
 def spent_by_scope(by_user: Mapping[str, float], by_team: Mapping[str, float]) -> dict[str, int]:

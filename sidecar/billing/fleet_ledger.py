@@ -444,7 +444,7 @@ def shipper_contexts(
 
 # --- reads for `tollbooth report` and `tollbooth audit` -------------------------------------------
 
-_DAY_KEY = "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+_DAY_KEY = "to_char(to_timestamp(ts - {offset:d}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 
 def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
@@ -455,9 +455,10 @@ def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
         raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None
 
 
-def report_rows(url: str, since: float, by: str) -> list[Any]:
-    """(group key, input tokens, output tokens, cost, duration) per request since `since`."""
-    key = _DAY_KEY if by == "day" else q(by)
+def report_rows(url: str, since: float, by: str, day_offset_s: int = 0) -> list[Any]:
+    """(group key, input tokens, output tokens, cost, duration) per request since `since`; by
+    day, budget days that start `day_offset_s` after midnight UTC."""
+    key = _DAY_KEY.format(offset=day_offset_s) if by == "day" else q(by)
     return _read(
         url,
         f"SELECT {key}, input_tokens, output_tokens, cost_usd, duration_s FROM requests "

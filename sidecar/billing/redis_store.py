@@ -58,15 +58,59 @@ Source = Callable[[int], Awaitable[tuple[Mapping[str, int], float]]]
 # A hold record in `holds` is JSON: ["h", amount, [scope keys]] while held, ["x", amount, [...]]
 # once its lease ended and the sweep charged it, ["s"] once settled. Integers are passed as
 # strings and formatted with %d: Lua numbers are doubles and Redis would print big ones as 1e+15.
+# All or nothing: each script checks every argument (and every record it reads) before it writes
+# anything, and answers 'invalid' having changed nothing; Redis does not undo a script's writes
+# when it fails half way, and a settlement retried after such a failure applied its first half
+# again and again. An amount is a decimal integer from 0 to budget.MAX_MICROS (exact in a double);
+# a total is written clamped into [0, MAX_MICROS], never negative (a negative hold is a bigger
+# budget), and a settlement that had to clamp answers with ':clamped' (counted).
+
+NUMBERS = """
+local MAX = 9007199254740991
+local function int(s)
+  if type(s) == 'number' then s = string.format('%d', s) end
+  if type(s) ~= 'string' or #s == 0 or #s > 16 or not string.find(s, '^%d+$') then return nil end
+  local n = tonumber(s)
+  if n > MAX then return nil end
+  return n
+end
+local function stored(hash, key)
+  local v = tonumber(redis.call('HGET', hash, key)) or 0
+  if v ~= v or v < 0 then return 0 end
+  if v > MAX then return MAX end
+  return v
+end
+local clamped = false
+local function put(hash, key, v)
+  if v < 0 then v, clamped = 0, true elseif v > MAX then v, clamped = MAX, true end
+  redis.call('HSET', hash, key, string.format('%d', v))
+end
+local function record(rec)
+  local ok, r = pcall(cjson.decode, rec)
+  if not ok or type(r) ~= 'table' then return nil end
+  if r[1] == 's' then return r end
+  if (r[1] ~= 'h' and r[1] ~= 'x') or not int(r[2]) or type(r[3]) ~= 'table' then return nil end
+  for _, key in ipairs(r[3]) do
+    if type(key) ~= 'string' or key == '' then return nil end
+  end
+  return r
+end
+"""
 
 RESERVE = """
 local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local id, amount = ARGV[1], tonumber(ARGV[2])
+local id, amount = ARGV[1], int(ARGV[2])
+local n = (#ARGV - 6) / 2
+if not (amount and int(ARGV[3]) and int(ARGV[4]) and int(ARGV[5])) or n ~= math.floor(n) then
+  return {'invalid'}
+end
+for i = 1, n do
+  if ARGV[5 + 2 * i] == '' or not int(ARGV[6 + 2 * i]) then return {'invalid'} end
+end
 local read = redis.call('GET', seeded)
 if not read then return {'unseeded'} end
 if read ~= ARGV[6] then return {'reseeded', read} end
 if redis.call('HEXISTS', holds, id) == 1 then return {'again'} end
-local n = (#ARGV - 6) / 2
 local new, first_new = 0, 0
 for i = 1, n do
   if redis.call('HEXISTS', spent, ARGV[5 + 2 * i]) == 0 then
@@ -74,27 +118,26 @@ for i = 1, n do
     if first_new == 0 then first_new = i end
   end
 end
-if new > 0 and redis.call('HLEN', spent) + new > tonumber(ARGV[5]) then
+if new > 0 and redis.call('HLEN', spent) + new > int(ARGV[5]) then
   return {'capacity', first_new}
 end
 local out = {'ok'}
 for i = 1, n do
   local key = ARGV[5 + 2 * i]
-  local left = tonumber(ARGV[6 + 2 * i]) - (tonumber(redis.call('HGET', spent, key)) or 0)
-    - (tonumber(redis.call('HGET', held, key)) or 0)
+  local left = int(ARGV[6 + 2 * i]) - stored(spent, key) - stored(held, key)
   if amount > left then return {'budget', i, string.format('%d', left)} end
   out[i + 1] = string.format('%d', left - amount)
 end
 local scopes = {}
 for i = 1, n do
   local key = ARGV[5 + 2 * i]
-  redis.call('HINCRBY', held, key, ARGV[2])
+  put(held, key, stored(held, key) + amount)
   redis.call('HSETNX', spent, key, 0)
   scopes[i] = key
 end
 redis.call('HSET', holds, id, cjson.encode({'h', ARGV[2], scopes}))
 local t = redis.call('TIME')
-local deadline = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3])
+local deadline = t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[3])
 redis.call('ZADD', leases, string.format('%d', deadline), id)
 for i = 1, 4 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
 return out
@@ -102,55 +145,62 @@ return out
 
 SETTLE = """
 local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local id, charge = ARGV[1], tonumber(ARGV[2])
+local id, charge, ended = ARGV[1], int(ARGV[2]), int(ARGV[3])
+if not (charge and ended and int(ARGV[4])) then return 'invalid' end
+for i = 5, #ARGV do
+  if ARGV[i] == '' then return 'invalid' end
+end
 local rec = redis.call('HGET', holds, id)
 if rec then
-  local r = cjson.decode(rec)
+  local r = record(rec)
+  if not r then return 'invalid' end
   if r[1] == 's' then return 'again' end
-  local amount = tonumber(r[2])
+  local amount = int(r[2])
   for _, key in ipairs(r[3]) do
     if r[1] == 'h' then
-      redis.call('HINCRBY', held, key, string.format('%d', -amount))
-      redis.call('HINCRBY', spent, key, ARGV[2])
+      put(held, key, stored(held, key) - amount)
+      put(spent, key, stored(spent, key) + charge)
     else
-      redis.call('HINCRBY', spent, key, string.format('%d', charge - amount))
+      put(spent, key, stored(spent, key) + charge - amount)
     end
   end
   redis.call('ZREM', leases, id)
   redis.call('HSET', holds, id, '["s"]')
-  if r[1] == 'h' then return 'settled' end
-  return 'corrected'
+  local status = r[1] == 'h' and 'settled' or 'corrected'
+  if clamped then return status .. ':clamped' end
+  return status
 end
 local read = redis.call('GET', seeded)
 if not read then return 'unseeded' end
 redis.call('HSET', holds, id, '["s"]')
 for i = 1, 3 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
-if tonumber(ARGV[3]) <= tonumber(read) then return 'in_seed' end
-for i = 5, #ARGV do redis.call('HINCRBY', spent, ARGV[i], ARGV[2]) end
+if ended <= tonumber(read) then return 'in_seed' end
+for i = 5, #ARGV do put(spent, ARGV[i], stored(spent, ARGV[i]) + charge) end
+if clamped then return 'charged:clamped' end
 return 'charged'
 """
 
 SWEEP = """
 local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local most = int(ARGV[1])
+if not most then return 0 end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local due = redis.call('ZRANGEBYSCORE', leases, '-inf', string.format('%d', now),
-  'LIMIT', 0, tonumber(ARGV[1]))
+  'LIMIT', 0, most)
 local charged = 0
 for _, id in ipairs(due) do
   local rec = redis.call('HGET', holds, id)
-  if rec then
-    local r = cjson.decode(rec)
-    if r[1] == 'h' then
-      local amount = tonumber(r[2])
-      for _, key in ipairs(r[3]) do
-        redis.call('HINCRBY', held, key, string.format('%d', -amount))
-        redis.call('HINCRBY', spent, key, r[2])
-      end
-      r[1] = 'x'
-      redis.call('HSET', holds, id, cjson.encode(r))
-      charged = charged + 1
+  local r = rec and record(rec)
+  if r and r[1] == 'h' then
+    local amount = int(r[2])
+    for _, key in ipairs(r[3]) do
+      put(held, key, stored(held, key) - amount)
+      put(spent, key, stored(spent, key) + amount)
     end
+    r[1] = 'x'
+    redis.call('HSET', holds, id, cjson.encode(r))
+    charged = charged + 1
   end
   redis.call('ZREM', leases, id)
 end
@@ -159,22 +209,33 @@ return charged
 
 RENEW = """
 local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local t = redis.call('TIME')
-local deadline = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1]))
-local i, made = 3, 0
+if not (int(ARGV[1]) and int(ARGV[2])) then return -1 end
+local i = 3
 while i <= #ARGV do
-  local id, amount, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local n = int(ARGV[i + 2])
+  if not (n and int(ARGV[i + 1])) or i + 2 + n > #ARGV then return -1 end
+  for j = 1, n do
+    if ARGV[i + 2 + j] == '' then return -1 end
+  end
+  i = i + 3 + n
+end
+local t = redis.call('TIME')
+local deadline = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[1]))
+local made = 0
+i = 3
+while i <= #ARGV do
+  local id, amount, n = ARGV[i], int(ARGV[i + 1]), int(ARGV[i + 2])
   if redis.call('HEXISTS', holds, id) == 1 then
     redis.call('ZADD', leases, 'XX', deadline, id)
   else
     local scopes = {}
     for j = 1, n do
       local key = ARGV[i + 2 + j]
-      redis.call('HINCRBY', held, key, amount)
+      put(held, key, stored(held, key) + amount)
       redis.call('HSETNX', spent, key, 0)
       scopes[j] = key
     end
-    redis.call('HSET', holds, id, cjson.encode({'h', amount, scopes}))
+    redis.call('HSET', holds, id, cjson.encode({'h', ARGV[i + 1], scopes}))
     redis.call('ZADD', leases, deadline, id)
     made = made + 1
   end
@@ -187,6 +248,10 @@ return made
 """
 
 SEED = """
+if not (int(ARGV[1]) and int(ARGV[2])) or #ARGV % 2 ~= 0 then return -1 end
+for i = 3, #ARGV, 2 do
+  if ARGV[i] == '' or not int(ARGV[i + 1]) then return -1 end
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('SET', KEYS[2], ARGV[1])
@@ -199,18 +264,20 @@ HEARTBEAT = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local window = tonumber(ARGV[2])
+if not window or window ~= window or window < 0 then return -1 end
 redis.call('ZADD', KEYS[1], string.format('%d', now + window), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
 if redis.call('PTTL', KEYS[1]) < window then redis.call('PEXPIRE', KEYS[1], window) end
 return redis.call('ZCARD', KEYS[1])
 """
 
+# NUMBERS goes first in each script that reads an amount: its checks, and the clamped writes.
 SCRIPTS = {
-    "reserve": RESERVE,
-    "settle": SETTLE,
-    "sweep": SWEEP,
-    "renew": RENEW,
-    "seed": SEED,
+    "reserve": NUMBERS + RESERVE,
+    "settle": NUMBERS + SETTLE,
+    "sweep": NUMBERS + SWEEP,
+    "renew": NUMBERS + RENEW,
+    "seed": NUMBERS + SEED,
     "heartbeat": HEARTBEAT,
 }
 
@@ -326,7 +393,7 @@ class RedisStore:
         self.known_day = -1
         self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
         self.alive = 1
-        self.local = LocalStore(max_scopes)  # this sidecar's share while Redis is away
+        self.local = LocalStore(max_scopes, metrics)  # this sidecar's share while Redis is away
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -360,7 +427,7 @@ class RedisStore:
             log.info("budget store reachable again")
             self.metrics.store_up.set(1)
             # a new outage needs a fresh remainder: this one's admissions go into Redis first
-            self.local = LocalStore(self.max_scopes)
+            self.local = LocalStore(self.max_scopes, self.metrics)
             self.known = {}
         return result
 
@@ -404,6 +471,9 @@ class RedisStore:
 
     def _verdict(self, hold: Hold, reply: list[Any]) -> Verdict:
         status = reply[0]
+        if status == b"invalid":  # a hold out of range: changed nothing there; never admit it free
+            self._refused_by_script("reserve", hold)
+            return Verdict(False, None, "unavailable")
         if status in (b"ok", b"again"):
             for s, left in zip(hold.scopes, reply[1:], strict=False):
                 self._remember(hold.day, s.key, int(left))
@@ -414,6 +484,17 @@ class RedisStore:
             return Verdict(False, scope, "capacity")
         self._remember(hold.day, scope.key, int(reply[2]))
         return Verdict(False, scope, "budget")
+
+    def _refused_by_script(self, op: str, hold: Hold | None, detail: object = "") -> None:
+        """A script found an argument or a record out of range (a bug here: `to_micros` bounds
+        every amount) and wrote nothing, or clamped a total that would have gone negative."""
+        log.error(
+            "budget store: %s refused or clamped (hold %s) %s",
+            op,
+            hold.request_id if hold is not None else "-",
+            detail,
+        )
+        self.metrics.metering_errors.labels("budget_store").inc()
 
     def _remember(self, day: int, key: str, left: int) -> None:
         if day != self.known_day:
@@ -439,7 +520,10 @@ class RedisStore:
         args: list[Any] = [math.floor(read_at * 1000), day + KEEP_S]
         for key, micros in spent.items():
             args += [key, micros]
-        return bool(await self._call("seed", [keys[0], keys[4]], args))
+        seeded = int(await self._call("seed", [keys[0], keys[4]], args))
+        if seeded < 0:
+            self._refused_by_script("seed", None, f"day {day}")
+        return seeded > 0
 
     # --- without Redis
 
@@ -571,9 +655,12 @@ class RedisStore:
     async def _after_settle(self, batch: list[tuple[Hold, int, int]], replies: list[Any]) -> None:
         """A settlement that found its day unseeded (Redis emptied) waits for the reseed; one
         for a day whose keys are gone for good is dropped."""
-        for (hold, _, _), r in zip(batch, replies, strict=True):
+        for (hold, charge, _), r in zip(batch, replies, strict=True):
             if r != b"unseeded":
                 self.settling.pop(hold.request_id, None)
+            if isinstance(r, bytes) and (r == b"invalid" or r.endswith(b":clamped")):
+                # invalid: nothing changed there; the hold's lease ends and the sweep charges it
+                self._refused_by_script("settle", hold, f"charge {charge!r}: {r!r}")
         unseeded = [item for item, r in zip(batch, replies, strict=True) if r == b"unseeded"]
         today = self.today()
         late = [item for item in unseeded if item[0].day < today]
@@ -627,7 +714,9 @@ class RedisStore:
                 for h in some[i : i + RENEW_BATCH]:
                     args += [h.request_id, h.amount, len(h.scopes), *(s.key for s in h.scopes)]
                 made = int(await self._call("renew", day_keys(day)[:4], args))
-                if made:
+                if made < 0:
+                    self._refused_by_script("renew", None, f"day {day}")
+                elif made:
                     log.warning("budget store: %d holds missing from Redis recorded again", made)
 
     # --- lifecycle

@@ -84,13 +84,20 @@ def percentile(values: list[float], p: float) -> float | None:
     return round(ordered[rank - 1], 6)
 
 
-def summarize(path: str, since: float, by: str) -> list[dict[str, Any]]:
+def summarize(
+    path: str, since: float, by: str, day_start_hour_utc: int = 0
+) -> list[dict[str, Any]]:
+    """Rows since `since`, grouped. By day, a day is a budget day (`budgets.day_start_hour_utc`),
+    named by the date it starts on: a request is in the day it started in (its `ts`)."""
     if by not in GROUPS:
         raise ValueError(f"--by '{by}': expected one of {', '.join(GROUPS)}")
+    if not 0 <= day_start_hour_utc <= 23:
+        raise ValueError(f"--day-start-hour-utc '{day_start_hour_utc}': expected 0 to 23")
+    offset = day_start_hour_utc * 3600
     if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
         from .fleet_ledger import report_rows
 
-        return _grouped(report_rows(path, since, by), by)
+        return _grouped(report_rows(path, since, by, offset), by)
     if "://" in path:  # never echoed: a URL may carry a password
         raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
     uri = f"file:{path}?mode=ro"
@@ -99,7 +106,7 @@ def summarize(path: str, since: float, by: str) -> list[dict[str, Any]]:
     except sqlite3.Error as exc:
         raise ValueError(f"ledger '{path}' cannot be opened: {exc}") from exc
     with conn:
-        key = "strftime('%Y-%m-%d', ts, 'unixepoch')" if by == "day" else by
+        key = f"strftime('%Y-%m-%d', ts - {offset:d}, 'unixepoch')" if by == "day" else by
         rows = conn.execute(
             f"SELECT {key}, input_tokens, output_tokens, cost_usd, duration_s FROM requests "
             "WHERE ts >= ? ORDER BY ts",

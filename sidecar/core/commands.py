@@ -37,7 +37,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..billing import report
 
     try:
-        rows = report.summarize(args.ledger, report.parse_since(args.since), args.by)
+        since = report.parse_since(args.since)
+        rows = report.summarize(args.ledger, since, args.by, args.day_start_hour_utc)
     except ValueError as exc:
         raise SystemExit(f"tollbooth report: {exc}") from None
     print(report.render(rows, args.format))
@@ -51,6 +52,12 @@ def add_report(sub: Sub) -> None:
     )
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
     p.add_argument("--by", default="user", choices=["user", "model", "day"])
+    p.add_argument(
+        "--day-start-hour-utc",
+        type=int,
+        default=0,
+        help="with --by day: the budget day's start (budgets.day_start_hour_utc)",
+    )
     p.add_argument("--format", default="table", choices=["table", "csv", "json"])
     p.set_defaults(func=cmd_report)
 

@@ -52,8 +52,11 @@ class PriceBook:
 
 
 def compute(price: ModelPrice, input_tokens: int, cached: int | None, output_tokens: int) -> Cost:
-    """Cached input is part of input, billed at its own price (the input price if none is set)."""
-    cached = min(cached or 0, input_tokens)
+    """Cached input is part of input, billed at its own price (the input price if none is set).
+    More cached tokens than input (a buggy upstream) is all of the input, never a negative rest,
+    and no count is below zero: a cost is never negative (a negative charge credits a budget)."""
+    input_tokens, output_tokens = max(input_tokens, 0), max(output_tokens, 0)
+    cached = min(max(cached or 0, 0), input_tokens)
     cached_price = price.cached_input_per_1m
     if cached_price is None:
         cached_price = price.input_per_1m

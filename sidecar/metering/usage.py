@@ -27,6 +27,14 @@ from .sse import DEFAULT_MAX_EVENT_BYTES, Event, SSEParser
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
+# The largest token count read from an upstream, for any one count of one request and for a
+# stream's totals: 1,000 times the longest context any server offers, and small enough that a
+# count times any price stays a finite float and an exact micro-dollar amount (budget.MAX_MICROS).
+# A count above it, negative, fractional, boolean or not a number is invalid usage: the usage of
+# that response is unknown (INVALID_USAGE), charged its hold, never an exception (docs/budgets.md).
+MAX_TOKEN_COUNT = 10**9
+INVALID_USAGE = "invalid_usage"
+
 
 # --- requests -------------------------------------------------------------------------------------
 
@@ -325,17 +333,24 @@ def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
     details = details if isinstance(details, dict) else {}
     if isinstance(obj, dict) and "error" in obj and "generated_text" not in obj:
         return Usage(error=error_type(obj), unknown_reason="error_response")
-    inp = _int(headers.get("x-prompt-tokens"))
-    out = _int(headers.get("x-generated-tokens"))
-    if out is None:
-        out = _int(details.get("generated_tokens"))
-    if inp is None and isinstance(details.get("prefill"), list) and details["prefill"]:
-        inp = len(details["prefill"])
+    raw = (
+        headers.get("x-prompt-tokens"),
+        headers.get("x-generated-tokens"),
+        details.get("generated_tokens"),
+    )
+    inp, out, generated = _header_int(raw[0]), _header_int(raw[1]), _int(raw[2])
     reason = _str(details.get("finish_reason"))
+    reasons = (reason,) if reason else ()
+    if any(_invalid(v, n) for v, n in zip(raw, (inp, out, generated), strict=True)):
+        return Usage(finish_reasons=reasons, unknown_reason=INVALID_USAGE)
+    if out is None:
+        out = generated
+    if inp is None and isinstance(details.get("prefill"), list) and details["prefill"]:
+        inp = _int(len(details["prefill"]))
     return Usage(
         input_tokens=inp,
         output_tokens=out,
-        finish_reasons=(reason,) if reason else (),
+        finish_reasons=reasons,
         unknown_reason=None if inp is not None and out is not None else "no_usage",
     )
 
@@ -358,14 +373,28 @@ def read_usage(
     """An OpenAI-style `usage` object (chat/completions/embeddings or the Responses API's), with
     the response's other fields when they are known."""
     if endpoint is Endpoint.RESPONSES:
-        inp, out = _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
+        raw_in, raw_out = usage.get("input_tokens"), usage.get("output_tokens")
         details = usage.get("input_tokens_details")
     else:
-        inp, out = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+        raw_in, raw_out = usage.get("prompt_tokens"), usage.get("completion_tokens")
         details = usage.get("prompt_tokens_details")
-        if out is None and endpoint is Endpoint.EMBEDDINGS and inp is not None:
-            out = 0  # embeddings generate nothing: zero is what happened, not a guess
-    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    raw_cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    inp, out, cached = _int(raw_in), _int(raw_out), _int(raw_cached)
+    more_cached = cached is not None and inp is not None and cached > inp  # than there was
+    if (
+        _invalid(raw_in, inp)
+        or _invalid(raw_out, out)
+        or _invalid(raw_cached, cached)
+        or more_cached
+    ):
+        return Usage(
+            model=model,
+            response_id=response_id,
+            finish_reasons=finish_reasons,
+            unknown_reason=INVALID_USAGE,
+        )
+    if out is None and endpoint is Endpoint.EMBEDDINGS and inp is not None:
+        out = 0  # embeddings generate nothing: zero is what happened, not a guess
     missing = inp is None or out is None
     return Usage(
         input_tokens=inp,
@@ -593,12 +622,15 @@ class StreamMeter:
             return self._usage()
         parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
         inp = self._running_input(parts)
-        return replace(
-            self._usage(),
-            input_tokens=inp,
-            output_tokens=_sum(p.output_tokens for p in parts.values()),
-            cached_input_tokens=None,
-            unknown_reason=None if inp is not None else "incomplete_usage",
+        reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
+        return _bounded(
+            replace(
+                self._usage(),
+                input_tokens=inp,
+                output_tokens=_sum(p.output_tokens for p in parts.values()),
+                cached_input_tokens=None,
+                unknown_reason=None if inp is not None else reason or "incomplete_usage",
+            )
         )
 
     def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
@@ -736,21 +768,25 @@ class StreamMeter:
         if not totals:
             return replace(base, unknown_reason="stream_without_usage")
         parts = [read_usage(_decoded(u), self.endpoint) for u in totals]
-        return replace(
-            base,
-            input_tokens=_sum(p.input_tokens for p in parts),
-            output_tokens=_sum(p.output_tokens for p in parts),
-            cached_input_tokens=_sum_present(p.cached_input_tokens for p in parts),
-            unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
+        return _bounded(
+            replace(
+                base,
+                input_tokens=_sum(p.input_tokens for p in parts),
+                output_tokens=_sum(p.output_tokens for p in parts),
+                cached_input_tokens=_sum_present(p.cached_input_tokens for p in parts),
+                unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
+            )
         )
 
     def _tgi_usage(self, base: Usage) -> Usage:
         details = self._tgi_details or {}
-        out = _int(details.get("generated_tokens"))
+        raw_out, raw_in = details.get("generated_tokens"), details.get("input_length")
+        out, inp = _int(raw_out), _int(raw_in)
+        if _invalid(raw_out, out) or _invalid(raw_in, inp):
+            return replace(base, unknown_reason=INVALID_USAGE)
         if out is None and self._tgi_tokens:
             # TGI's /generate_stream sends exactly one event per generated token.
-            out = self._tgi_tokens
-        inp = _int(details.get("input_length"))
+            out = _int(self._tgi_tokens)
         if out is None:  # no token event at all: not a stream of the shape we count
             reason: str | None = "no_token_events"
         else:
@@ -1022,13 +1058,41 @@ def _carries_output(choice: object) -> bool:
 
 
 def _int(v: object) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v if v >= 0 else None
-    if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) < 19:
-        return int(v)
+    """A count in JSON: an integer from 0 to MAX_TOKEN_COUNT (not a bool, a float or a string)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if 0 <= v <= MAX_TOKEN_COUNT else None
     return None
+
+
+def _header_int(v: str | None) -> int | None:
+    """A count in a header: its ASCII digits, from 0 to MAX_TOKEN_COUNT."""
+    if v is not None and v.isascii() and v.isdigit() and len(v) < 19:
+        return _int(int(v))
+    return None
+
+
+def token_count(v: object) -> int | None:
+    """A token count from the upstream (a /tokenize answer too): `_int`'s rule."""
+    return _int(v)
+
+
+def _invalid(raw: object, read: int | None) -> bool:
+    """A count was sent (not absent, not null) but is none we can use."""
+    return raw is not None and read is None
+
+
+def _bounded(u: Usage) -> Usage:
+    """A stream's totals (the sum of several usage objects) under the same ceiling."""
+    counts = (u.input_tokens, u.output_tokens, u.cached_input_tokens)
+    if all(n is None or n <= MAX_TOKEN_COUNT for n in counts):
+        return u
+    return replace(
+        u,
+        input_tokens=None,
+        output_tokens=None,
+        cached_input_tokens=None,
+        unknown_reason=INVALID_USAGE,
+    )
 
 
 def _num(v: object) -> float | None:

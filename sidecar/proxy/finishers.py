@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from ..exchange import Endpoint, RequestInfo, Usage
-from ..metering.usage import StreamMeter
+from ..metering.usage import StreamMeter, token_count
 from ..telemetry.metrics import Metrics
 from .upstream import Upstream, UpstreamResponse
 
@@ -165,7 +165,7 @@ class PromptCounter:
                 self.metrics.upstream_errors.labels("tokenize").inc()
                 return None
             total += n
-        return total
+        return token_count(total)  # several prompts: their sum under the same ceiling
 
     async def _one(self, path: str, body: bytes, headers: dict[str, str]) -> int | None:
         hdrs = {**headers, "Content-Type": "application/json"}
@@ -181,8 +181,8 @@ class PromptCounter:
 
 def _count(data: object) -> int | None:
     if isinstance(data, dict):
-        if isinstance(data.get("count"), int):
-            return int(data["count"])
+        if "count" in data:  # vLLM's: a count like any other from the upstream
+            return token_count(data["count"])
         tokens = data.get("tokenize_response")
         return len(tokens) if isinstance(tokens, list) else None
     if isinstance(data, list):
