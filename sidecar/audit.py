@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .pricing import PriceBook
 from .report import columns
 from .sse import SSEParser
+from .text import clean
 from .thresholds import Thresholds
 
 log = logging.getLogger("tollbooth.audit")
@@ -62,14 +63,16 @@ def redact(headers: Mapping[str, str]) -> dict[str, str]:
     for k, v in headers.items():
         if len(out) >= MAX_HEADERS:
             break
-        k = str(k)  # a plain str: aiohttp's header names are a subclass, which orjson refuses
+        # A plain str (aiohttp's header names are a subclass, which orjson refuses), made safe:
+        # undecodable header bytes arrive as surrogates, which no JSON encoder takes.
+        k = clean(str(k), 64)
         name = k.lower()
         if name in RECORDED_HEADERS:
-            out[k[:64]] = v[:256]
+            out[k] = clean(v, 256)
         elif name == "authorization":
             out[k] = f"{REDACTED} {api_key_id(v) or ''}".strip()
         else:
-            out[k[:64]] = REDACTED
+            out[k] = REDACTED
     return out
 
 

@@ -86,11 +86,20 @@ def sanitize(value: str, max_len: int = 64) -> str:
 
 
 class LabelCap:
-    """The first `limit` distinct values keep their own label; later ones share `__other__`."""
+    """The first `limit` distinct values keep their own label; later ones share `__other__`.
+
+    Bounded in bytes, not only in names: a label is at most `max_len` characters, and a raw
+    spelling is remembered (so it is not sanitised again) only when it is at most `RAW_FACTOR`
+    labels long, up to `RAW_FACTOR * limit` of them. A longer one is sanitised on every call
+    (its first `max_len` characters only): 100 model names of 4-15 MiB once kept 1.9 GB here.
+    """
+
+    RAW_FACTOR = 4
 
     def __init__(self, limit: int, max_len: int = 64) -> None:
         self._limit = limit
         self._max_len = max_len
+        self._raw_chars = self.RAW_FACTOR * max_len
         self._seen: set[str] = set()
         self._known: dict[str, str] = {}  # raw value -> label, for values already tracked
         self._lock = threading.Lock()
@@ -105,12 +114,19 @@ class LabelCap:
                 if len(self._seen) >= self._limit:
                     return OTHER
                 self._seen.add(v)
-            if len(self._known) < 4 * self._limit:  # raw spellings are bounded too
+            remember = len(value) <= self._raw_chars
+            if remember and len(self._known) < self.RAW_FACTOR * self._limit:
                 self._known[value] = v
             return v
 
     def __len__(self) -> int:
         return len(self._seen)
+
+    def retained_chars(self) -> int:
+        """Characters this cap holds (labels and raw spellings); at most
+        `limit * max_len * (1 + RAW_FACTOR * (RAW_FACTOR + 1))`."""
+        with self._lock:
+            return sum(map(len, self._seen)) + sum(len(k) + len(v) for k, v in self._known.items())
 
 
 # --- series every request updates --------------------------------------------------------------

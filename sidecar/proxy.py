@@ -31,6 +31,7 @@ from .logs import REQUEST_CONTEXT
 from .meter import STATUS_CLIENT_CLOSED, Exchange, Meter, new_uid, price_cost
 from .metrics import LabelCap, Metrics, sanitize
 from .routes import AmbiguousPath, Endpoint, classify, endpoint_class, routing_path
+from .text import MODEL_CHARS, clean
 from .upstream import Upstream, UpstreamResponse
 from .usage import RequestInfo, StreamMeter, Usage, inspect_request, usage_from_body
 
@@ -191,7 +192,7 @@ class TgiModelName:
                 data = await r.json(content_type=None)
             name = data.get("model_id") if isinstance(data, dict) else None
             if isinstance(name, str) and name:
-                self._name = name
+                self._name = clean(name, MODEL_CHARS)  # the upstream's text: made safe here
                 return
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("upstream /info unavailable (%s); TGI model name unknown for now", exc)
