@@ -76,6 +76,7 @@ QUEUE_BUCKETS = (
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 OTHER = "__other__"
+LEDGER_STAGES = ("open", "write", "row", "kept", "make", "ship", "ship_row", "ship_kept")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+\-]")
 
 
@@ -345,8 +346,16 @@ class Metrics:
             registry=r,
         )
         self.ledger_errors = Counter(
-            "llm_ledger_errors", "Usage-ledger write failures.", registry=r
+            "llm_ledger_errors",
+            "Usage-ledger failures by stage: open and write (retried; rows wait in memory), row "
+            "(a row refused as it was, written cleaned), kept (refused even cleaned: kept aside, "
+            "not written), make (a row could not be made), ship_row and ship_kept (the same in "
+            "PostgreSQL), ship (the shipper failed for another reason than the database).",
+            ["stage"],
+            registry=r,
         )
+        for stage in LEDGER_STAGES:  # every stage exported from 0: increase() sees the first
+            self.ledger_errors.labels(stage)
         self.ledger_reopens = Counter(
             "llm_ledger_reopens",
             "Ledger file found deleted or replaced while open, and opened again at its path.",
@@ -518,6 +527,11 @@ class Metrics:
         )
         self.audit_errors = Counter(
             "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
+        )
+        self.access_log_errors = Counter(
+            "tollbooth_access_log_errors",
+            "Access-log lines that could not be written, even cleaned.",
+            registry=r,
         )
         self.log_dropped = Counter(
             "tollbooth_log_records_dropped",
