@@ -15,6 +15,7 @@ import json
 import logging
 import logging.handlers
 import sqlite3
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -87,8 +88,15 @@ class _Rotating(logging.handlers.RotatingFileHandler):
             path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True
         )  # no file until the first record
         self._errors = errors
+        self.problem: str | None = None  # why the last record could not be written
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.problem = None
+        super().emit(record)  # a failure comes back through handleError
 
     def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        self.problem = f"write failed: {exc!r}"[:300]
         self._errors.inc()
 
 
@@ -144,6 +152,13 @@ class Audit:
         )
         self._handler = handler
         self._writer.start()
+
+    @property
+    def problem(self) -> str | None:
+        """Why the last record could not be written (None when it was): for /readyz. With the
+        ledger sink, the ledger's own readiness says it."""
+        writer, handler = self._writer, self._handler
+        return (writer and writer.problem) or (handler and handler.problem) or None
 
     def stop(self) -> None:
         """Write what is pending, then close the file."""
