@@ -48,7 +48,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
-    shipper = _shipper(sc)
+    shipper = sc.shipper = _shipper(sc)
     store = _shared_store(sc, shipper)
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
