@@ -16,6 +16,9 @@ from sidecar.metrics import COST_BUCKETS
 from sidecar.thresholds import Thresholds
 
 ERRORS = 'status_code=~"5..|stream_error"'
+# llm_ledger_errors_total stages about single rows (the others are retried batches: the writers'
+# readiness and LLMLedgerWriteFailing cover them)
+LEDGER_ROW_STAGES = "row|kept|make|ship_row|ship_kept"
 
 
 def cost_bucket(t: Thresholds) -> str:
@@ -190,6 +193,29 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
             f"{{{{ $value | humanizePercentage }}}} of requests had unknown usage over "
             f"{t.unmeasured_window}: spend is under-reported by at least that share. Requests "
             "that failed upstream are LLMUpstreamErrorRateHigh's and are not counted here.",
+        ),
+        _alert(
+            t,
+            "LLMLedgerWriteFailing",
+            f"max by (job, instance, writer) (tollbooth_writer_failing{{{s}}}) > 0",
+            t.writer_failing_for,
+            "critical",
+            "A sidecar cannot write its ledger, ship it, or write its access or audit log.",
+            f"The {{{{ $labels.writer }}}} of {{{{ $labels.instance }}}} has not been able to "
+            f"write for {t.writer_failing_for}; its /readyz says why. Ledger rows wait in memory "
+            "(bounded) until it can; log lines and audit records that fail are lost.",
+        ),
+        _alert(
+            t,
+            "LLMLedgerRowsRefused",
+            f"sum by (job, instance, stage) (increase(llm_ledger_errors_total{{{s},"
+            f'stage=~"{LEDGER_ROW_STAGES}"}}[{t.ledger_rows_window}])) > 0',
+            "0m",
+            "warning",
+            "A ledger refused rows: written cleaned, kept aside or quarantined.",
+            f'{{{{ $value | printf "%.0f" }}}} ledger row(s) of {{{{ $labels.instance }}}} '
+            f"had to be handled as {{{{ $labels.stage }}}} in the last {t.ledger_rows_window}; "
+            "the other rows were written.",
         ),
         _alert(
             t,

@@ -356,6 +356,13 @@ class Metrics:
         )
         for stage in LEDGER_STAGES:  # every stage exported from 0: increase() sees the first
             self.ledger_errors.labels(stage)
+        self.writer_failing = Gauge(
+            "tollbooth_writer_failing",
+            "1 while a writer cannot write (ledger, shipper, access_log, audit); /readyz is not "
+            "ready then. Read at scrape time from the writer's state.",
+            ["writer"],
+            registry=r,
+        )
         self.ledger_reopens = Counter(
             "llm_ledger_reopens",
             "Ledger file found deleted or replaced while open, and opened again at its path.",

@@ -303,3 +303,35 @@ def test_a_row_postgres_refuses_even_cleaned_is_quarantined(postgres: Any, tmp_p
         assert [(t, i) for t, i, _ in kept] == [("requests", 2)] and "smallint" in kept[0][2]
     finally:
         shipper.close()
+
+
+def test_ledger_row_errors_exported_from_zero_are_shown_at_once() -> None:
+    """LLMLedgerRowsRefused reads increase(): the stages exist at 0 from the start, so the first
+    row kept aside is a step from 0 that the alert sees (a series born at 1 would be missed)."""
+    from sidecar.exposition import HeldView
+
+    m = Metrics()
+    now = {"t": time.time()}
+    view = HeldView(m.registry, ["llm_ledger_errors"], hold_s=60, clock=lambda: now["t"])
+
+    def shown() -> dict[str, float]:
+        samples = [s for f in view.collect() for s in f.samples]
+        return {s.labels["stage"]: s.value for s in samples if s.name == "llm_ledger_errors_total"}
+
+    first = shown()
+    assert first["kept"] == 0 and first["ship_kept"] == 0
+    now["t"] += 61  # a minute after the start: the series have been shown at 0
+    m.ledger_errors.labels("kept").inc()
+    assert shown()["kept"] == 1
+
+
+async def test_the_writer_failing_gauge_follows_the_writers(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    run = await start_sidecar(
+        {"ledger": {"path": str(tmp_path / "l.db"), "flush_interval_s": 0.05}}
+    )
+    await wait_ready(run, 200)
+    assert run.value("tollbooth_writer_failing", writer="ledger") == 0
+    run.sc.ledger.problem = "write failed: disk I/O error"
+    assert run.value("tollbooth_writer_failing", writer="ledger") == 1
