@@ -242,3 +242,38 @@ async def test_every_answered_request_has_its_ledger_row(
         assert len(got) == i + 1, requests[i]
         m, _, e = got[-1]
         assert safe(m, MODEL_CHARS) and safe(e, USER_CHARS), requests[i]
+
+
+async def test_every_answered_request_reaches_the_fleet_ledger(
+    start_sidecar: StartSidecar, postgres: Any, tmp_path: Path
+) -> None:
+    """The same strings in fleet mode: each answered request's row reaches PostgreSQL (a NUL
+    stopped an outbox for good before), and every request after it too."""
+    import psycopg
+
+    url = postgres.database()
+    led = {
+        "path": str(tmp_path / "ledger.db"),
+        "postgres_url": url,
+        "flush_interval_s": 0.05,
+        "ship_interval_s": 0.1,
+    }
+    run = await start_sidecar({"ledger": led, "logging": {"access_log": "off"}})
+    requests = drawn(30)
+    for model, user, stream in requests:
+        body = {"model": model, "user": user, "messages": MSGS, "max_tokens": 1}
+        assert await post(run, raw({**body, "stream": stream}))
+
+    def shipped() -> list[tuple[str, str | None]]:
+        with psycopg.connect(url) as conn:
+            try:
+                return conn.execute("SELECT model, end_user FROM requests").fetchall()
+            except psycopg.errors.UndefinedTable:
+                return []
+
+    end = time.monotonic() + 15
+    while len(got := shipped()) < len(requests) and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+    assert len(got) == len(requests)
+    assert all(safe(m, MODEL_CHARS) and safe(e, USER_CHARS) for m, e in got)
+    assert run.value("llm_ledger_errors_total", stage="ship_row") == 0  # clean at the boundary
