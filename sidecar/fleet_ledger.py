@@ -116,10 +116,7 @@ def refused_row(exc: BaseException) -> bool:
     """Whether PostgreSQL or the driver refused the data (a NUL in text, a value out of range, a
     constraint), which a row by row retry isolates; a connection, a timeout or the schema fail
     every row alike and make the batch wait."""
-    if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
-        return True
-    db_or_io = (psycopg.Error, PoolTimeout, sqlite3.Error, OSError, Clash)
-    return isinstance(exc, Exception) and not isinstance(exc, db_or_io)
+    return isinstance(exc, (psycopg.DataError, psycopg.IntegrityError, *ledger.VALUE_ERRORS))
 
 
 class Clash(Exception):

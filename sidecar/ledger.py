@@ -372,19 +372,23 @@ class Ledger:
             i += n
 
 
+# What a value can make the driver raise: a string it cannot encode (UnicodeEncodeError is a
+# ValueError), an integer past 64 bits (OverflowError), a value of no SQL type (TypeError).
+VALUE_ERRORS = (ValueError, TypeError, OverflowError)
+_ROW_ERRORS = (
+    *VALUE_ERRORS,
+    sqlite3.IntegrityError,
+    sqlite3.InterfaceError,
+    sqlite3.DataError,
+    sqlite3.ProgrammingError,
+)
+
+
 def about_a_row(exc: BaseException) -> bool:
-    """Whether `exc` is about the row being written (a string the driver cannot encode, an integer
-    past 64 bits, a constraint, a value of no SQLite type), not about the file, the disk or a
-    lock, which fail every row alike and make the whole batch wait."""
-    if isinstance(exc, sqlite3.Error):
-        row_errors = (
-            sqlite3.IntegrityError,
-            sqlite3.InterfaceError,
-            sqlite3.DataError,
-            sqlite3.ProgrammingError,
-        )
-        return isinstance(exc, row_errors)
-    return isinstance(exc, Exception)
+    """Whether `exc` is about the row being written (see VALUE_ERRORS, and SQLite's constraint and
+    binding errors), not about the file, the disk, a lock or anything else, which would fail every
+    row alike: that batch waits and is retried whole (the writer is not ready meanwhile)."""
+    return isinstance(exc, _ROW_ERRORS)
 
 
 _INT64 = 1 << 63

@@ -132,6 +132,31 @@ def test_a_writer_failing_on_anything_is_not_ready_counted_and_writes_again(
         led.close()
 
 
+def test_a_failure_not_about_a_row_retries_the_batch_and_keeps_nothing_aside(
+    tmp_path: Path,
+) -> None:
+    """Row by row is for rows the database refuses; anything else (here a RuntimeError inside the
+    write) fails every row alike: the batch waits whole, nothing is cleaned or kept aside."""
+    led, metrics = opened(tmp_path)
+    real, calls = Ledger._insert, {"n": 0}
+
+    def insert(conn: sqlite3.Connection, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise RuntimeError("not about a row")
+        real(conn, sql, rows)
+
+    led._insert = insert  # type: ignore[method-assign]
+    try:
+        led.append_audit(audit_row("r1"))
+        led.append_audit(audit_row("r2"))
+        until(lambda: count(tmp_path / "l.db", "audit") == 2, "the batch was not written")
+        assert stage(metrics, "write") == 2
+        assert stage(metrics, "row") == stage(metrics, "kept") == 0 and not led.kept
+    finally:
+        led.close()
+
+
 async def readyz(run: Running) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession() as s, s.get(run.admin_url + "/readyz") as r:
         return r.status, await r.json()
