@@ -16,9 +16,6 @@ from sidecar.metrics import COST_BUCKETS
 from sidecar.thresholds import Thresholds
 
 ERRORS = 'status_code=~"5..|stream_error"'
-# llm_ledger_errors_total stages about single rows (the others are retried batches: the writers'
-# readiness and LLMLedgerWriteFailing cover them)
-LEDGER_ROW_STAGES = "row|kept|make|ship_row|ship_kept"
 
 
 def cost_bucket(t: Thresholds) -> str:
@@ -208,14 +205,12 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
         _alert(
             t,
             "LLMLedgerRowsRefused",
-            f"sum by (job, instance, stage) (increase(llm_ledger_errors_total{{{s},"
-            f'stage=~"{LEDGER_ROW_STAGES}"}}[{t.ledger_rows_window}])) > 0',
+            f"max by (job, instance, where) (llm_ledger_rows_set_aside{{{s}}}) > 0",
             "0m",
             "warning",
-            "A ledger refused rows: written cleaned, kept aside or quarantined.",
-            f'{{{{ $value | printf "%.0f" }}}} ledger row(s) of {{{{ $labels.instance }}}} '
-            f"had to be handled as {{{{ $labels.stage }}}} in the last {t.ledger_rows_window}; "
-            "the other rows were written.",
+            "Ledger rows were refused even cleaned and set aside, not written.",
+            '{{ $value | printf "%.0f" }} ledger row(s) of {{ $labels.instance }} '
+            "are set aside in {{ $labels.where }}; every other row was written.",
         ),
         _alert(
             t,

@@ -68,8 +68,6 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.store_refused,
         m.store_local,
         m.holds_expired,
-        # the LLMLedgerRowsRefused alert: rows written cleaned, kept aside or quarantined
-        m.ledger_errors,
     )
     return {fam.name: c for c in read for fam in c.describe()}
 

@@ -466,9 +466,11 @@ class Shipper:
             _, last = self._mark(self._db, "requests")
             sql = "SELECT COUNT(*) FROM requests WHERE id > ?"
             (n,) = self._db.execute(sql, (last,)).fetchone()
+            (kept,) = self._db.execute("SELECT COUNT(*) FROM quarantine").fetchone()
         except sqlite3.Error:
             return
         self.metrics.ledger_unshipped.set(n)
+        self.metrics.ledger_set_aside.labels("quarantine").set(kept)
 
     # --- reads for the budget store
 

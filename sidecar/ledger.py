@@ -178,6 +178,7 @@ class Ledger:
         self.kept: collections.deque[tuple[str, tuple[Any, ...], str]] = collections.deque(
             maxlen=KEPT_ROWS
         )  # (statement, values, error) of rows refused even cleaned
+        metrics.ledger_set_aside.labels("memory").set_function(lambda: len(self.kept))
 
     # --- event-loop side (never blocks on disk)
 

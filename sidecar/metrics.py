@@ -363,6 +363,14 @@ class Metrics:
             ["writer"],
             registry=r,
         )
+        self.ledger_set_aside = Gauge(
+            "llm_ledger_rows_set_aside",
+            "Ledger rows refused even cleaned, not written: `memory` (kept by the SQLite "
+            "writer, lost at a restart), `quarantine` (in the outbox's quarantine table, "
+            "missing from PostgreSQL).",
+            ["where"],
+            registry=r,
+        )
         self.ledger_reopens = Counter(
             "llm_ledger_reopens",
             "Ledger file found deleted or replaced while open, and opened again at its path.",

@@ -118,7 +118,6 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
         unmeasured_for="19m",
         down_for="3m",
         writer_failing_for="4m",
-        ledger_rows_window="2h",
     )
     base, new = alerts_of(DEFAULT), alerts_of(changed)
     literal = re.compile(r"(?<![\w.\[])(\d+(?:\.\d+)?)(?![\w\]])")

@@ -102,6 +102,8 @@ def test_a_row_refused_even_cleaned_is_kept_aside_and_the_batch_is_written(
         until(lambda: count(tmp_path / "l.db", "audit") == 2, "the good rows were not written")
         assert stage(metrics, "kept") == 1 and led.problem is None
         assert [k[1][1] for k in led.kept] == ["bad"]
+        set_aside = {"where": "memory"}
+        assert metrics.registry.get_sample_value("llm_ledger_rows_set_aside", set_aside) == 1
     finally:
         led.close()
 
@@ -326,28 +328,13 @@ def test_a_row_postgres_refuses_even_cleaned_is_quarantined(postgres: Any, tmp_p
         kept = conn.execute("SELECT tbl, id, error FROM quarantine").fetchall()
         conn.close()
         assert [(t, i) for t, i, _ in kept] == [("requests", 2)] and "smallint" in kept[0][2]
+        set_aside = {"where": "quarantine"}
+        until(
+            lambda: metrics.registry.get_sample_value("llm_ledger_rows_set_aside", set_aside) == 1,
+            "the quarantined row is not in llm_ledger_rows_set_aside",
+        )
     finally:
         shipper.close()
-
-
-def test_ledger_row_errors_exported_from_zero_are_shown_at_once() -> None:
-    """LLMLedgerRowsRefused reads increase(): the stages exist at 0 from the start, so the first
-    row kept aside is a step from 0 that the alert sees (a series born at 1 would be missed)."""
-    from sidecar.exposition import HeldView
-
-    m = Metrics()
-    now = {"t": time.time()}
-    view = HeldView(m.registry, ["llm_ledger_errors"], hold_s=60, clock=lambda: now["t"])
-
-    def shown() -> dict[str, float]:
-        samples = [s for f in view.collect() for s in f.samples]
-        return {s.labels["stage"]: s.value for s in samples if s.name == "llm_ledger_errors_total"}
-
-    first = shown()
-    assert first["kept"] == 0 and first["ship_kept"] == 0
-    now["t"] += 61  # a minute after the start: the series have been shown at 0
-    m.ledger_errors.labels("kept").inc()
-    assert shown()["kept"] == 1
 
 
 async def test_the_writer_failing_gauge_follows_the_writers(
