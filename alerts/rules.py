@@ -193,6 +193,27 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
         ),
         _alert(
             t,
+            "LLMLedgerWriteFailing",
+            f"max by (job, instance, writer) (tollbooth_writer_failing{{{s}}}) > 0",
+            t.writer_failing_for,
+            "critical",
+            "A sidecar cannot write its ledger, ship it, or write its access or audit log.",
+            f"The {{{{ $labels.writer }}}} of {{{{ $labels.instance }}}} has not been able to "
+            f"write for {t.writer_failing_for}; its /readyz says why. Ledger rows wait in memory "
+            "(bounded) until it can; log lines and audit records that fail are lost.",
+        ),
+        _alert(
+            t,
+            "LLMLedgerRowsRefused",
+            f"max by (job, instance, where) (llm_ledger_rows_set_aside{{{s}}}) > 0",
+            "0m",
+            "warning",
+            "Ledger rows were refused even cleaned and set aside, not written.",
+            '{{ $value | printf "%.0f" }} ledger row(s) of {{ $labels.instance }} '
+            "are set aside in {{ $labels.where }}; every other row was written.",
+        ),
+        _alert(
+            t,
             "LLMSidecarDown",
             f"up{{{s}}} == 0",
             t.down_for,

@@ -116,10 +116,10 @@ def test_gauges_and_internal_counters_are_shown_at_once(clock: Clock) -> None:
     m = Metrics()
     reg, _ = published(m, hold_s=60)
     m.spend_today.labels("u").set(4.0)
-    m.ledger_errors.inc()
+    m.ledger_errors.labels("write").inc()
     now = shown(reg)
     assert now[("llm_spend_today_usd", (("user_id", "u"),))] == 4.0
-    assert now[("llm_ledger_errors_total", ())] == 1.0
+    assert now[("llm_ledger_errors_total", (("stage", "write"),))] == 1.0
 
 
 def test_old_families_pass_through_untouched(clock: Clock) -> None:
@@ -201,7 +201,7 @@ def test_counters_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> Non
     shown(reg)  # shown at 0 once
     m.cost.labels("m", "input", EP, "never").inc(4)  # never shown at all
     m.request_cost.labels("m", EP).observe(0.2)  # a histogram goes on from 0
-    m.ledger_errors.inc()  # not read by increase(): not carried
+    m.ledger_errors.labels("write").inc()  # not read by increase(): not carried
     path = tmp_path / "ledger.db.series.json"
     assert save(view, path, clock) == 4
     nxt = Metrics()
@@ -213,7 +213,7 @@ def test_counters_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> Non
         assert nxt.registry.get_sample_value("llm_cost_usd_total", labels) == value
     count = {"model": "m", "api_endpoint": EP}
     assert nxt.registry.get_sample_value("llm_request_cost_usd_count", count) == 0
-    assert nxt.registry.get_sample_value("llm_ledger_errors_total") == 0
+    assert nxt.registry.get_sample_value("llm_ledger_errors_total", {"stage": "write"}) == 0
     now = shown(reg2)
     assert now[cost_key("seen")] == 3  # scrapers saw it above 0: it goes on at once
     assert now[cost_key("held")] == 0 and now[cost_key("never")] == 0  # still at 0 first

@@ -117,6 +117,7 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
         gpu_memory_for="9m",
         unmeasured_for="19m",
         down_for="3m",
+        writer_failing_for="4m",
     )
     base, new = alerts_of(DEFAULT), alerts_of(changed)
     literal = re.compile(r"(?<![\w.\[])(\d+(?:\.\d+)?)(?![\w\]])")

@@ -15,6 +15,7 @@ import json
 import logging
 import logging.handlers
 import sqlite3
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..telemetry.accesslog import fields
 from ..telemetry.logs import BatchWriter, json_line
 from ..telemetry.metrics import Metrics
 from ..telemetry.thresholds import Thresholds
+from ..text import clean
 from .report import columns
 
 log = logging.getLogger("tollbooth.audit")
@@ -62,14 +64,16 @@ def redact(headers: Mapping[str, str]) -> dict[str, str]:
     for k, v in headers.items():
         if len(out) >= MAX_HEADERS:
             break
-        k = str(k)  # a plain str: aiohttp's header names are a subclass, which orjson refuses
+        # A plain str (aiohttp's header names are a subclass, which orjson refuses), made safe:
+        # undecodable header bytes arrive as surrogates, which no JSON encoder takes.
+        k = clean(str(k), 64)
         name = k.lower()
         if name in RECORDED_HEADERS:
-            out[k[:64]] = v[:256]
+            out[k] = clean(v, 256)
         elif name == "authorization":
             out[k] = f"{REDACTED} {api_key_id(v) or ''}".strip()
         else:
-            out[k[:64]] = REDACTED
+            out[k] = REDACTED
     return out
 
 
@@ -84,8 +88,15 @@ class _Rotating(logging.handlers.RotatingFileHandler):
             path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True
         )  # no file until the first record
         self._errors = errors
+        self.problem: str | None = None  # why the last record could not be written
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.problem = None
+        super().emit(record)  # a failure comes back through handleError
 
     def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        self.problem = f"write failed: {exc!r}"[:300]
         self._errors.inc()
 
 
@@ -141,6 +152,13 @@ class Audit:
         )
         self._handler = handler
         self._writer.start()
+
+    @property
+    def problem(self) -> str | None:
+        """Why the last record could not be written (None when it was): for /readyz. With the
+        ledger sink, the ledger's own readiness says it."""
+        writer, handler = self._writer, self._handler
+        return (writer and writer.problem) or (handler and handler.problem) or None
 
     def stop(self) -> None:
         """Write what is pending, then close the file."""

@@ -4,9 +4,12 @@ Owns: the PostgreSQL schema (`requests` and `audit`, each row keyed by the outbo
 and its row number there, so a batch sent twice counts once), the shipper thread that copies new
 outbox rows about once a second and records in the outbox how far it got (a PostgreSQL outage
 loses nothing: rows wait in SQLite), retention by day, and the fleet's reads: today's spend that
-seeds the shared budget store, and the rows `tollbooth report` and `tollbooth audit` show.
-Never: runs on the event loop, deletes an outbox row (the local ledger's retention does), or
-prints a connection string.
+seeds the shared budget store, and the rows `tollbooth report` and `tollbooth audit` show. A
+batch PostgreSQL refuses for its data (a NUL, a constraint) is sent again row by row: a refused
+row goes cleaned (`text.clean` on every text field), or, refused even then, into the outbox's
+`quarantine` table; each counted in `llm_ledger_errors_total{stage}`, the other rows shipped.
+Never: runs on the event loop, deletes an outbox row (the local ledger's retention does), prints
+a connection string, stops shipping for one row, or lets its thread die.
 
 Why psycopg 3 (with psycopg-pool) rather than asyncpg: shipping is a batch job in its own
 thread and the reports are synchronous commands, and psycopg serves both (sync API, `COPY`
@@ -86,7 +89,14 @@ OUTBOX = """
 CREATE TABLE IF NOT EXISTS outbox (
     tbl TEXT PRIMARY KEY,        -- a ledger table shipped to PostgreSQL
     source TEXT NOT NULL,        -- this outbox's name there (with the row id: the primary key)
-    last_id INTEGER NOT NULL     -- every row with id <= last_id is in PostgreSQL
+    last_id INTEGER NOT NULL     -- every row with id <= last_id is in PostgreSQL (or quarantined)
+);
+CREATE TABLE IF NOT EXISTS quarantine (
+    tbl TEXT NOT NULL,           -- rows PostgreSQL refused even cleaned: still in the local table
+    id INTEGER NOT NULL,
+    ts REAL NOT NULL,            -- when
+    error TEXT NOT NULL,
+    PRIMARY KEY (tbl, id)
 );
 """
 
@@ -100,6 +110,13 @@ def conninfo(url: str) -> str:
     and would print it whole in its error."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme.lower()}{sep}{rest}" if is_postgres(url) else url
+
+
+def refused_row(exc: BaseException) -> bool:
+    """Whether PostgreSQL or the driver refused the data (a NUL in text, a value out of range, a
+    constraint), which a row by row retry isolates; a connection, a timeout or the schema fail
+    every row alike and make the batch wait."""
+    return isinstance(exc, (psycopg.DataError, psycopg.IntegrityError, *ledger.VALUE_ERRORS))
 
 
 class Clash(Exception):
@@ -167,6 +184,9 @@ class Shipper:
         self._verified: set[tuple[str, str]] = set()  # (table, source) checked against PostgreSQL
         self._pruned_at = -PRUNE_EVERY_S
         self._logged_at = -LOG_EVERY_S
+        # Why shipping is stuck for a reason of its own (not PostgreSQL being away, which
+        # llm_ledger_ship_errors_total shows while rows wait safely in SQLite): for /readyz.
+        self.problem: str | None = None
 
     # --- lifecycle
 
@@ -195,8 +215,12 @@ class Shipper:
             self._db.close()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.ship_interval_s):
-            self.ship()
+        try:
+            while not self._stop.wait(self.config.ship_interval_s):
+                self.ship()
+        finally:  # ship() catches everything; but a thread that ends is never silent
+            if not self._stop.is_set():
+                self.problem = "the shipper thread stopped"
 
     # --- the outbox (SQLite)
 
@@ -265,6 +289,14 @@ class Shipper:
                     self._logged_at = time.monotonic()
                     log.error("ledger rows not shipped to PostgreSQL (will retry): %s", exc)
                 sent = 0
+            except Exception as exc:  # a bug: counted, not ready, tried again; the thread lives
+                log.exception("ledger shipping failed (will retry)")
+                self.metrics.ledger_ship_errors.inc()
+                self.metrics.ledger_errors.labels("ship").inc()
+                self.problem = f"shipping failed: {exc!r}"[:300]
+                sent = 0
+            else:
+                self.problem = None
             self._measure_backlog()
             return sent
 
@@ -292,12 +324,67 @@ class Shipper:
                 self._rename(db, table, clash.seq - 1)
                 if not rows:
                     continue
+            except Exception as exc:
+                if not refused_row(exc):
+                    raise
+                rows = self._send_each(db, table, source, cols, rows)
+                if not rows:
+                    continue
             with db:  # only after PostgreSQL committed: a crash in between sends the batch again
                 db.execute("UPDATE outbox SET last_id = ? WHERE tbl = ?", (rows[-1][0], table))
             self.metrics.ledger_shipped.labels(table).inc(len(rows))
             sent += len(rows)
             if len(rows) < self.config.ship_batch_rows:
                 return sent
+
+    def _send_each(
+        self, db: sqlite3.Connection, table: str, source: str, cols: list[str], rows: list[Any]
+    ) -> list[Any]:
+        """The batch one row at a time; returns the rows done (sent, or quarantined), up to a
+        clash (then renamed, as in `_ship_table`). Rare: only after PostgreSQL refused a batch."""
+        done: list[Any] = []
+        for row in rows:
+            try:
+                self._send_one(db, table, source, cols, row)
+            except Clash as clash:
+                self._rename(db, table, clash.seq - 1)
+                return done
+            done.append(row)
+        return done
+
+    def _send_one(
+        self, db: sqlite3.Connection, table: str, source: str, cols: list[str], row: Any
+    ) -> None:
+        try:
+            self._send(table, source, cols, [row])
+            return
+        except Exception as exc:
+            if not refused_row(exc):
+                raise
+            refused = exc
+        try:
+            self._send(table, source, cols, [(row[0], *ledger.cleaned(row[1:]))])
+        except Exception as exc:
+            if not refused_row(exc):
+                raise
+            self._quarantine(db, table, row, exc)
+            return
+        log.error(
+            "PostgreSQL refused outbox row %s/%d (%r): shipped cleaned", table, row[0], refused
+        )
+        self.metrics.ledger_errors.labels("ship_row").inc()
+
+    def _quarantine(self, db: sqlite3.Connection, table: str, row: Any, exc: Exception) -> None:
+        """A row PostgreSQL refuses even cleaned: noted in the outbox, passed over, counted."""
+        with db:
+            db.execute(
+                "INSERT OR REPLACE INTO quarantine (tbl, id, ts, error) VALUES (?, ?, ?, ?)",
+                (table, row[0], time.time(), repr(exc)[:1000]),
+            )
+        self.metrics.ledger_errors.labels("ship_kept").inc()
+        log.error(
+            "PostgreSQL refused outbox row %s/%d even cleaned (%r): quarantined", table, row[0], exc
+        )
 
     def _rename(self, db: sqlite3.Connection, table: str, last_id: int) -> None:
         with db:
@@ -328,7 +415,8 @@ class Shipper:
             theirs = conn.execute(sql, (source, last, self.config.ship_batch_rows)).fetchall()
         for seq, request_id, ts in theirs:
             mine = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,))
-            if mine.fetchone() != (request_id, ts):
+            row = mine.fetchone()
+            if row is None or (request_id, ts) not in (row, ledger.cleaned(row)):  # sent cleaned
                 self._rename(db, table, last)
                 return
         self._verified.add((table, source))
@@ -378,9 +466,11 @@ class Shipper:
             _, last = self._mark(self._db, "requests")
             sql = "SELECT COUNT(*) FROM requests WHERE id > ?"
             (n,) = self._db.execute(sql, (last,)).fetchone()
+            (kept,) = self._db.execute("SELECT COUNT(*) FROM quarantine").fetchone()
         except sqlite3.Error:
             return
         self.metrics.ledger_unshipped.set(n)
+        self.metrics.ledger_set_aside.labels("quarantine").set(kept)
 
     # --- reads for the budget store
 

@@ -3,9 +3,13 @@
 Owns: the schema, a writer thread that makes the rows and commits them every `flush_interval_s`
 (so a hard kill loses at most that much), retrying rows after a failed write, reopening the file
 when it was deleted or replaced under it (checked before each write), retention, and the reads
-that restore today's spend and feed `tollbooth report`.
-Never: blocks the event loop (a request only appends a reference to an in-memory queue), or fails
-a request.
+that restore today's spend and feed `tollbooth report`. A row SQLite or the driver refuses (an
+unencodable string, an integer past 64 bits) is found by writing the batch row by row, and written
+cleaned (`text.clean` on every text field), or kept aside when even that fails: each counted in
+`llm_ledger_errors_total{stage}`, the other rows written.
+Never: blocks the event loop (a request only appends a reference to an in-memory queue), fails a
+request, or lets its writer thread die (any exception is caught, counted and retried, and
+`problem` says why rows cannot be written, for /readyz).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from aiohttp import web
 from ..config import LedgerConfig
 from ..exchange import Exchange, consumed
 from ..telemetry.metrics import Metrics
+from ..text import clean
 
 log = logging.getLogger("tollbooth.ledger")
 
@@ -69,6 +74,8 @@ CREATE INDEX IF NOT EXISTS audit_ts ON audit (ts);
 """
 
 RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
+KEPT_ROWS = 1000  # rows refused even cleaned, kept in memory (and logged) for an operator
+SAFE_TEXT_CHARS = 1 << 20  # a cleaned row's text fields: audit records can be long
 
 # What waits for the writer: the values of a row, or a function that makes them (in the thread).
 Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
@@ -168,6 +175,10 @@ class Ledger:
         self._retry_at = 0.0
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file we opened
         self.problem: str | None = "not open yet"  # why rows cannot be written now (readiness)
+        self.kept: collections.deque[tuple[str, tuple[Any, ...], str]] = collections.deque(
+            maxlen=KEPT_ROWS
+        )  # (statement, values, error) of rows refused even cleaned
+        metrics.ledger_set_aside.labels("memory").set_function(lambda: len(self.kept))
 
     # --- event-loop side (never blocks on disk)
 
@@ -208,7 +219,7 @@ class Ledger:
                 conn.execute("DELETE FROM audit WHERE ts < ?", (cutoff,))
         except sqlite3.Error as exc:
             log.error("ledger %s cannot be opened (will retry): %s", self.config.path, exc)
-            self.metrics.ledger_errors.inc()
+            self.metrics.ledger_errors.labels("open").inc()
             if conn is not None:
                 conn.close()
             self._retry_at = time.monotonic() + RECONNECT_S
@@ -250,15 +261,19 @@ class Ledger:
     # --- writer thread
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.flush_interval_s):
+        try:
+            while not self._stop.wait(self.config.flush_interval_s):
+                self._flush()
             self._flush()
-        self._flush()
-        if self._pending:  # one last try after a failure at shutdown
-            time.sleep(min(0.5, self.config.flush_interval_s))
-            self._flush()
-        if self._pending:
-            self.metrics.ledger_dropped.inc(len(self._pending))
-            log.error("ledger closed with %d rows unwritten", len(self._pending))
+            if self._pending:  # one last try after a failure at shutdown
+                time.sleep(min(0.5, self.config.flush_interval_s))
+                self._flush()
+            if self._pending:
+                self.metrics.ledger_dropped.inc(len(self._pending))
+                log.error("ledger closed with %d rows unwritten", len(self._pending))
+        finally:  # not reached while it runs: _flush catches everything; but never silently
+            if not self._stop.is_set():
+                self.problem = "the writer thread stopped"
 
     def _flush(self) -> None:
         with self._lock:
@@ -268,17 +283,20 @@ class Ledger:
         batch = self._made(batch)  # rows from here on, also when the write fails and is retried
         try:
             self._write(batch)
-        except sqlite3.Error as exc:
-            if self._conn is not None:
-                log.error("ledger write of %d rows failed (will retry): %s", len(batch), exc)
-                self.metrics.ledger_errors.inc()
-                self.problem = f"write failed: {exc}"
-            with self._lock:  # put the batch back in front of what arrived meanwhile
-                batch.extend(self._pending)
-                while len(batch) > self.config.max_pending_rows:
-                    batch.popleft()
-                    self.metrics.ledger_dropped.inc()
-                self._pending = batch
+        except Exception as exc:  # any: the thread goes on, the batch waits for the next flush
+            self._failed(batch, exc)
+
+    def _failed(self, batch: collections.deque[tuple[str, Values]], exc: Exception) -> None:
+        if self._conn is not None or not isinstance(exc, sqlite3.Error):  # else: counted at open
+            log.error("ledger write of %d rows failed (will retry): %r", len(batch), exc)
+            self.metrics.ledger_errors.labels("write").inc()
+            self.problem = f"write failed: {exc!r}"[:300]
+        with self._lock:  # put the batch back in front of what arrived meanwhile
+            batch.extend(self._pending)
+            while len(batch) > self.config.max_pending_rows:
+                batch.popleft()
+                self.metrics.ledger_dropped.inc()
+            self._pending = batch
 
     def _made(
         self, batch: collections.deque[tuple[str, Values]]
@@ -289,9 +307,10 @@ class Ledger:
             if callable(values):
                 try:
                     values = values()
-                except Exception:
+                except Exception:  # a bug: the row is lost, the others are written
                     log.exception("a ledger row could not be made")
                     self.metrics.metering_errors.labels("ledger").inc()
+                    self.metrics.ledger_errors.labels("make").inc()
                     continue
             out.append((sql, values))
         return out
@@ -302,11 +321,45 @@ class Ledger:
         if self._conn is None and not (reconnect_due and self._try_connect()):
             raise sqlite3.OperationalError("ledger not open")
         assert self._conn is not None
-        with self._conn:
-            for sql, run in itertools.groupby(batch, key=lambda item: item[0]):
-                rows = [cast(tuple[Any, ...], values) for _, values in run]  # made by _made
-                self._insert(self._conn, sql, rows)
+        try:
+            with self._conn:
+                for sql, run in itertools.groupby(batch, key=lambda item: item[0]):
+                    rows = [cast(tuple[Any, ...], values) for _, values in run]  # made by _made
+                    self._insert(self._conn, sql, rows)
+        except Exception as exc:
+            if not about_a_row(exc):
+                raise
+            with self._conn:  # rolled back: again row by row, to find the rows refused
+                self._write_each(self._conn, batch)
         self.problem = None
+
+    def _write_each(self, conn: sqlite3.Connection, batch: Iterable[tuple[str, Values]]) -> None:
+        """Each row as it is; a refused one cleaned; one refused even then kept aside."""
+        for sql, values in batch:
+            row = cast(tuple[Any, ...], values)
+            try:
+                conn.execute(sql, row)
+                continue
+            except Exception as exc:
+                if not about_a_row(exc):
+                    raise
+                refused = exc
+            try:
+                conn.execute(sql, cleaned(row))
+            except Exception as exc:
+                if not about_a_row(exc):
+                    raise
+                self._keep_aside(sql, row, exc)
+                continue
+            log.error("a ledger row was refused as it was (%r): written cleaned", refused)
+            self.metrics.ledger_errors.labels("row").inc()
+
+    def _keep_aside(self, sql: str, row: tuple[Any, ...], exc: Exception) -> None:
+        self.kept.append((sql, row, repr(exc)))
+        self.metrics.ledger_errors.labels("kept").inc()
+        log.error(
+            "a ledger row was refused even cleaned (%r), kept aside: %s", exc, ascii(row)[:2000]
+        )
 
     @staticmethod
     def _insert(conn: sqlite3.Connection, sql: str, rows: list[tuple[Any, ...]]) -> None:
@@ -318,6 +371,42 @@ class Ledger:
             n = next(k for k in ROWS_PER_STATEMENT if k <= most and k <= len(rows) - i)
             conn.execute(_multi_row(sql, n), [v for row in rows[i : i + n] for v in row])
             i += n
+
+
+# What a value can make the driver raise: a string it cannot encode (UnicodeEncodeError is a
+# ValueError), an integer past 64 bits (OverflowError), a value of no SQL type (TypeError).
+VALUE_ERRORS = (ValueError, TypeError, OverflowError)
+_ROW_ERRORS = (
+    *VALUE_ERRORS,
+    sqlite3.IntegrityError,
+    sqlite3.InterfaceError,
+    sqlite3.DataError,
+    sqlite3.ProgrammingError,
+)
+
+
+def about_a_row(exc: BaseException) -> bool:
+    """Whether `exc` is about the row being written (see VALUE_ERRORS, and SQLite's constraint and
+    binding errors), not about the file, the disk, a lock or anything else, which would fail every
+    row alike: that batch waits and is retried whole (the writer is not ready meanwhile)."""
+    return isinstance(exc, _ROW_ERRORS)
+
+
+_INT64 = 1 << 63
+
+
+def cleaned(values: Iterable[Any]) -> tuple[Any, ...]:
+    """A row as any SQLite or PostgreSQL driver takes it: text through `clean`, an integer past 64
+    bits as NULL (not measured), a value of no SQL type as its text."""
+    return tuple(_cleaned(v) for v in values)
+
+
+def _cleaned(v: Any) -> Any:
+    if v is None or isinstance(v, float | bytes | bool):
+        return v
+    if isinstance(v, int):
+        return v if -_INT64 <= v < _INT64 else None
+    return clean(v if isinstance(v, str) else repr(v), SAFE_TEXT_CHARS)
 
 
 # Statement sizes, largest first: few distinct statements, so SQLite's statement cache holds them.

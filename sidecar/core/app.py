@@ -56,6 +56,7 @@ class Sidecar:
     budgets: Any = None  # budget.Budgets, set by wiring
     probe: Any = None  # health.UpstreamProbe, set by create_app
     ledger: Any = None  # ledger.Ledger when a ledger path is configured
+    shipper: Any = None  # fleet_ledger.Shipper when ledger.postgres_url is configured
     admission: Any = None  # admission.Admission unless the strategy is "none"
     attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
     tracing: Any = None  # tracing.Tracing when an OTLP endpoint is configured
@@ -239,13 +240,14 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    """Ready: serving, the upstream answered its last background probe, the ledger is writable."""
+    """Ready: serving, the upstream answered its last background probe, every writer writes."""
     sc = request.app[SIDECAR]
     status, body = readiness(
         starting=sc.proxy is None,
         draining=sc.draining,
         probe=sc.probe,
         ledger=sc.ledger,
+        writers={"shipper": sc.shipper, "access_log": sc.access_log, "audit": sc.audit},
     )
     return web.json_response(body, status=status)
 

@@ -8,6 +8,7 @@ own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
-    shipper = _shipper(sc)
+    shipper = sc.shipper = _shipper(sc)
     store = _shared_store(sc, shipper)
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
@@ -89,7 +90,23 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
         sc.meter.add_sink("access_log", access.write)
     if sc.attribution is not None:  # the last gate: GPU time counts from admission, not arrival
         sc.gates.append(sc.attribution.admitted)
+    _watch_writers(sc)
     return sc
+
+
+def _watch_writers(sc: Sidecar) -> None:
+    """tollbooth_writer_failing{writer}: each writer's `problem` (what /readyz reads), read when
+    scraped; nothing on the request path."""
+    writers = {"ledger": sc.ledger, "shipper": sc.shipper}
+    writers.update({"access_log": sc.access_log, "audit": sc.audit})
+    for name, writer in writers.items():
+        if writer is not None:
+            failing = functools.partial(_failing, writer)
+            sc.metrics.writer_failing.labels(name).set_function(failing)
+
+
+def _failing(writer: Any) -> float:
+    return 0.0 if writer.problem is None else 1.0
 
 
 def _shipper(sc: Sidecar) -> Shipper | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import ID_CHARS, MODEL_CHARS, REASON_CHARS, USER_CHARS, clean, clean_or_none
 from . import reqsize, splice
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .reqsize import body_size as body_size
@@ -79,8 +80,8 @@ def inspect_request(
         stream=stream,
         injected_usage=injected_usage,
         strip_chunk_usage=strip_chunk_usage,
-        model=_str(obj.get("model")),
-        user=_str(obj.get("user")),
+        model=clean_or_none(obj.get("model"), MODEL_CHARS),
+        user=clean_or_none(obj.get("user"), USER_CHARS),
         max_tokens=max_tokens,
         temperature=_num(params.get("temperature")),
         n=n,
@@ -314,11 +315,11 @@ def usage_from_body(endpoint: Endpoint, body: bytes, headers: Mapping[str, str])
     if obj.get("error") is not None and "choices" not in obj:  # Responses bodies carry error: null
         return Usage(error=error_type(obj), unknown_reason="error_response")
     usage = obj.get("usage")
-    model = _str(obj.get("model"))
-    rid = _str(obj.get("id"))
+    model = clean_or_none(obj.get("model"), MODEL_CHARS)
+    rid = clean_or_none(obj.get("id"), ID_CHARS)
     reasons = _finish_reasons(obj)
     if endpoint is Endpoint.RESPONSES:
-        reasons = (s,) if (s := _str(obj.get("status"))) else ()
+        reasons = (s,) if (s := clean_or_none(obj.get("status"), REASON_CHARS)) else ()
     if not isinstance(usage, dict):
         return Usage(
             model=model, response_id=rid, finish_reasons=reasons, unknown_reason="no_usage"
@@ -339,7 +340,7 @@ def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
         details.get("generated_tokens"),
     )
     inp, out, generated = _header_int(raw[0]), _header_int(raw[1]), _int(raw[2])
-    reason = _str(details.get("finish_reason"))
+    reason = clean_or_none(details.get("finish_reason"), REASON_CHARS)
     reasons = (reason,) if reason else ()
     if any(_invalid(v, n) for v, n in zip(raw, (inp, out, generated), strict=True)):
         return Usage(finish_reasons=reasons, unknown_reason=INVALID_USAGE)
@@ -411,15 +412,19 @@ def _finish_reasons(obj: Mapping[str, Any]) -> tuple[str, ...]:
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return ()
-    return tuple(r for c in choices if isinstance(c, dict) and (r := _str(c.get("finish_reason"))))
+    return tuple(
+        r
+        for c in choices
+        if isinstance(c, dict) and (r := clean_or_none(c.get("finish_reason"), REASON_CHARS))
+    )
 
 
 def error_type(obj: Mapping[str, Any]) -> str:
     """The error type of a vLLM (`{"error": {...}}`) or TGI (`{"error", "error_type"}`) body."""
     err = obj.get("error")
     if isinstance(err, dict):
-        return str(err.get("type") or err.get("code") or "error")[:64]
-    return str(obj.get("error_type") or "error")[:64]
+        return _reason_text(err.get("type") or err.get("code"))
+    return _reason_text(obj.get("error_type"))
 
 
 # --- streaming responses --------------------------------------------------------------------------
@@ -688,15 +693,17 @@ class StreamMeter:
 
     def _openai_chunk(self, obj: Mapping[str, Any]) -> bool:
         s = self._s
-        s.model = s.model or _str(obj.get("model"))
-        s.response_id = s.response_id or _str(obj.get("id"))
+        s.model = s.model or clean_or_none(obj.get("model"), MODEL_CHARS)
+        s.response_id = s.response_id or clean_or_none(obj.get("id"), ID_CHARS)
         choices = obj.get("choices")
         usage = obj.get("usage")
         if isinstance(choices, list) and choices:
             if any(_carries_output(c) for c in choices):
                 s.token_events += 1
             for c in choices:
-                if isinstance(c, dict) and (r := _str(c.get("finish_reason"))):
+                if isinstance(c, dict) and (
+                    r := clean_or_none(c.get("finish_reason"), REASON_CHARS)
+                ):
                     s.finish[_int(c.get("index")) or 0] = r
             if isinstance(usage, dict):
                 first = choices[0] if isinstance(choices[0], dict) else {}
@@ -718,11 +725,11 @@ class StreamMeter:
         response = obj.get("response")
         if not isinstance(response, dict):
             return
-        self._s.model = self._s.model or _str(response.get("model"))
-        self._s.response_id = self._s.response_id or _str(response.get("id"))
+        self._s.model = self._s.model or clean_or_none(response.get("model"), MODEL_CHARS)
+        self._s.response_id = self._s.response_id or clean_or_none(response.get("id"), ID_CHARS)
         if kind in ("response.completed", "response.incomplete", "response.failed"):
             self.done = True
-            if (status := _str(response.get("status"))) is not None:
+            if (status := clean_or_none(response.get("status"), REASON_CHARS)) is not None:
                 self._s.finish[0] = status
             if isinstance(response.get("usage"), dict):
                 self._final_usage.append(response["usage"])
@@ -736,7 +743,7 @@ class StreamMeter:
         details = obj.get("details")
         if isinstance(details, dict):
             self._tgi_details = details
-            if (r := _str(details.get("finish_reason"))) is not None:
+            if (r := clean_or_none(details.get("finish_reason"), REASON_CHARS)) is not None:
                 self._s.finish[0] = r
         if obj.get("generated_text") is not None:
             self.done = True
@@ -1100,7 +1107,13 @@ def _num(v: object) -> float | None:
 
 
 def _str(v: object) -> str | None:
+    """A string the code only compares (an event's type): never kept, so not cleaned."""
     return v if isinstance(v, str) and v else None
+
+
+def _reason_text(v: object) -> str:
+    """An error type as safe, bounded text ("error" when there is none)."""
+    return clean(v if isinstance(v, str) else str(v), REASON_CHARS) if v else "error"
 
 
 def _sum(values: Any) -> int | None:

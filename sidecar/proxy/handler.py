@@ -39,6 +39,7 @@ from ..metering.meter import Meter, price_cost
 from ..metering.usage import StreamMeter, inspect_request, usage_from_body
 from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
+from ..text import MODEL_CHARS, clean
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .identity import Identity, Principal, Unauthorized
 from .routes import AmbiguousPath, classify, endpoint_class, routing_path
@@ -192,7 +193,7 @@ class TgiModelName:
             data = json.loads(body)
             name = data.get("model_id") if isinstance(data, dict) else None
             if isinstance(name, str) and name:
-                self._name = name
+                self._name = clean(name, MODEL_CHARS)  # the upstream's text: made safe here
                 return
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("upstream /info unavailable (%s); TGI model name unknown for now", exc)

@@ -22,6 +22,7 @@ import yaml
 
 from ..config import Config, ConfigError, load_yaml
 from ..credentials import bearer, digest, key_id
+from ..text import USER_CHARS, clean
 
 log = logging.getLogger("tollbooth.identity")
 
@@ -107,8 +108,8 @@ class Identity:
         if self.keys is not None and known is None and self.reject_unknown:
             raise Unauthorized("invalid API key" if key else "missing API key")
         claimed = (headers.get(self.user_header) or "").strip() if self.trust_header else ""
-        if claimed:
-            return Principal(user=claimed, key_id=key_id(key))
+        if claimed:  # a header's text (undecodable bytes arrive as surrogates): made safe here
+            return Principal(user=clean(claimed, USER_CHARS), key_id=key_id(key))
         if known is not None:
             return known
         if self.keys is not None:

@@ -142,8 +142,16 @@ class AccessLog:
 
         render = render_json if self.config.format == "json" else render_text
         dropped = self.metrics.log_dropped.labels("access").inc if self.metrics else None
-        self._writer = BatchWriter("tollbooth-access-log", render, write, on_drop=dropped)
+        errors = self.metrics.access_log_errors.inc if self.metrics else None
+        self._writer = BatchWriter(
+            "tollbooth-access-log", render, write, on_drop=dropped, on_error=errors
+        )
         self._writer.start()
+
+    @property
+    def problem(self) -> str | None:
+        """Why the last line could not be written (None when it was): for /readyz."""
+        return self._writer.problem if self._writer is not None else None
 
     def stop(self) -> None:
         """Write what is pending, then close."""

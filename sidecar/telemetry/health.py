@@ -2,8 +2,8 @@
 
 Owns: the upstream probe (a background task: GET `upstream.probe_path` every `probe_interval_s`;
 any answer below 500 means up, a 5xx, a timeout or a refused connection means down; a result
-older than three intervals counts as down), and the verdict that combines it with the ledger and
-draining. Liveness (/healthz) depends on none of this.
+older than three intervals counts as down), and the verdict that combines it with the writers
+(ledger, shipper, access log, audit) and draining. Liveness (/healthz) depends on none of this.
 Never: probes on a request's path, or makes /readyz wait for the upstream.
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -106,9 +106,18 @@ def probe_context(probe: UpstreamProbe) -> Callable[[web.Application], AsyncIter
 
 
 def readiness(
-    *, starting: bool, draining: bool, probe: Any, ledger: Any
+    *,
+    starting: bool,
+    draining: bool,
+    probe: Any,
+    ledger: Any,
+    writers: Mapping[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body) for /readyz."""
+    """(HTTP status, body) for /readyz. `writers` (the shipper, the access log, the audit
+    writer) each have a `problem`: one that cannot write makes the sidecar not ready, and only
+    then appears in the checks. The shipper's `problem` is its own failure, not PostgreSQL being
+    away: rows wait in SQLite then, and every sidecar of a fleet unready at once would be an
+    outage for an outage of the ledger's copy (llm_ledger_ship_errors_total alerts instead)."""
     if draining or starting:
         return 503, {"status": "draining" if draining else "starting"}
     checks: dict[str, str] = {}
@@ -121,4 +130,8 @@ def readiness(
         problem = ledger.problem
         checks["ledger"] = "ok" if problem is None else f"unwritable: {problem}"
         ok &= problem is None
+    for name, writer in (writers or {}).items():
+        if writer is not None and (problem := writer.problem) is not None:
+            checks[name] = f"unwritable: {problem}"
+            ok = False
     return (200 if ok else 503), {"status": "ready" if ok else "not_ready", "checks": checks}

@@ -25,6 +25,8 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
+from ..text import clean
+
 # Set by the proxy for the duration of a request; read by the formatter.
 REQUEST_CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
     "tollbooth_request_context", default=None
@@ -163,10 +165,28 @@ T = TypeVar("T")
 log = logging.getLogger("tollbooth.logs")
 
 
+SAFE_LINE_CHARS = 1 << 20  # a string in a line written cleaned (audit text can be long)
+
+
 def json_line(obj: dict[str, Any]) -> str:
     """One JSON line. orjson: measured 5-10x faster than json.dumps on access-log lines
-    (benchmarks/encoders.py); values it cannot encode are written as str(), as before."""
-    return orjson.dumps(obj, default=str).decode()
+    (benchmarks/encoders.py); values it cannot encode are written as str(), as before. A string
+    orjson refuses (a lone surrogate from a path that skipped `text.clean`) makes the line
+    written cleaned: every string in it through `clean`."""
+    try:
+        return orjson.dumps(obj, default=str).decode()
+    except orjson.JSONEncodeError:
+        return orjson.dumps(_cleaned(obj), default=lambda v: _cleaned(str(v))).decode()
+
+
+def _cleaned(value: Any) -> Any:
+    if isinstance(value, str):
+        return clean(value, SAFE_LINE_CHARS)
+    if isinstance(value, dict):
+        return {_cleaned(str(k)): _cleaned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_cleaned(v) for v in value]
+    return value
 
 
 class BatchWriter(Generic[T]):
@@ -176,6 +196,9 @@ class BatchWriter(Generic[T]):
     `interval_s` the thread takes what is pending, renders each record with `render` and hands all
     the lines to `write` at once (one write, one flush). At most `max_pending` records wait: past
     that the oldest is dropped and `on_drop` counts it. `stop()` writes what is pending, then ends.
+    A batch that cannot be written is written line by line: a line refused as it is goes
+    cleaned, one refused even then is lost and `on_error` counts it; `problem` says why the last
+    write failed (None once one succeeds), for /readyz. No exception ends the thread.
     """
 
     def __init__(
@@ -196,6 +219,7 @@ class BatchWriter(Generic[T]):
         self._on_drop, self._on_error = on_drop, on_error
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.problem: str | None = None
 
     def put(self, record: T) -> None:
         pending = self._pending
@@ -216,8 +240,16 @@ class BatchWriter(Generic[T]):
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            self._drain_safely()
+        self._drain_safely()
+
+    def _drain_safely(self) -> None:
+        try:
             self.drain()
-        self.drain()
+        except Exception as exc:  # drain catches what it expects; the thread outlives the rest
+            log.exception("%s: drain failed", self.name)
+            self.problem = f"drain failed: {exc!r}"[:300]
+            self._error()
 
     def drain(self) -> None:
         """Render and write what is pending (the writer thread; tests may call it directly)."""
@@ -236,8 +268,26 @@ class BatchWriter(Generic[T]):
         try:
             self._write(lines)
         except Exception:
-            log.exception("%s: %d lines could not be written", self.name, len(lines))
-            self._error()
+            self._write_each(lines)
+        else:
+            self.problem = None
+
+    def _write_each(self, lines: Sequence[str]) -> None:
+        """After a failed batch: each line, cleaned when refused as it is, counted when lost."""
+        for line in lines:
+            try:
+                self._write([line])
+                self.problem = None
+                continue
+            except Exception:
+                pass
+            try:
+                self._write([clean(line, SAFE_LINE_CHARS)])
+                self.problem = None
+            except Exception as exc:
+                log.exception("%s: a line could not be written", self.name)
+                self.problem = f"write failed: {exc!r}"[:300]
+                self._error()
 
     def _error(self) -> None:
         if self._on_error is not None:

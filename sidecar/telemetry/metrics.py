@@ -76,6 +76,7 @@ QUEUE_BUCKETS = (
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 OTHER = "__other__"
+LEDGER_STAGES = ("open", "write", "row", "kept", "make", "ship", "ship_row", "ship_kept")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+\-]")
 
 
@@ -86,11 +87,20 @@ def sanitize(value: str, max_len: int = 64) -> str:
 
 
 class LabelCap:
-    """The first `limit` distinct values keep their own label; later ones share `__other__`."""
+    """The first `limit` distinct values keep their own label; later ones share `__other__`.
+
+    Bounded in bytes, not only in names: a label is at most `max_len` characters, and a raw
+    spelling is remembered (so it is not sanitised again) only when it is at most `RAW_FACTOR`
+    labels long, up to `RAW_FACTOR * limit` of them. A longer one is sanitised on every call
+    (its first `max_len` characters only): 100 model names of 4-15 MiB once kept 1.9 GB here.
+    """
+
+    RAW_FACTOR = 4
 
     def __init__(self, limit: int, max_len: int = 64) -> None:
         self._limit = limit
         self._max_len = max_len
+        self._raw_chars = self.RAW_FACTOR * max_len
         self._seen: set[str] = set()
         self._known: dict[str, str] = {}  # raw value -> label, for values already tracked
         self._lock = threading.Lock()
@@ -105,12 +115,19 @@ class LabelCap:
                 if len(self._seen) >= self._limit:
                     return OTHER
                 self._seen.add(v)
-            if len(self._known) < 4 * self._limit:  # raw spellings are bounded too
+            remember = len(value) <= self._raw_chars
+            if remember and len(self._known) < self.RAW_FACTOR * self._limit:
                 self._known[value] = v
             return v
 
     def __len__(self) -> int:
         return len(self._seen)
+
+    def retained_chars(self) -> int:
+        """Characters this cap holds (labels and raw spellings); at most
+        `limit * max_len * (1 + RAW_FACTOR * (RAW_FACTOR + 1))`."""
+        with self._lock:
+            return sum(map(len, self._seen)) + sum(len(k) + len(v) for k, v in self._known.items())
 
 
 # --- series every request updates --------------------------------------------------------------
@@ -329,7 +346,30 @@ class Metrics:
             registry=r,
         )
         self.ledger_errors = Counter(
-            "llm_ledger_errors", "Usage-ledger write failures.", registry=r
+            "llm_ledger_errors",
+            "Usage-ledger failures by stage: open and write (retried; rows wait in memory), row "
+            "(a row refused as it was, written cleaned), kept (refused even cleaned: kept aside, "
+            "not written), make (a row could not be made), ship_row and ship_kept (the same in "
+            "PostgreSQL), ship (the shipper failed for another reason than the database).",
+            ["stage"],
+            registry=r,
+        )
+        for stage in LEDGER_STAGES:  # every stage exported from 0: increase() sees the first
+            self.ledger_errors.labels(stage)
+        self.writer_failing = Gauge(
+            "tollbooth_writer_failing",
+            "1 while a writer cannot write (ledger, shipper, access_log, audit); /readyz is not "
+            "ready then. Read at scrape time from the writer's state.",
+            ["writer"],
+            registry=r,
+        )
+        self.ledger_set_aside = Gauge(
+            "llm_ledger_rows_set_aside",
+            "Ledger rows refused even cleaned, not written: `memory` (kept by the SQLite "
+            "writer, lost at a restart), `quarantine` (in the outbox's quarantine table, "
+            "missing from PostgreSQL).",
+            ["where"],
+            registry=r,
         )
         self.ledger_reopens = Counter(
             "llm_ledger_reopens",
@@ -502,6 +542,11 @@ class Metrics:
         )
         self.audit_errors = Counter(
             "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
+        )
+        self.access_log_errors = Counter(
+            "tollbooth_access_log_errors",
+            "Access-log lines that could not be written, even cleaned.",
+            registry=r,
         )
         self.log_dropped = Counter(
             "tollbooth_log_records_dropped",

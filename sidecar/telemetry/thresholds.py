@@ -44,6 +44,8 @@ class Thresholds:
     unmeasured_for: str = "15m"
     # Sidecar scrape target down
     down_for: str = "2m"
+    # A writer (ledger, shipper, access log, audit) that cannot write, for this long
+    writer_failing_for: str = "2m"
     # Selectors and identities
     job: str = "tollbooth"
     engine_job: str = "inference"  # the vLLM / TGI server (or the simulator) scraped directly
