@@ -15,9 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-# Memory a body costs while its request is in flight, per byte received: the bytes the server read
-# (`request.read()` keeps them), and the copy sent upstream when usage is injected. While the body
-# is still arriving the reader's buffer and the growing copy are the two.
+# Memory a body costs while its request is in flight, per byte received: the body read, and the
+# copy sent upstream when usage is injected. While the body is read, its pieces and their join.
 HELD_PER_BYTE = 2
 # Parsing (json.loads) costs, on top and only while it runs: the decoded text and the strings
 # made of it, 1 byte a character each for ASCII (2x); with other characters up to 2 bytes a

@@ -359,23 +359,27 @@ class Proxy:
             if length > self.s.max_body:
                 raise TooLarge
             self._room(held, HELD_PER_BYTE * length)
-            if request.content.is_eof():
-                return await request.read()
-            async with asyncio.timeout(self.s.body_timeout):
-                return await request.read()
+        if request.content.is_eof():
+            return await self._read_all(request, None if length is not None else held)
         async with asyncio.timeout(self.s.body_timeout):
-            return await self._read_chunked(request, held)
+            return await self._read_all(request, None if length is not None else held)
 
-    async def _read_chunked(self, request: web.Request, held: Reservation) -> bytes:
-        """A body without a Content-Length, its memory reserved piece by piece: one that grows
-        past the room left is cut off (NoRoom) with the rest unread."""
-        body = bytearray()
+    async def _read_all(self, request: web.Request, grow: Reservation | None) -> bytes:
+        """The body from the request's stream. Not `request.read()`: aiohttp keeps what that
+        returns on the request, and a kept-alive connection keeps its last request until the
+        next one comes, so every idle connection held its last body (out of any count). With
+        `grow` (no Content-Length to reserve by) each piece is reserved as it arrives: a body
+        that grows past the room left is cut off (NoRoom) with the rest unread."""
+        chunks: list[bytes] = []
+        size = 0
         while chunk := await request.content.readany():
-            if len(body) + len(chunk) > self.s.max_body:
+            size += len(chunk)
+            if size > self.s.max_body:
                 raise TooLarge
-            self._room(held, HELD_PER_BYTE * len(chunk))
-            body += chunk
-        return bytes(body)
+            if grow is not None:
+                self._room(grow, HELD_PER_BYTE * len(chunk))
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _room(self, held: Reservation, n: int) -> None:
         """Reserve `n` more bytes of request memory for `held`, or raise NoRoom."""
