@@ -64,6 +64,16 @@ class ServerConfig:
     # reads, so a trickle cannot hold a handler either: a body of max_request_body_bytes (16 MiB)
     # then needs about 2.2 Mbit/s. Raise it for big bodies from slow links.
     body_timeout_s: float = 60.0
+    # Memory for request bodies, across all connections: a request reserves twice its
+    # Content-Length before its body is read (a chunked one as it arrives) and, while its JSON is
+    # parsed, an estimate of what parsing allocates (sidecar/proxy/memory.py); it keeps the reservation
+    # until it is recorded. A request that does not fit is answered 503 with Retry-After (counted
+    # in tollbooth_requests_refused_total{reason="memory_total"}); one that could never fit, 413.
+    # With the defaults the process stays under 400 MiB (docs/traffic.md). 0: no limit.
+    max_buffered_request_bytes: int = 256 * 1024 * 1024
+    # The share one key may hold (the principal under identity.keys_file, else the presented key's
+    # hash; requests without a key count only in the total): reason="memory_key". 0: no limit.
+    max_buffered_request_bytes_per_key: int = 96 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -432,6 +442,13 @@ def validate(config: Config) -> Config:
             _fail(key, seconds, "must be > 0")
     if not config.upstream.probe_path.startswith("/"):
         _fail("upstream.probe_path", config.upstream.probe_path, "must start with /")
+    srv = config.server
+    if srv.max_buffered_request_bytes_per_key > (srv.max_buffered_request_bytes or 1 << 62):
+        _fail(
+            "server.max_buffered_request_bytes_per_key",
+            srv.max_buffered_request_bytes_per_key,
+            "must not exceed server.max_buffered_request_bytes",
+        )
     if config.admission.chars_per_token <= 0:
         _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
     if config.admission.max_batch < 1:

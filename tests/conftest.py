@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from sidecar.config import Config, build, validate
-from sidecar.core.app import Sidecar, create_admin_app, create_app
+from sidecar.core.app import PROXY_SERVER_OPTIONS, Sidecar, create_admin_app, create_app
 from sidecar.core.wiring import wire
 from tests.fakes import FakeUpstream, NoLibrary
 
@@ -102,7 +102,7 @@ async def start_sidecar(
         wired = {"nvml": NoLibrary(), **(wire_kwargs or {})}
         sc = wire(Sidecar(cfg, **sidecar_kwargs), **wired)
         # TestServer cancels handlers on client disconnect, as serve() does.
-        server = await aiohttp_server(create_app(sc))
+        server = await aiohttp_server(create_app(sc), **PROXY_SERVER_OPTIONS)  # as serve() runs it
         admin = await aiohttp_server(create_admin_app(sc))
         return Running(
             str(server.make_url("")).rstrip("/"), str(admin.make_url("")).rstrip("/"), sc, fake

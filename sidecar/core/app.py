@@ -139,6 +139,13 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     return await proxy.handle(request)
 
 
+# Options for the server (the AppRunner) of every proxy app. auto_decompress off: aiohttp's server
+# would otherwise decode a request body sent with a Content-Encoding, and a route whose body is
+# streamed would reach the upstream decoded under the client's Content-Encoding header. Metered
+# routes refuse such a body before reading it (415, docs/traffic.md).
+PROXY_SERVER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+
+
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     up = sc.config.upstream
@@ -149,6 +156,8 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         inject_usage=sc.config.metering.inject_stream_usage,
         max_body=sc.config.server.max_request_body_bytes,
         body_timeout=sc.config.server.body_timeout_s,
+        max_buffered=sc.config.server.max_buffered_request_bytes,
+        max_buffered_per_key=sc.config.server.max_buffered_request_bytes_per_key,
         connect_timeout=up.connect_timeout_s,
         read_timeout=up.read_timeout_s,
         authorization=sc.upstream_auth,
@@ -264,6 +273,7 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
     proxy_app, admin_app = create_app(sc), create_admin_app(sc)  # `listen` puts them behind
     proxy_runner = web.AppRunner(
         proxy_app,
+        **PROXY_SERVER_OPTIONS,
         handler_cancellation=True,
         shutdown_timeout=grace,
         access_log=None,

@@ -25,6 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 from yarl import URL
 
+from ..credentials import api_key_id
 from ..exchange import (
     STATUS_CLIENT_CLOSED,
     Endpoint,
@@ -42,6 +43,7 @@ from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .identity import Identity, Principal, Unauthorized
+from .memory import HELD_PER_BYTE, TOTAL, RequestMemory, Reservation, parse_cost
 from .routes import AmbiguousPath, classify, endpoint_class, routing_path
 from .upstream import Upstream, UpstreamResponse
 
@@ -67,6 +69,24 @@ COST_HEADER = "x-tollbooth-cost-usd"
 MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
 # json.loads takes ~1 ms per 100 KB: above this a request body is parsed off the event loop.
 PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+# A request refused for want of memory may try again this much later: held bodies are read,
+# parsed and answered within seconds, or cut off at server.body_timeout_s.
+MEMORY_RETRY_AFTER_S = 1.0
+
+
+class NoRoom(Exception):
+    """A request's body does not fit in the memory left for request bodies (`reason`), or would
+    never fit (`never`: larger than the limit itself)."""
+
+    def __init__(self, reason: str, never: bool) -> None:
+        super().__init__(reason)
+        self.reason, self.never = reason, never
+
+
+class TooLarge(Exception):
+    """The body is larger than server.max_request_body_bytes."""
 
 
 # --- pure helpers ---------------------------------------------------------------------------------
@@ -156,6 +176,23 @@ def request_id(headers: Mapping[str, str], uid: str) -> str:
     return sanitize(given, 64) if given else uid
 
 
+def content_encoded(headers: Mapping[str, str]) -> bool:
+    """The body is sent in a Content-Encoding (gzip, br, ...): every coding but `identity`."""
+    value = _joined(headers, "Content-Encoding")
+    return bool(value) and any(
+        c.strip().lower() not in ("", "identity") for c in (value or "").split(",")
+    )
+
+
+def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> str | None:
+    """Whose share of request memory a body counts in: the principal resolved from the headers
+    (its key, or the one "anonymous" of unknown keys), else the presented key; None (the total
+    only) when there is neither."""
+    if principal is not None:
+        return principal.key_id or principal.user
+    return api_key_id(headers.get("Authorization"))
+
+
 def decoded(body: bytes, encoding: str | None) -> bytes:
     """A decompressed copy for metering; the client still gets the original bytes."""
     if encoding in ("gzip", "x-gzip"):
@@ -220,6 +257,8 @@ class ProxySettings:
     size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
     body_timeout: float = 60.0  # a metered request's body arrives within this after its headers
     max_event_bytes: int = 1 << 20  # metering.max_event_bytes: a longer SSE event is not parsed
+    max_buffered: int = 0  # request memory across all connections (server.max_buffered_...)
+    max_buffered_per_key: int = 0
 
 
 class Proxy:
@@ -251,6 +290,8 @@ class Proxy:
         self.counter = counter  # exact prompt size for requests whose usage the wire lacked
         self.finishers = finishers or Finishers()  # work after the handler (client left)
         self._urls: dict[tuple[str, str], URL] = {}
+        self.memory = RequestMemory(settings.max_buffered, settings.max_buffered_per_key)
+        metrics.request_memory.set_function(lambda: self.memory.total)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -266,38 +307,96 @@ class Proxy:
             if endpoint is None:  # a required key is checked, also here
                 principal = principal or self.identity.resolve(request.headers, None)
                 return await self._not_metered(request, path, principal)
-            try:
-                body = await self._read_body(request)
-            except web.HTTPRequestEntityTooLarge:
-                return self._too_large()
-            except TimeoutError:
-                return self._too_slow()
-            info = await self._inspect(endpoint, body)
+        except Unauthorized as exc:
+            return self._unauthorized(exc)
+        if content_encoded(request.headers):
+            return self._encoded(request)
+        held = self.memory.reserve(memory_bucket(request.headers, principal))
+        try:
+            return await self._read_and_meter(request, path, endpoint, principal, held)
+        finally:
+            if not held.handed_over:  # else the exchange releases it once it is recorded
+                held.release()
+
+    async def _read_and_meter(
+        self,
+        request: web.Request,
+        path: str,
+        endpoint: Endpoint,
+        principal: Principal | None,
+        held: Reservation,
+    ) -> web.StreamResponse:
+        """A metered route: its body read into memory reserved for it, parsed, then metered."""
+        try:
+            body = await self._read_body(request, held)
+            info = await self._inspect(endpoint, body, held)
             if principal is None:
                 principal = self.identity.resolve(request.headers, info.user)
+        except (TooLarge, web.HTTPRequestEntityTooLarge):
+            return self._too_large(request)
+        except TimeoutError:
+            return self._too_slow()
+        except NoRoom as exc:
+            return self._no_room(request, exc)
         except Unauthorized as exc:
-            self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
-            return error_response(401, "invalid_api_key", str(exc))
+            return self._unauthorized(exc)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
-            return await self._unmetered(request, path, info, principal)
+            return await self._unmetered(request, path, info, principal, held)
         model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
         ex = self._new_exchange(request, info, path, model, len(body), principal)
-        return await self._metered(request, ex)
+        return await self._metered(request, ex, held)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The whole body, bounded in size by the app's client_max_size and in time by
-        `body_timeout`. A body that is here already (most are: they come with the headers) is
-        read without a timer."""
+    async def _read_body(self, request: web.Request, held: Reservation) -> bytes:
+        """The whole body, in memory reserved before it is read (by its Content-Length, or as a
+        chunked body arrives), bounded in size by max_body and in time by `body_timeout`. A body
+        that is here already (most are: they come with the headers) is read without a timer."""
+        length = request.content_length
+        if length is not None:
+            if length > self.s.max_body:
+                raise TooLarge
+            self._room(held, HELD_PER_BYTE * length)
         if request.content.is_eof():
-            return await request.read()
+            return await self._read_all(request, None if length is not None else held)
         async with asyncio.timeout(self.s.body_timeout):
-            return await request.read()
+            return await self._read_all(request, None if length is not None else held)
 
-    async def _inspect(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
-        """Parse the request; a large body is parsed in a thread so the loop keeps serving. A
-        failure to read it is a bug in accounting: logged, counted, and the body forwarded as it
-        is, metered like one that is not JSON (its usage from the response, its hold from its
-        size)."""
+    async def _read_all(self, request: web.Request, grow: Reservation | None) -> bytes:
+        """The body from the request's stream. Not `request.read()`: aiohttp keeps what that
+        returns on the request, and a kept-alive connection keeps its last request until the
+        next one comes, so every idle connection held its last body (out of any count). With
+        `grow` (no Content-Length to reserve by) each piece is reserved as it arrives: a body
+        that grows past the room left is cut off (NoRoom) with the rest unread."""
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > self.s.max_body:
+                raise TooLarge
+            if grow is not None:
+                self._room(grow, HELD_PER_BYTE * len(chunk))
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _room(self, held: Reservation, n: int) -> None:
+        """Reserve `n` more bytes of request memory for `held`, or raise NoRoom."""
+        reason = held.add(n)
+        if reason is not None:
+            ceiling = self.memory.limit if reason == TOTAL else self.memory.per_key
+            raise NoRoom(reason, never=held.held + n > ceiling)
+
+    async def _inspect(self, endpoint: Endpoint, body: bytes, held: Reservation) -> RequestInfo:
+        """Parse the request, in memory reserved for what parsing allocates (NoRoom when it does
+        not fit); a large body is parsed in a thread so the loop keeps serving. A failure to read
+        it is a bug in accounting: logged, counted, and the body forwarded as it is, metered
+        like one that is not JSON (its usage from the response, its hold from its size)."""
+        parsing = parse_cost(body)
+        self._room(held, parsing)
+        try:
+            return await self._parse(endpoint, body)
+        finally:
+            held.give_back(parsing)
+
+    async def _parse(self, endpoint: Endpoint, body: bytes) -> RequestInfo:
         inspect = functools.partial(
             inspect_request,
             endpoint,
@@ -359,6 +458,7 @@ class Proxy:
         path: str,
         info: RequestInfo | None,
         principal: Principal,
+        held: Reservation | None = None,
     ) -> web.StreamResponse:
         """A POST no metered route matches: counted, gated like any request, then refused or
         forwarded with its usage unknown (`metering.unknown_routes`)."""
@@ -366,12 +466,17 @@ class Proxy:
         info = info or RequestInfo(endpoint=Endpoint.OTHER, body=b"", parsed=False)
         size = len(info.body) or request.content_length or 0
         ex = self._new_exchange(request, info, path, None, size, principal)
-        return await self._metered(request, ex)
+        return await self._metered(request, ex, held)
 
-    async def _metered(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+    async def _metered(
+        self, request: web.Request, ex: Exchange, held: Reservation | None = None
+    ) -> web.StreamResponse:
         in_flight = self.metrics.child(self.metrics.in_flight, ex.model)
         in_flight.inc()
         releases: list[Callable[[], None]] = []
+        if held is not None:  # the body's memory is released once the meter has the record
+            held.handed_over = True
+            releases.append(held.release)
         for hook in self.on_start:  # before the gates: a span covers the queue wait too
             try:
                 hook(ex)
@@ -713,10 +818,52 @@ class Proxy:
         resp.force_close()
         return resp
 
-    def _too_large(self) -> web.Response:
-        return error_response(
-            413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+    def _too_large(self, request: web.Request) -> web.Response:
+        return _unread_closes(
+            request,
+            error_response(
+                413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+            ),
         )
+
+    def _no_room(self, request: web.Request, exc: NoRoom) -> web.Response:
+        """503 + Retry-After: the memory for request bodies (or this key's share) is taken; 413
+        for a body that needs more than the limit itself. Its bytes are never read."""
+        per_key = exc.reason != TOTAL
+        what = "this key's share of " if per_key else ""
+        key = "server.max_buffered_request_bytes" + ("_per_key" if per_key else "")
+        if exc.never:
+            self.metrics.requests_refused.labels(exc.reason + "_never").inc()
+            resp = error_response(
+                413,
+                "request_too_large",
+                f"reading and parsing this body needs more memory than {key} allows",
+            )
+        else:
+            self.metrics.requests_refused.labels(exc.reason).inc()
+            resp = error_response(
+                503,
+                "request_memory_full",
+                f"{what}the memory for request bodies is in use ({key}); retry later",
+                MEMORY_RETRY_AFTER_S,
+            )
+        return _unread_closes(request, resp)
+
+    def _encoded(self, request: web.Request) -> web.Response:
+        """415: vLLM and TGI read only uncompressed JSON; a compressed body is never read,
+        decoded or forwarded (its bytes could decode to far more than they are)."""
+        self.metrics.requests_refused.labels("content_encoding").inc()
+        resp = error_response(
+            415,
+            "unsupported_content_encoding",
+            "request bodies with a Content-Encoding are not accepted on metered routes (the "
+            "inference server reads uncompressed JSON only): send the body uncompressed",
+        )
+        return _unread_closes(request, resp)
+
+    def _unauthorized(self, exc: Unauthorized) -> web.Response:
+        self.metrics.auth_rejections.labels(str(exc).split()[0]).inc()
+        return error_response(401, "invalid_api_key", str(exc))
 
     def _tokenize_auth(self, ex: Exchange) -> dict[str, str]:
         """The sidecar's own /tokenize calls authenticate as the proxied request did: the upstream
@@ -774,6 +921,14 @@ def _log_context(ex: Exchange) -> dict[str, str]:
     if ex.span_id:
         ctx["span_id"] = ex.span_id
     return ctx
+
+
+def _unread_closes(request: web.Request, resp: web.Response) -> web.Response:
+    """An answer sent before the whole body was read closes the connection: the rest of the
+    body may still be on its way, and is never read."""
+    if not request.content.is_eof():
+        resp.force_close()
+    return resp
 
 
 def _abort(request: web.Request) -> None:

@@ -322,6 +322,18 @@ class Metrics:
             ["listener"],
             registry=r,
         )
+        self.requests_refused = Counter(
+            "tollbooth_requests_refused",
+            "Requests the sidecar refused before reading their body: no room for it in memory "
+            "(memory_total, memory_key: 503), or a Content-Encoding (content_encoding: 415).",
+            ["reason"],
+            registry=r,
+        )
+        self.request_memory = Gauge(
+            "tollbooth_request_memory_bytes",
+            "Memory reserved now for request bodies (their bytes, their parse): all connections.",
+            registry=r,
+        )
         # --- cost
         self.cost = LoopCounter(
             "llm_cost_usd",
