@@ -304,15 +304,31 @@ def wait_started(targets: list[Target], tmp: Path) -> None:
 # --- one wrk run, and what each CPU did meanwhile -------------------------------------------------
 
 
-def cpu_busy() -> dict[int, float]:
-    """Busy seconds of each CPU since boot (all but idle and iowait), from /proc/stat."""
-    busy = {}
+def cpu_times() -> dict[int, tuple[float, float, float]]:
+    """Seconds since boot of each CPU in tasks (user, nice, system), in interrupts (irq, softirq)
+    and stolen by the hypervisor, from /proc/stat."""
+    times = {}
     for line in Path("/proc/stat").read_text().splitlines():
         name, *ticks = line.split()
         if name.startswith("cpu") and name != "cpu":
-            t = [int(x) for x in ticks]
-            busy[int(name[3:])] = (sum(t[:8]) - t[3] - t[4]) / ov.CLK_TCK
-    return busy
+            t = [int(x) / ov.CLK_TCK for x in ticks]
+            times[int(name[3:])] = (t[0] + t[1] + t[2], t[5] + t[6], t[7])
+    return times
+
+
+def cpu_use(
+    r: dict[str, Any], role: str, before: Any, after: Any, ours: float, wall: float
+) -> None:
+    """How busy the CPU was, and how much of it was not the benchmark's processes: `*_other`,
+    all of it (other tasks, interrupts, steal: an upper bound of the noise, since the kernel may
+    keep our own sockets' softirq work out of our processes' time), and `*_other_tasks`, other
+    processes alone (a lower bound: with tick accounting, softirq ticks are charged to our tasks
+    too)."""
+    tasks, irq, steal = ((a - b) / wall for a, b in zip(after, before, strict=True))
+    r[f"{role}_busy"] = tasks + irq + steal
+    r[f"{role}_irq"], r[f"{role}_steal"] = irq, steal
+    r[f"{role}_other"] = max(0.0, tasks + irq + steal - ours)
+    r[f"{role}_other_tasks"] = max(0.0, tasks - ours)
 
 
 def children_cpu() -> float:
@@ -343,11 +359,11 @@ def wrk(
         env["TB_CHECK"] = "1"
     cmd = [*pin(args.load_cpu), "wrk", "-t1", f"-c{connections}", f"-d{seconds}s"]
     cmd += ["--timeout", "30s", "-s", str(LUA), t.url + "/v1/chat/completions"]
-    before = (children_cpu(), ov.cpu_seconds(t.proc.pid), ov.cpu_seconds(up), cpu_busy())
+    before = (children_cpu(), ov.cpu_seconds(t.proc.pid), ov.cpu_seconds(up), cpu_times())
     start = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
     wall = time.perf_counter() - start
-    after = (children_cpu(), ov.cpu_seconds(t.proc.pid), ov.cpu_seconds(up), cpu_busy())
+    after = (children_cpu(), ov.cpu_seconds(t.proc.pid), ov.cpu_seconds(up), cpu_times())
     line = next((s for s in out.stdout.splitlines() if s.startswith("TBJSON ")), None)
     if out.returncode != 0 or line is None:
         sys.exit(f"wrk against {t.name} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
@@ -365,12 +381,10 @@ def wrk(
     units = r["requests"] * (args.tokens if stream else 1)
     r["proxy_cpu_us_per_unit"] = (after[1] - before[1]) / units * 1e6 if units else 0.0
     r["upstream_cores"] = (after[2] - before[2]) / wall
-    busy = {cpu: (after[3][cpu] - before[3][cpu]) / wall for cpu in (args.proxy_cpu, args.load_cpu)}
-    r["proxy_cpu_busy"], r["load_cpu_busy"] = busy[args.proxy_cpu], busy[args.load_cpu]
-    # what ran on each CPU that was not ours: other work on the machine, the noise in the figure
-    r["proxy_cpu_other"] = max(0.0, r["proxy_cpu_busy"] - r["proxy_cores"])
     ours = r["wrk_cores"] + r["upstream_cores"]
-    r["load_cpu_other"] = max(0.0, r["load_cpu_busy"] - ours)
+    cpus = (("proxy_cpu", args.proxy_cpu, r["proxy_cores"]), ("load_cpu", args.load_cpu, ours))
+    for role, cpu, mine in cpus:
+        cpu_use(r, role, before[3][cpu], after[3][cpu], mine, wall)
     return r
 
 
@@ -474,11 +488,11 @@ def bottleneck(args: argparse.Namespace, paths: dict[str, Any]) -> dict[str, Any
         problems.append(
             f"wrk and the upstream used up to {load_own:.2f} of their core: they may limit"
         )
-    other = max(max(r["proxy_cpu_other"], r["load_cpu_other"]) for _, _, r in runs)
+    other = max(max(r["proxy_cpu_other_tasks"], r["load_cpu_other_tasks"]) for _, _, r in runs)
     if other > 0.1:
         problems.append(
-            f"other work on the machine took up to {other:.2f} of a core: the figures "
-            "are noisy (cpu_vs_minimal, CPU per unit, is the steadier one)"
+            f"other processes took up to {other:.2f} of a core: the figures are noisy "
+            "(cpu_vs_minimal, CPU per unit, is the steadier one)"
         )
     bad = [f"{n} {load}" for n, load, r in runs if r["errors"] or not r["bytes_whole"]]
     if bad:
@@ -489,6 +503,10 @@ def bottleneck(args: argparse.Namespace, paths: dict[str, Any]) -> dict[str, Any
         "load_side_cores_max": load_own,
         "proxy_cpu_other_max": max(r["proxy_cpu_other"] for _, _, r in runs),
         "load_cpu_other_max": max(r["load_cpu_other"] for _, _, r in runs),
+        "proxy_cpu_other_tasks_max": max(r["proxy_cpu_other_tasks"] for _, _, r in runs),
+        "load_cpu_other_tasks_max": max(r["load_cpu_other_tasks"] for _, _, r in runs),
+        "irq_max": max(max(r["proxy_cpu_irq"], r["load_cpu_irq"]) for _, _, r in runs),
+        "steal_max": max(max(r["proxy_cpu_steal"], r["load_cpu_steal"]) for _, _, r in runs),
         "direct_vs_minimal": direct,
         "problems": problems,
         "ok": not problems,
@@ -536,7 +554,9 @@ def conditions(
         "note": "the process under test alone on proxy_cpu; the upstream and wrk on load_cpu; "
         "medians of rounds; x minimal: each round's figure over the minimal proxy's in the same "
         "round, median (quartiles); *_cores: CPU seconds per second of the run; *_cpu_other: "
-        "what else ran on that CPU (noise)",
+        "what else took that CPU (noise: other tasks, interrupts, steal; *_other_tasks: other "
+        "processes alone); proxy_cpu_us_per_unit: the process under test's CPU "
+        "per request or chunk (for direct, the upstream's)",
         "metering": "metering, pricing, metrics; ledger, access log and audit off",
         "default": "plus SQLite ledger, JSON access log to a file, audit capture",
     }
@@ -562,7 +582,7 @@ def table(paths: dict[str, Any]) -> str:
             f"{x[k]:.2f} ({q[k][0]:.2f}-{q[k][1]:.2f})".rjust(17) for k in ("rps", "chunks_per_s")
         ]
         req, st = p["requests"], p["stream"]
-        other = [max(r["proxy_cpu_other"], r["load_cpu_other"]) for r in (req, st)]
+        other = [max(r["proxy_cpu_other_tasks"], r["load_cpu_other_tasks"]) for r in (req, st)]
         lines.append(
             f"{name:<24} {req['rps']:7.0f} {cells[0]} {st['chunks_per_s']:8.0f} {cells[1]} "
             f"{cpu['per_request']:7.2f} {cpu['per_chunk']:6.2f} "
@@ -572,7 +592,7 @@ def table(paths: dict[str, Any]) -> str:
     lines.append(
         "x min: over the minimal proxy's, per round, median (quartiles); CPU/req, CPU/ch: the "
         "proxy's CPU per request, per chunk, x the minimal proxy's; proxy, wrk: cores used "
-        "(requests/streams, medians); other: of a core, what other work took on the busier CPU"
+        "(requests/streams, medians); other: of a core, what other processes took on the busier CPU"
     )
     return "\n".join(lines)
 
