@@ -481,7 +481,7 @@ def bottleneck(args: argparse.Namespace, paths: dict[str, Any]) -> dict[str, Any
     if proxy_min < 0.9:
         problems.append(
             f"a proxy used as little as {proxy_min:.2f} of its core: it was not "
-            "always the bottleneck (other work on its CPU? see proxy_cpu_other)"
+            "always the bottleneck (other work on its CPU? see proxy_cpu_other_tasks)"
         )
     load_own = max(r["wrk_cores"] + r["upstream_cores"] for _, _, r in runs)
     if load_own > 0.85:
@@ -494,7 +494,10 @@ def bottleneck(args: argparse.Namespace, paths: dict[str, Any]) -> dict[str, Any
             f"other processes took up to {other:.2f} of a core: the figures are noisy "
             "(cpu_vs_minimal, CPU per unit, is the steadier one)"
         )
-    bad = [f"{n} {load}" for n, load, r in runs if r["errors"] or not r["bytes_whole"]]
+    every = [
+        (n, load, r) for n, p in paths.items() for load in p["rounds"] for r in p["rounds"][load]
+    ]
+    bad = [f"{n} {load}" for n, load, r in every if r["errors"] or not r["bytes_whole"]]
     if bad:
         problems.append(f"errors or short responses in: {', '.join(sorted(set(bad)))}")
     return {
@@ -669,10 +672,11 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 t.proc.kill()
                 t.proc.wait()
-        for tree in trees:  # a --rev export; the servers' stderr logs stay in tmp
+        for tree in trees:  # a --rev export
             if tree.path.parent == tmp:
                 shutil.rmtree(tree.path)
     report(args, trees, paths, (load_before, os.getloadavg()))
+    shutil.rmtree(tmp)  # kept when a run stops: the servers' stderr says why
 
 
 def report(
