@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := prometheus prometheus-alertmanager redis-server postgresql
 
-.PHONY: demo test venv venv-test debs lint bench dashboards alerts example-config clean
+.PHONY: demo test venv venv-test debs lint bench bench-pinned dashboards alerts example-config clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,17 @@ lint: venv-test
 
 bench: venv
 	$(BIN)/python benchmarks/overhead.py
+
+# The overhead with the proxy alone on CPU 0, wrk and the upstream on CPU 1 (Debian package wrk,
+# installed when missing). Before and after a change, in one run:
+#   make bench-pinned ARGS="--rev e714d0c --tree after=."
+bench-pinned: venv
+	@command -v wrk >/dev/null 2>&1 || { \
+	  echo "installing the Debian package wrk (the load generator)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends wrk >/dev/null; \
+	}
+	$(BIN)/python benchmarks/pinned.py $(ARGS)
 
 dashboards: venv
 	$(BIN)/pip install -q -e '.[dashboards]'

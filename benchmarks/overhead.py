@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -111,26 +112,34 @@ BODY = json.dumps(
 ).encode()
 
 
+def stream_events(body: dict[str, Any]) -> tuple[bytes, list[bytes], list[bytes]]:
+    """What the upstream streams for a request `body`: the role event, the token events (one
+    token each), and what follows them (finish, usage when asked, [DONE])."""
+    n = min(int(body.get("max_tokens") or 16), len(TOKENS))
+    options = body.get("stream_options") or {}
+    running = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
+    tail = [_chunk({}, "length", n if running else None)]
+    if options.get("include_usage"):
+        final = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000}
+        tail.append(_event({**final, "model": MODEL, "choices": [], "usage": _usage(n)}))
+    tokens = TOKENS_RUNNING if running else TOKENS
+    return ROLE_RUNNING if running else ROLE, tokens[:n], [*tail, DONE]
+
+
 async def upstream_handler(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if not body.get("stream"):
         return web.Response(body=BODY, content_type="application/json")
-    n = min(int(body.get("max_tokens") or 16), len(TOKENS))
-    options = body.get("stream_options") or {}
-    running = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
-    tokens = TOKENS_RUNNING if running else TOKENS
+    first, tokens, tail = stream_events(body)
     pace = float(body.get("bench_pace_s") or 0)  # benchmarks/instructions.py: one event a read
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(ROLE_RUNNING if running else ROLE)
-    for i in range(n):
+    await resp.write(first)
+    for event in tokens:
         await asyncio.sleep(pace)  # one event per write; other streams' events go between them
-        await resp.write(tokens[i])
-    await resp.write(_chunk({}, "length", n if running else None))
-    if options.get("include_usage"):
-        final = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000}
-        await resp.write(_event({**final, "model": MODEL, "choices": [], "usage": _usage(n)}))
-    await resp.write(DONE)
+        await resp.write(event)
+    for event in tail:
+        await resp.write(event)
     return resp
 
 
@@ -327,8 +336,18 @@ def pct(values: list[float], p: float) -> float:
 # --- orchestration --------------------------------------------------------------------------------
 
 
-def spawn(args: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+def spawn(
+    args: list[str],
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a server; its stderr goes to `log` (to say why one did not start), else nowhere."""
+    out = subprocess.DEVNULL
+    if log is None:
+        return subprocess.Popen(args, stdout=out, stderr=out, cwd=cwd, env=env)
+    with log.open("wb") as err:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(args, stdout=out, stderr=err, cwd=cwd, env=env)
 
 
 PRICES = f"pricing:\n  models:\n    {MODEL}: {{input_per_1m: 0.2, output_per_1m: 0.6}}\n"
@@ -351,14 +370,53 @@ def tollbooth_config(kind: str, files: Path) -> str:
     return conf
 
 
+def start_upstream(port: int, pin: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """The fake engine in its own process; `pin` prefixes the command (e.g. `taskset -c 1`)."""
+    return spawn([*pin, sys.executable, __file__, "_upstream", str(port)])
+
+
+def start_minimal(port: int, upstream: str, pin: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    return spawn([*pin, sys.executable, __file__, "_minimal", str(port), upstream])
+
+
+def tollbooth_command(tree: Path) -> tuple[list[str], dict[str, str]]:
+    """How to start the tollbooth of a checkout: its `tollbooth` console script, read from the
+    tree's pyproject.toml at run time (the CLI module moves as the code is laid out), run by this
+    interpreter with the tree first on the path, so that two trees compared run on the same
+    dependencies. Nothing is written into the tree (no bytecode)."""
+    with (tree / "pyproject.toml").open("rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["tollbooth"]
+    module, _, func = target.partition(":")
+    code = f"import sys; from {module} import {func} as main; sys.argv[0] = 'tollbooth'; "
+    code += "sys.exit(main())"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
+    return [sys.executable, "-c", code], env
+
+
+def start_tollbooth(
+    tree: Path, name: str, kind: str, tmp: Path, upstream: str, pin: tuple[str, ...] = ()
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """One tollbooth of `kind` (KINDS) from `tree` in front of `upstream`: its URL and process;
+    its files (config, ledger, logs, stderr) under `tmp`, named `name`."""
+    conf = tmp / f"{name}.yaml"
+    conf.write_text(PRICES + tollbooth_config(kind, tmp / name))
+    port, admin = free_port(), free_port()
+    cmd, env = tollbooth_command(tree)
+    cmd += ["serve", "--config", str(conf), "--upstream", upstream]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}"]
+    proc = spawn([*pin, *cmd], cwd=tmp, env=env, log=tmp / f"{name}.stderr")
+    return f"http://127.0.0.1:{port}", proc
+
+
 def start_paths(
     tmp: Path, compare: Path | None
 ) -> tuple[dict[str, str], dict[str, int], list[subprocess.Popen[bytes]]]:
     up_port, min_port = free_port(), free_port()
     upstream = f"http://127.0.0.1:{up_port}"
     procs = {
-        "direct": spawn([sys.executable, __file__, "_upstream", str(up_port)]),
-        "minimal_proxy": spawn([sys.executable, __file__, "_minimal", str(min_port), upstream]),
+        "direct": start_upstream(up_port),
+        "minimal_proxy": start_minimal(min_port, upstream),
     }
     urls = {"direct": upstream, "minimal_proxy": f"http://127.0.0.1:{min_port}"}
     trees = {"tollbooth": Path(__file__).resolve().parent.parent}
@@ -367,13 +425,7 @@ def start_paths(
     for prefix, tree in trees.items():
         for kind in KINDS:
             name = f"{prefix}_{kind}"
-            conf = tmp / f"{name}.yaml"
-            conf.write_text(PRICES + tollbooth_config(kind, tmp / name))
-            port, admin = free_port(), free_port()
-            cmd = [sys.executable, "-m", "sidecar.core.cli", "serve", "--config", str(conf)]
-            cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
-            procs[name] = spawn([*cmd, "--admin-listen", f"127.0.0.1:{admin}"], cwd=tree)
-            urls[name] = f"http://127.0.0.1:{port}"
+            urls[name], procs[name] = start_tollbooth(tree, name, kind, tmp, upstream)
     pids = {name: p.pid for name, p in procs.items()}
     return urls, pids, list(procs.values())
 

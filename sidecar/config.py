@@ -66,9 +66,10 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     # Memory for request bodies, across all connections: a request reserves twice its
     # Content-Length before its body is read (a chunked one as it arrives) and, while its JSON is
-    # parsed, an estimate of what parsing allocates (sidecar/proxy/memory.py); it keeps the reservation
-    # until it is recorded. A request that does not fit is answered 503 with Retry-After (counted
-    # in tollbooth_requests_refused_total{reason="memory_total"}); one that could never fit, 413.
+    # parsed, an estimate of what parsing allocates (sidecar/proxy/memory.py); it keeps the
+    # reservation until it is recorded. A request that does not fit is answered 503 with
+    # Retry-After (counted in tollbooth_requests_refused_total{reason="memory_total"}); one that
+    # could never fit, 413.
     # With the defaults the process stays under 400 MiB (docs/traffic.md). 0: no limit.
     max_buffered_request_bytes: int = 256 * 1024 * 1024
     # The share one key may hold (the principal under identity.keys_file, else the presented key's
