@@ -1,0 +1,423 @@
+"""Billing guards: each test kills a change a real edit could make to the billing code (issue 21's
+mutation run found them alive). Real parts throughout: the suite's redis-server, a real SQLite
+ledger, the aiohttp app in front of an engine double (the one boundary where a fake stands in).
+
+Each test names the change it catches; tools/mutate.py applies those changes (`--named`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.budget import DAY, Budgets, Hold, Scope, to_micros, usd
+from sidecar.budget_redis import RedisStore, day_keys
+from sidecar.config import (
+    AdmissionConfig,
+    BudgetConfig,
+    Config,
+    LedgerConfig,
+    ModelPrice,
+    PricingConfig,
+    build,
+    validate,
+)
+from sidecar.identity import Identity, bearer
+from sidecar.ledger import Ledger, connect, row_of
+from sidecar.meter import Exchange
+from sidecar.metrics import LabelCap, Metrics
+from sidecar.pricing import PriceBook, compute
+from sidecar.usage import Endpoint, StreamMeter, Usage, inspect_request, usage_from_body
+from tests.conftest import StartSidecar
+
+TODAY = int(time.time() // DAY * DAY)
+PRICE = ModelPrice(input_per_1m=1000.0, output_per_1m=2000.0, cached_input_per_1m=100.0)
+
+
+# --- numbers from the upstream --------------------------------------------------------------------
+
+
+def _chat_body(usage: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {
+            "id": "r",
+            "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop"}],
+            "usage": usage,
+        }
+    ).encode()
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "completion_tokens"])
+def test_a_negative_count_is_no_count(field: str) -> None:
+    """`_int` accepting a negative: a negative cost, which credits the budget."""
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, field: -1000}
+    got = usage_from_body(Endpoint.CHAT, _chat_body(usage), {})
+    counts = (got.input_tokens, got.output_tokens)
+    assert None in counts and all(c is None or c >= 0 for c in counts)
+    assert got.unknown_reason == "incomplete_usage"
+    cost, reason = PriceBook(PricingConfig(default=PRICE)).cost("m", got)
+    assert cost is None and reason == "usage_unknown"
+
+
+def test_zero_is_a_count() -> None:
+    """`_int` refusing 0 (`>= 0` made `> 0`): an embedding or an empty answer becomes unknown."""
+    got = usage_from_body(
+        Endpoint.CHAT, _chat_body({"prompt_tokens": 0, "completion_tokens": 0}), {}
+    )
+    assert (got.input_tokens, got.output_tokens, got.unknown_reason) == (0, 0, None)
+
+
+@settings(deadline=None)  # a loaded machine is slow, not wrong
+@given(
+    prompt=st.integers(0, 10**9),
+    cached=st.integers(0, 10**10),
+    output=st.integers(0, 10**9),
+)
+def test_cost_is_never_negative_whatever_the_cached_count(
+    prompt: int, cached: int, output: int
+) -> None:
+    """More cached tokens than prompt tokens (a buggy upstream): the uncached part went negative."""
+    cost = compute(PRICE, prompt, cached, output)
+    assert cost.input_usd >= 0 and cost.output_usd >= 0
+    # cached input is part of the input: never cheaper than all of it at the cached price
+    assert cost.input_usd >= prompt * 100.0 / 1e6 * (1 - 1e-12)
+    assert cost.input_usd <= prompt * 1000.0 / 1e6 * (1 + 1e-12)
+
+
+def test_cached_tokens_above_the_prompt_are_capped_at_the_prompt() -> None:
+    book = PriceBook(PricingConfig(default=PRICE))
+    cost, _ = book.cost("m", Usage(input_tokens=10, output_tokens=0, cached_input_tokens=50))
+    assert cost is not None and cost.input_usd == pytest.approx(10 * 100.0 / 1e6)
+    only_input = book.input_cost("m", Usage(input_tokens=10, cached_input_tokens=50))
+    assert only_input == pytest.approx(10 * 100.0 / 1e6)
+
+
+@settings(deadline=None)
+@given(micros=st.integers(0, 10**12), part=st.floats(0.01, 0.99))
+def test_to_micros_rounds_up_never_down(micros: int, part: float) -> None:
+    """`to_micros` truncating: every charge a fraction of a micro-dollar short."""
+    assert to_micros(usd(micros)) >= micros  # never below, at any size
+    if micros < 10**9:  # below $1000 a double resolves a hundredth of a micro-dollar
+        assert to_micros(usd(micros)) == micros  # whole micro-dollars stay what they are
+        assert to_micros(usd(micros) + part / 1e6) == micros + 1
+
+
+def test_a_tiny_cost_is_at_least_one_micro_dollar() -> None:
+    assert to_micros(1e-9) == 1
+    assert to_micros(0.0) == 0
+
+
+# --- the shared store: seeding and the day --------------------------------------------------------
+
+
+def _store(server: Any, source: Any = None) -> RedisStore:
+    cfg = BudgetConfig(store=server.url, store_unavailable="closed", store_timeout_s=0.5)
+    store = RedisStore(cfg, Metrics(), lambda: TODAY, source, max_scopes=10)
+    store.breaker.cooldown_s = 0.1
+    return store
+
+
+def _spent(server: Any) -> dict[str, int]:
+    raw = server.client().hgetall(day_keys(TODAY)[0])
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+USER = Scope("user", "u", to_micros(1.0))
+
+
+async def test_a_late_seed_never_overwrites_todays_spend(redis_server: Any) -> None:
+    """The seed script without its `seeded` check: a second sidecar's (older) ledger read
+    replaces the spend Redis already counted today."""
+    a, b = _store(redis_server), _store(redis_server)
+    try:
+        assert await a._seed(TODAY, {"user:u": 300_000}, time.time())
+        assert (await a.reserve(Hold("r1", TODAY, 200_000, (USER,)))).admitted
+        replies = await a._settle_batch([(a.open.pop("r1"), 150_000, int(time.time() * 1000))])
+        assert replies == [b"settled"]
+        assert _spent(redis_server) == {"user:u": 450_000}
+        assert not await b._seed(TODAY, {"user:u": 0}, time.time())
+        await b.seed(TODAY, {"user:u": 1})
+        assert _spent(redis_server) == {"user:u": 450_000}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_todays_settlement_that_finds_redis_emptied_waits_and_is_charged(
+    redis_server: Any,
+) -> None:
+    """`day < today` made `<=`: a settlement of today's request after Redis was emptied is
+    dropped (counted) instead of waiting for the reseed; the day's spend loses it."""
+    reads: list[int] = []
+
+    async def ledger(day: int) -> tuple[dict[str, int], float]:
+        reads.append(day)
+        return {}, 0.0  # read before the request ended: its charge is not in it
+
+    store = _store(redis_server, source=ledger)
+    store.start()
+    try:
+        assert (await store.reserve(Hold("r1", TODAY, 200_000, (USER,)))).admitted
+        redis_server.client().flushall()
+        store.settle("r1", 120_000)
+        for _ in range(300):
+            if _spent(redis_server).get("user:u") == 120_000:
+                break
+            await asyncio.sleep(0.01)
+        assert _spent(redis_server) == {"user:u": 120_000}
+        dropped = store.metrics.registry.get_sample_value("llm_budget_settles_dropped_total")
+        assert not dropped
+        assert len(reads) == 2  # the cold start, then the reseed after the flush
+    finally:
+        await store.close()
+
+
+# --- identity -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header", ["Bearer k1", "bearer k1", "BEARER k1", "Bearer  k1 ", "Bearer k1\t", " k1"]
+)
+def test_the_key_is_read_whatever_the_scheme_case_and_spaces(header: str) -> None:
+    """`Bearer` matched case-sensitively, or the token left unstripped: the same key presented
+    two ways was two principals (a fresh budget for the asking)."""
+    assert bearer({"Authorization": header}) == "k1"
+
+
+def _identity(**identity: Any) -> Identity:
+    return Identity(validate(build(Config, {"identity": identity})))
+
+
+def test_a_user_name_with_spaces_is_billed_as_the_user() -> None:
+    """`"alice "` billed apart from `alice`: each spelling its own budget."""
+    ident = _identity()
+    header = ident.user_header
+    assert ident.resolve({header: "alice "}, None).user == "alice"
+    assert ident.resolve({header: " alice"}, None).user == "alice"
+    assert ident.resolve({}, "alice ").user == "alice"
+    assert ident.resolve({}, "   ").user == "anonymous"
+
+
+def test_a_key_in_any_spelling_resolves_to_its_principal(tmp_path: Path) -> None:
+    from sidecar.identity import digest
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys: [{{sha256: {digest('k1')}, user: alice, team: t}}]\n")
+    ident = _identity(keys_file=str(keys))
+    for header in ("Bearer k1", "bearer k1 ", "BEARER  k1"):
+        p = ident.resolve({"Authorization": header}, "mallory")
+        assert (p.user, p.team) == ("alice", "t")
+
+
+# --- the ledger row -------------------------------------------------------------------------------
+
+
+def _exchange(status: int, usage: Usage, **kw: Any) -> Exchange:
+    info = inspect_request(
+        Endpoint.CHAT,
+        json.dumps({"model": "asked", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        inject_usage=False,
+    )
+    fields = {"user": "__other__", "user_id": "alice", "model": "asked", **kw}
+    ex = Exchange(request_id="r", endpoint=Endpoint.CHAT, info=info, **fields)
+    ex.status, ex.usage = status, usage
+    return ex
+
+
+def test_a_consumed_request_of_unknown_cost_has_no_cost_in_its_row() -> None:
+    """A request that reached the server with its usage unknown written as cost 0.0: the ledger
+    (and the spend restored from it) says it was free."""
+    row = row_of(_exchange(200, Usage(unknown_reason="no_usage")))
+    assert row.cost_usd is None
+    refused = row_of(_exchange(429, Usage()))
+    assert refused.cost_usd == 0.0  # refused before anything was generated: nothing spent
+
+
+def test_the_row_bills_the_user_not_the_label_and_records_the_served_model() -> None:
+    """The capped label (`__other__`) written for the user, or the requested model for the
+    served one: the report and the restored budgets bill the wrong name."""
+    row = row_of(_exchange(200, Usage(input_tokens=1, output_tokens=1, model="served")))
+    assert (row.user, row.model) == ("alice", "served")
+    assert row_of(_exchange(200, Usage(input_tokens=1, output_tokens=1))).model == "asked"
+
+
+def test_retention_is_counted_in_days(tmp_path: Path) -> None:
+    """`retention_days` counted in hours (or seconds): a restart deletes the month's ledger."""
+    db = tmp_path / "ledger.db"
+    conn = connect(db)
+    now = time.time()
+    with conn:
+        for age_s in (3600, 2 * DAY, 2.9 * DAY, 3.1 * DAY, 30 * DAY):
+            conn.execute(
+                "INSERT INTO requests (ts, request_id, model, endpoint, user, status, stream) "
+                "VALUES (?, ?, 'm', 'chat', 'u', '200', 0)",
+                (now - age_s, f"age-{age_s / DAY:.2f}d"),
+            )
+    conn.close()
+    ledger = Ledger(LedgerConfig(path=str(db), retention_days=3), Metrics())
+    assert ledger._try_connect()
+    assert ledger._conn is not None
+    kept = sorted(r[0] for r in ledger._conn.execute("SELECT request_id FROM requests"))
+    ledger._conn.close()
+    assert kept == ["age-0.04d", "age-2.00d", "age-2.90d"]
+
+
+# --- the whole path: served model, 5xx with input usage -------------------------------------------
+
+
+class Engine:
+    """An engine double whose answer each test sets: status, body and the model it serves."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.served = "dear"
+        self.usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": 5}
+        self.app = web.Application()
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        body = {
+            "id": "cmpl-1",
+            "object": "chat.completion",
+            "model": self.served,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "x"},
+                    "finish_reason": None,
+                }
+            ],
+            "usage": self.usage,
+        }
+        return web.json_response(body, status=self.status)
+
+
+PRICES = {
+    "models": {
+        "cheap": {"input_per_1m": 1.0, "output_per_1m": 1.0},
+        "dear": {"input_per_1m": 1000.0, "output_per_1m": 1000.0},
+    }
+}
+
+
+async def _post(url: str, model: str, max_tokens: int = 20) -> int:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "eve"}) as r,
+    ):
+        await r.read()
+        return r.status
+
+
+async def _settled(run: Any) -> None:
+    for _ in range(200):
+        if not run.sc.budgets.store.holds:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the hold was never settled")
+
+
+async def test_the_served_model_is_priced_not_the_requested_one(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Pricing the requested model: asking for a cheap name served by a dear model pays the
+    cheap price."""
+    engine = Engine()
+    server = await aiohttp_server(engine.app)
+    run = await start_sidecar(
+        {"pricing": PRICES, "budgets": {"user_daily_usd": 1.0}},
+        upstream_url=str(server.make_url("")).rstrip("/"),
+    )
+    assert await _post(run.url, "cheap") == 200
+    await _settled(run)
+    dear = (10 + 5) * 1000.0 / 1e6
+    assert run.sc.budgets.store.spent["user:eve"] == to_micros(dear)
+    assert run.value("llm_spend_today_usd", user_id="eve") == pytest.approx(dear)
+
+
+async def test_a_5xx_with_only_input_usage_is_billed(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    """A server error after the prompt was read (input counted, output unknown): it consumed the
+    server, so it is charged at least its hold, never left free."""
+    engine = Engine()
+    engine.status, engine.served, engine.usage = 500, "dear", {"prompt_tokens": 10}
+    server = await aiohttp_server(engine.app)
+    run = await start_sidecar(
+        {"pricing": PRICES, "budgets": {"user_daily_usd": 1.0}},
+        upstream_url=str(server.make_url("")).rstrip("/"),
+    )
+    assert await _post(run.url, "dear", max_tokens=20) == 500
+    await _settled(run)
+    spent = run.sc.budgets.store.spent["user:eve"]
+    assert spent >= to_micros(10 * 1000.0 / 1e6) > 0  # at least the measured input
+    assert run.value("llm_budget_unmeasured_charges_total") == 1
+    assert run.value("llm_spend_today_usd", user_id="eve") == pytest.approx(10 * 1000.0 / 1e6)
+
+
+# --- streams cut short ----------------------------------------------------------------------------
+
+
+def _running_chunk(index: int, prompt: int, done: int) -> bytes:
+    chunk = {
+        "id": "c",
+        "model": "m",
+        "choices": [{"index": index, "delta": {"content": "t"}, "finish_reason": None}],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": done,
+            "total_tokens": prompt + done,
+        },
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+def test_a_cut_short_chat_with_n_choices_is_charged_its_prompt_once() -> None:
+    """A chat's `n` choices share one prompt: summing each choice's running prompt count charged
+    it n times."""
+    meter = StreamMeter(Endpoint.CHAT, choices=3, per_prompt=3)
+    for index, done in ((0, 2), (1, 3), (2, 4)):
+        meter.feed(_running_chunk(index, 11, done))
+    usage = meter.usage_so_far()
+    assert (usage.input_tokens, usage.output_tokens) == (11, 2 + 3 + 4)
+    assert usage.unknown_reason is None
+
+
+def test_the_budget_charges_a_cut_short_chat_its_prompt_once() -> None:
+    info = inspect_request(
+        Endpoint.CHAT,
+        json.dumps({"model": "m", "messages": [], "n": 3, "max_tokens": 4}).encode(),
+        inject_usage=False,
+    )
+    meter = StreamMeter(Endpoint.CHAT, choices=info.choices, per_prompt=info.n or 1)
+    for index in range(3):
+        meter.feed(_running_chunk(index, 100, 1))
+    b = Budgets(
+        BudgetConfig(user_daily_usd=1.0),
+        AdmissionConfig(),
+        Metrics(),
+        LabelCap(10),
+        PriceBook(PricingConfig(default=PRICE)),
+    )
+    ex = Exchange(
+        request_id="r", endpoint=Endpoint.CHAT, info=info, user="u", user_id="u", model="m"
+    )
+    ex.status, ex.usage = 499, meter.usage_so_far()
+    ex.cost, _ = b.prices.cost("m", ex.usage)
+    assert b.measured_usd(ex) == pytest.approx((100 * 1000.0 + 3 * 2000.0) / 1e6)
