@@ -421,3 +421,170 @@ def test_the_budget_charges_a_cut_short_chat_its_prompt_once() -> None:
     ex.status, ex.usage = 499, meter.usage_so_far()
     ex.cost, _ = b.prices.cost("m", ex.usage)
     assert b.measured_usd(ex) == pytest.approx((100 * 1000.0 + 3 * 2000.0) / 1e6)
+
+
+# --- survivors of tools/mutate.py's run ---------------------------------------------------------
+
+
+def _budgets(clock: Any, **config: Any) -> Budgets:
+    return Budgets(
+        BudgetConfig(user_daily_usd=1.0, **config),
+        AdmissionConfig(),
+        Metrics(),
+        LabelCap(10),
+        PriceBook(PricingConfig(default=PRICE)),
+        clock=clock,
+    )
+
+
+def test_the_budget_day_starts_at_the_configured_hour() -> None:
+    """`day_start_hour_utc * 3600` off by a second, or the offset subtracted: spend moves to the
+    wrong day around the boundary."""
+    b = _budgets(lambda: 0.0, day_start_hour_utc=6)
+    six = 6 * 3600
+    assert b.day_start(10 * DAY + six) == 10 * DAY + six
+    assert b.day_start(10 * DAY + six - 1) == 9 * DAY + six
+    assert b.day_start(10 * DAY + 7 * 3600) == 10 * DAY + six
+    assert _budgets(lambda: 0.0).day_start(10 * DAY + 1) == 10 * DAY
+
+
+async def test_the_last_micro_dollar_of_a_budget_admits_a_one_micro_hold() -> None:
+    """`max(hold.amount, 1)` made 2: a budget with one micro-dollar left refuses what fits."""
+    from sidecar.budget import LocalStore
+
+    store = LocalStore(10)
+    scope = Scope("user", "u", 10)
+    assert (await store.reserve(Hold("a", 0, 9, (scope,)))).admitted
+    store.settle("a", 9)
+    assert (await store.reserve(Hold("b", 0, 1, (scope,)))).admitted  # 9 + 1 = the limit
+    store.settle("b", 1)
+    refused = await store.reserve(Hold("c", 0, 0, (scope,)))  # spent: not even a $0 hold
+    assert not refused.admitted and refused.reason == "budget"
+
+
+async def test_redis_bounds_the_scopes_it_tracks(redis_server: Any) -> None:
+    """The reserve script's count of new scopes made `new - 1`: the capacity check never fires
+    and Redis tracks every invented user."""
+    cfg = BudgetConfig(store=redis_server.url, store_unavailable="closed", store_timeout_s=0.5)
+    store = RedisStore(cfg, Metrics(), lambda: TODAY, None, max_scopes=2)
+    try:
+        for name in ("a", "b"):
+            scope = Scope("user", name, to_micros(1.0))
+            assert (await store.reserve(Hold(name, TODAY, 10, (scope,)))).admitted
+        third = await store.reserve(Hold("c", TODAY, 10, (Scope("user", "c", 10**6),)))
+        assert not third.admitted and third.reason == "capacity"
+        assert len(redis_server.client().hgetall(day_keys(TODAY)[0])) == 2
+    finally:
+        await store.close()
+
+
+async def test_a_settlement_into_a_reseeded_day_keeps_the_days_keys(redis_server: Any) -> None:
+    """The settle's expiry `hold.day + KEEP_S` made `-`: it deletes the day's holds and leaves
+    its spend without an expiry. (The spend of a day seeded empty gets no expiry today either:
+    the script sets it before the first HINCRBY creates the hash; reported, not asserted.)"""
+
+    async def ledger(day: int) -> tuple[dict[str, int], float]:
+        return {}, 0.0
+
+    store = _store(redis_server, source=ledger)
+    try:
+        assert await store.reseed(TODAY)
+        replies = await store._settle_batch(
+            [(Hold("gone", TODAY, 5, (USER,)), 7, int(time.time() * 1000))]
+        )
+        assert replies == [b"charged"]
+        client = redis_server.client()
+        holds_key = day_keys(TODAY)[2]
+        assert client.hget(holds_key, "gone") == b'["s"]'  # settled once, remembered
+        assert DAY < client.ttl(holds_key) <= 2 * DAY
+        assert _spent(redis_server) == {"user:u": 7}
+    finally:
+        await store.close()
+
+
+def test_the_key_id_of_an_authorization_header() -> None:
+    from sidecar.identity import api_key_id, key_id
+
+    assert api_key_id("Bearer k1") == key_id("k1") == api_key_id("bearer  k1")
+    assert key_id("k1") is not None and key_id("k1") != key_id("k2")
+    assert api_key_id(None) is None and api_key_id("") is None
+
+
+def test_only_without_a_keys_file_does_the_body_decide_who_pays(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys: []\n")
+    assert _identity().needs_body is True
+    assert _identity(keys_file=str(keys)).needs_body is False
+
+
+def test_status_label_and_failed() -> None:
+    """`status_label` or `failed` changed: 5xx, refusals and broken streams counted as served."""
+    ok = _exchange(200, Usage())
+    assert (ok.status_label, ok.failed) == ("200", False)
+    broken = _exchange(200, Usage())
+    broken.error = "reset"
+    assert (broken.status_label, broken.failed) == ("stream_error", True)
+    for status, failed in ((399, False), (400, True), (0, True), (1, False), (503, True)):
+        assert _exchange(status, Usage()).failed is failed, status
+
+
+def _meter_record(ex: Exchange) -> Metrics:
+    from sidecar.meter import Meter
+
+    m = Metrics()
+    Meter(m, PriceBook(PricingConfig(default=PRICE))).record(ex)
+    return m
+
+
+def test_cost_is_counted_for_what_was_consumed_and_only_that() -> None:
+    """`not consumed(ex)` removed, or `cost is None` flipped: a refusal gets a cost, or a
+    priced request none."""
+    labels = {"model": "asked", "api_endpoint": "/v1/chat/completions", "user_id": "__other__"}
+    served = _meter_record(_exchange(200, Usage(input_tokens=10, output_tokens=5)))
+    get = served.registry.get_sample_value
+    assert get("llm_cost_usd_total", {**labels, "token_type": "input"}) == pytest.approx(0.01)
+    assert get("llm_cost_usd_total", {**labels, "token_type": "output"}) == pytest.approx(0.01)
+    refused = _meter_record(_exchange(429, Usage())).registry.get_sample_value
+    assert refused("llm_cost_usd_total", {**labels, "token_type": "input"}) is None
+    assert refused("llm_cost_unknown_total", {"model": "asked", "reason": "usage_unknown"}) is None
+    unknown = _meter_record(_exchange(200, Usage(unknown_reason="no_usage"))).registry
+    assert (
+        unknown.get_sample_value(
+            "llm_cost_unknown_total", {"model": "asked", "reason": "usage_unknown"}
+        )
+        == 1
+    )
+    assert (
+        unknown.get_sample_value("llm_cost_usd_total", {**labels, "token_type": "output"}) is None
+    )
+
+
+def test_consumed_is_every_2xx_and_no_other_status() -> None:
+    from sidecar.meter import consumed
+
+    assert [consumed(_exchange(s, Usage())) for s in (199, 200, 299, 300, 429)] == [
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert consumed(_exchange(500, Usage(input_tokens=3)))  # measured input: it used the server
+
+
+def test_time_per_output_token_from_two_tokens_a_choice() -> None:
+    from sidecar.meter import time_per_output_token
+
+    ex = _exchange(200, Usage(input_tokens=1, output_tokens=4, finish_reasons=("stop", "stop")))
+    ex.upstream_start, ex.first_token_at, ex.duration_s = ex.t0, ex.t0 + 1.0, 3.0
+    assert time_per_output_token(ex) == pytest.approx(2.0)  # 2 tokens a choice: 2 s for 1
+    ex.usage = Usage(input_tokens=1, output_tokens=2, finish_reasons=("stop", "stop"))
+    assert time_per_output_token(ex) is None  # one token a choice: no time between tokens
+
+
+def test_a_space_in_a_path_is_no_control_character() -> None:
+    from sidecar.routes import AmbiguousPath, routing_path
+
+    assert routing_path("/v1/a%20b") == "/v1/a b"
+    with pytest.raises(AmbiguousPath):
+        routing_path("/v1/a%1fb")

@@ -344,6 +344,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=21)
     ap.add_argument("--named", action="store_true", help="run the survivors issue 21 named")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--rerun", type=Path, help="run again the survivors of an earlier --out")
     ap.add_argument("--tests", nargs="+", help="run these tests for every module instead")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run side by side")
     ap.add_argument("--timeout-factor", type=float, default=3.0)
@@ -375,7 +376,14 @@ def main() -> int:
                     plan.append((m, apply_named(src, old, new)))
             continue
         found = mutants(module, MODULES[module][1])
-        if len(found) > args.per_module:
+        if args.rerun:
+            alive = {
+                (d["line"], tuple(d["start"]), d["after"])
+                for d in json.loads(args.rerun.read_text())
+                if d["module"] == module and d["status"] == "survived"
+            }
+            found = [m for m in found if (m.line, m.start, m.after) in alive]
+        elif len(found) > args.per_module:
             found = sorted(
                 random.Random(f"{args.seed}:{module}").sample(found, args.per_module),
                 key=lambda m: (m.line, m.start),
