@@ -588,3 +588,47 @@ def test_a_space_in_a_path_is_no_control_character() -> None:
     assert routing_path("/v1/a%20b") == "/v1/a b"
     with pytest.raises(AmbiguousPath):
         routing_path("/v1/a%1fb")
+
+
+def test_the_root_route_and_a_trailing_slash_are_metered() -> None:
+    from sidecar.routes import classify
+
+    assert classify("POST", "/") is Endpoint.TGI_COMPAT
+    assert classify("POST", "/v1/completions/") is Endpoint.COMPLETIONS
+    assert classify("GET", "/v1/completions") is None
+
+
+@pytest.mark.parametrize("api", ["vllm", "tgi"])
+def test_an_invocations_body_of_two_shapes_is_ambiguous(api: str) -> None:
+    """The count of shapes `> 1` made `> 2`: a body the server may route either way is metered
+    as the first."""
+    from sidecar.routes import AmbiguousBody, invocation_endpoint
+
+    with pytest.raises(AmbiguousBody, match="more than one of '"):
+        invocation_endpoint({"messages": [], "prompt": "x"}, api)
+    assert invocation_endpoint({"prompt": "x"}, api) is Endpoint.COMPLETIONS
+    assert invocation_endpoint({"temperature": 1}, api) is Endpoint.OTHER
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_an_unparseable_answer_is_usage_unknown(body: bytes) -> None:
+    got = usage_from_body(Endpoint.CHAT, body, {})
+    assert isinstance(got, Usage) and got.unknown_reason == "unparseable_response"
+    assert (got.input_tokens, got.output_tokens) == (None, None)
+
+
+def _responses(meter: StreamMeter, kind: str, **response: Any) -> None:
+    event = {"type": kind, "response": {"id": "resp", "model": "m", **response}}
+    meter.feed(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+
+
+@pytest.mark.parametrize("kind", ["response.completed", "response.incomplete", "response.failed"])
+def test_a_responses_stream_ends_with_its_terminal_event_and_its_usage(kind: str) -> None:
+    meter = StreamMeter(Endpoint.RESPONSES)
+    _responses(meter, "response.created", status="in_progress")
+    assert not meter.done
+    usage = {"input_tokens": 9, "output_tokens": 4}
+    _responses(meter, kind, status=kind.split(".")[1], usage=usage)
+    _, got = meter.finish()
+    assert meter.done and (got.input_tokens, got.output_tokens) == (9, 4)
+    assert got.error == ("response.failed" if kind == "response.failed" else None)
