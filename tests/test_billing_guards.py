@@ -632,3 +632,22 @@ def test_a_responses_stream_ends_with_its_terminal_event_and_its_usage(kind: str
     _, got = meter.finish()
     assert meter.done and (got.input_tokens, got.output_tokens) == (9, 4)
     assert got.error == ("response.failed" if kind == "response.failed" else None)
+
+
+async def test_a_hold_admitted_without_redis_counts_in_the_next_decision(
+    redis_server: Any,
+) -> None:
+    """`outage or settling` made `and`: holds admitted while Redis was away, still running, are
+    left out of the next decision once it answers, and the budget is spent twice."""
+    cfg = BudgetConfig(store=redis_server.url, store_unavailable="local", store_timeout_s=0.2)
+    store = RedisStore(cfg, Metrics(), lambda: TODAY, None, max_scopes=10)
+    try:
+        assert (await store.reserve(Hold("k", TODAY, 100_000, (USER,)))).admitted
+        store.breaker.in_row, store.breaker.retry_at = 3, time.monotonic() + 60  # open: not sent
+        assert (await store.reserve(Hold("o", TODAY, 500_000, (USER,)))).admitted
+        assert "o" in store.outage and store.metrics.store_local
+        store.breaker.retry_at = 0.0  # the cooldown is over: the next call is the trial
+        late = await store.reserve(Hold("n", TODAY, 500_000, (USER,)))
+        assert not late.admitted and late.reason == "budget"  # 0.1 + 0.5 + 0.5 > 1.0
+    finally:
+        await store.close()
