@@ -651,3 +651,18 @@ async def test_a_hold_admitted_without_redis_counts_in_the_next_decision(
         assert not late.admitted and late.reason == "budget"  # 0.1 + 0.5 + 0.5 > 1.0
     finally:
         await store.close()
+
+
+async def test_a_spent_budget_admits_nothing_while_redis_is_away(redis_server: Any) -> None:
+    """`max(0, left)` made `max(1, left)`: a spent scope's share during an outage is a
+    micro-dollar, and free (unpriced) requests go through."""
+    cfg = BudgetConfig(store=redis_server.url, store_unavailable="local", store_timeout_s=0.2)
+    store = RedisStore(cfg, Metrics(), lambda: TODAY, None, max_scopes=10)
+    try:
+        assert (await store.reserve(Hold("k", TODAY, USER.limit, (USER,)))).admitted
+        assert store.known == {"user:u": 0}
+        store.breaker.in_row, store.breaker.retry_at = 3, time.monotonic() + 60  # open: not sent
+        refused = await store.reserve(Hold("z", TODAY, 0, (USER,)))
+        assert not refused.admitted and refused.reason == "budget"
+    finally:
+        await store.close()
