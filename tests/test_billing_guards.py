@@ -544,6 +544,7 @@ def test_cost_is_counted_for_what_was_consumed_and_only_that() -> None:
     get = served.registry.get_sample_value
     assert get("llm_cost_usd_total", {**labels, "token_type": "input"}) == pytest.approx(0.01)
     assert get("llm_cost_usd_total", {**labels, "token_type": "output"}) == pytest.approx(0.01)
+    assert get("llm_tokens_total", {**labels, "token_type": "input"}) == 10  # `_count` too
     refused = _meter_record(_exchange(429, Usage())).registry.get_sample_value
     assert refused("llm_cost_usd_total", {**labels, "token_type": "input"}) is None
     assert refused("llm_cost_unknown_total", {"model": "asked", "reason": "usage_unknown"}) is None
