@@ -19,8 +19,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.budget import DAY, Budgets, Hold, Scope, to_micros, usd
-from sidecar.budget_redis import RedisStore, day_keys
+from sidecar.billing.budget import DAY, Budgets, Hold, Scope, to_micros, usd
+from sidecar.billing.redis_store import RedisStore, day_keys
 from sidecar.config import (
     AdmissionConfig,
     BudgetConfig,
@@ -31,12 +31,14 @@ from sidecar.config import (
     build,
     validate,
 )
-from sidecar.identity import Identity, bearer
-from sidecar.ledger import Ledger, connect, row_of
-from sidecar.meter import Exchange
-from sidecar.metrics import LabelCap, Metrics
-from sidecar.pricing import PriceBook, compute
-from sidecar.usage import Endpoint, StreamMeter, Usage, inspect_request, usage_from_body
+from sidecar.proxy.identity import Identity
+from sidecar.credentials import bearer
+from sidecar.billing.ledger import Ledger, connect, row_of
+from sidecar.exchange import Exchange
+from sidecar.telemetry.metrics import LabelCap, Metrics
+from sidecar.metering.pricing import PriceBook, compute
+from sidecar.exchange import Endpoint, Usage
+from sidecar.metering.usage import StreamMeter, inspect_request, usage_from_body
 from tests.conftest import StartSidecar
 
 TODAY = int(time.time() // DAY * DAY)
@@ -209,7 +211,7 @@ def test_a_user_name_with_spaces_is_billed_as_the_user() -> None:
 
 
 def test_a_key_in_any_spelling_resolves_to_its_principal(tmp_path: Path) -> None:
-    from sidecar.identity import digest
+    from sidecar.credentials import digest
 
     keys = tmp_path / "keys.yaml"
     keys.write_text(f"keys: [{{sha256: {digest('k1')}, user: alice, team: t}}]\n")
@@ -450,7 +452,7 @@ def test_the_budget_day_starts_at_the_configured_hour() -> None:
 
 async def test_the_last_micro_dollar_of_a_budget_admits_a_one_micro_hold() -> None:
     """`max(hold.amount, 1)` made 2: a budget with one micro-dollar left refuses what fits."""
-    from sidecar.budget import LocalStore
+    from sidecar.billing.budget import LocalStore
 
     store = LocalStore(10)
     scope = Scope("user", "u", 10)
@@ -503,7 +505,7 @@ async def test_a_settlement_into_a_reseeded_day_keeps_the_days_keys(redis_server
 
 
 def test_the_key_id_of_an_authorization_header() -> None:
-    from sidecar.identity import api_key_id, key_id
+    from sidecar.credentials import api_key_id, key_id
 
     assert api_key_id("Bearer k1") == key_id("k1") == api_key_id("bearer  k1")
     assert key_id("k1") is not None and key_id("k1") != key_id("k2")
@@ -529,7 +531,7 @@ def test_status_label_and_failed() -> None:
 
 
 def _meter_record(ex: Exchange) -> Metrics:
-    from sidecar.meter import Meter
+    from sidecar.metering.meter import Meter
 
     m = Metrics()
     Meter(m, PriceBook(PricingConfig(default=PRICE))).record(ex)
@@ -561,7 +563,7 @@ def test_cost_is_counted_for_what_was_consumed_and_only_that() -> None:
 
 
 def test_consumed_is_every_2xx_and_no_other_status() -> None:
-    from sidecar.meter import consumed
+    from sidecar.exchange import consumed
 
     assert [consumed(_exchange(s, Usage())) for s in (199, 200, 299, 300, 429)] == [
         False,
@@ -574,7 +576,7 @@ def test_consumed_is_every_2xx_and_no_other_status() -> None:
 
 
 def test_time_per_output_token_from_two_tokens_a_choice() -> None:
-    from sidecar.meter import time_per_output_token
+    from sidecar.metering.meter import time_per_output_token
 
     ex = _exchange(200, Usage(input_tokens=1, output_tokens=4, finish_reasons=("stop", "stop")))
     ex.upstream_start, ex.first_token_at, ex.duration_s = ex.t0, ex.t0 + 1.0, 3.0
@@ -584,7 +586,7 @@ def test_time_per_output_token_from_two_tokens_a_choice() -> None:
 
 
 def test_a_space_in_a_path_is_no_control_character() -> None:
-    from sidecar.routes import AmbiguousPath, routing_path
+    from sidecar.proxy.routes import AmbiguousPath, routing_path
 
     assert routing_path("/v1/a%20b") == "/v1/a b"
     with pytest.raises(AmbiguousPath):
@@ -592,7 +594,7 @@ def test_a_space_in_a_path_is_no_control_character() -> None:
 
 
 def test_the_root_route_and_a_trailing_slash_are_metered() -> None:
-    from sidecar.routes import classify
+    from sidecar.proxy.routes import classify
 
     assert classify("POST", "/") is Endpoint.TGI_COMPAT
     assert classify("POST", "/v1/completions/") is Endpoint.COMPLETIONS
@@ -603,7 +605,7 @@ def test_the_root_route_and_a_trailing_slash_are_metered() -> None:
 def test_an_invocations_body_of_two_shapes_is_ambiguous(api: str) -> None:
     """The count of shapes `> 1` made `> 2`: a body the server may route either way is metered
     as the first."""
-    from sidecar.routes import AmbiguousBody, invocation_endpoint
+    from sidecar.metering.dispatch import AmbiguousBody, invocation_endpoint
 
     with pytest.raises(AmbiguousBody, match="more than one of '"):
         invocation_endpoint({"messages": [], "prompt": "x"}, api)

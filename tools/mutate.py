@@ -39,6 +39,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GUARDS = "tests/test_billing_guards.py"
 
+# module -> its file below sidecar/ (packages by concern, issue 22)
+PATHS = {
+    "pricing": "metering/pricing.py",
+    "budget": "billing/budget.py",
+    "budget_redis": "billing/redis_store.py",
+    "identity": "proxy/identity.py",
+    "ledger": "billing/ledger.py",
+    "meter": "metering/meter.py",
+    "routes": "proxy/routes.py",
+    "usage": "metering/usage.py",
+    "reqsize": "metering/reqsize.py",
+    "exchange": "exchange.py",
+}
+
 # module -> (its tests, the functions to mutate: None for all)
 MODULES: dict[str, tuple[list[str], list[str] | None]] = {
     "pricing": (["tests/test_pricing.py", GUARDS], None),
@@ -48,6 +62,8 @@ MODULES: dict[str, tuple[list[str], list[str] | None]] = {
     "ledger": (["tests/test_ledger.py", GUARDS], None),
     "meter": (["tests/test_meter.py", GUARDS], None),
     "routes": (["tests/test_routes.py", GUARDS], None),
+    "reqsize": (["tests/test_hold_inputs.py", GUARDS], None),
+    "exchange": (["tests/test_meter.py", "tests/test_ledger.py", GUARDS], None),
     "usage": (
         ["tests/test_usage.py", "tests/test_budget.py", GUARDS],
         [
@@ -211,7 +227,7 @@ def _variants(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
 
 
 def mutants(module: str, functions: list[str] | None) -> list[Mutant]:
-    path = ROOT / "sidecar" / f"{module}.py"
+    path = ROOT / "sidecar" / PATHS[module]
     src = path.read_text()
     lines = src.splitlines(keepends=True)
     tree = ast.parse(src)
@@ -359,7 +375,7 @@ def main() -> int:
 
     plan: list[tuple[Mutant, str]] = []  # (mutant, the mutated module's source)
     for module in modules:
-        src = (ROOT / "sidecar" / f"{module}.py").read_text()
+        src = (ROOT / "sidecar" / PATHS[module]).read_text()
         if args.named:
             for mod, old, new in NAMED:
                 if mod == module:
@@ -427,7 +443,7 @@ def main() -> int:
             m, mutated = item
             work = free.get()
             try:
-                target = work / "sidecar" / f"{m.module}.py"
+                target = work / "sidecar" / PATHS[m.module]
                 original = target.read_text()
                 if m.status == "pending":
                     target.write_text(mutated)
