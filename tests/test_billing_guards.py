@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.billing.budget import DAY, Budgets, Hold, Scope, to_micros, usd
+from sidecar.billing.ledger import Ledger, connect, row_of
 from sidecar.billing.redis_store import RedisStore, day_keys
 from sidecar.config import (
     AdmissionConfig,
@@ -31,14 +32,12 @@ from sidecar.config import (
     build,
     validate,
 )
-from sidecar.proxy.identity import Identity
 from sidecar.credentials import bearer
-from sidecar.billing.ledger import Ledger, connect, row_of
-from sidecar.exchange import Exchange
-from sidecar.telemetry.metrics import LabelCap, Metrics
+from sidecar.exchange import Endpoint, Exchange, Usage
 from sidecar.metering.pricing import PriceBook, compute
-from sidecar.exchange import Endpoint, Usage
 from sidecar.metering.usage import StreamMeter, inspect_request, usage_from_body
+from sidecar.proxy.identity import Identity
+from sidecar.telemetry.metrics import LabelCap, Metrics
 from tests.conftest import StartSidecar
 
 TODAY = int(time.time() // DAY * DAY)
