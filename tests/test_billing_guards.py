@@ -65,7 +65,7 @@ def test_a_negative_count_is_no_count(field: str) -> None:
     got = usage_from_body(Endpoint.CHAT, _chat_body(usage), {})
     counts = (got.input_tokens, got.output_tokens)
     assert None in counts and all(c is None or c >= 0 for c in counts)
-    assert got.unknown_reason == "incomplete_usage"
+    assert got.unknown_reason == "invalid_usage"  # a count out of range, since issue 21
     cost, reason = PriceBook(PricingConfig(default=PRICE)).cost("m", got)
     assert cost is None and reason == "usage_unknown"
 
@@ -179,6 +179,24 @@ async def test_todays_settlement_that_finds_redis_emptied_waits_and_is_charged(
         dropped = store.metrics.registry.get_sample_value("llm_budget_settles_dropped_total")
         assert not dropped
         assert len(reads) == 2  # the cold start, then the reseed after the flush
+    finally:
+        await store.close()
+
+
+async def test_a_settlement_that_makes_the_days_spend_hash_gives_it_its_expiry(
+    redis_server: Any,
+) -> None:
+    """A settlement of a hold Redis no longer has, in a day seeded with no spend, created the
+    `spent` hash after the script's EXPIREAT: that hash never expired (one leaked a day)."""
+    store = _store(redis_server)
+    try:
+        assert await store._seed(TODAY, {}, time.time() - 60)  # read a minute ago, no spend
+        ended = int(time.time() * 1000)
+        hold = Hold("gone", TODAY, 200_000, (USER,))
+        assert await store._settle_batch([(hold, 120_000, ended)]) == [b"charged"]
+        assert _spent(redis_server) == {"user:u": 120_000}
+        ttl = redis_server.client().ttl(day_keys(TODAY)[0])
+        assert 0 < ttl <= 3 * DAY  # kept for the day and a margin, then gone
     finally:
         await store.close()
 
