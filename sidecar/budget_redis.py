@@ -125,7 +125,7 @@ local read = redis.call('GET', seeded)
 if not read then return 'unseeded' end
 redis.call('HSET', holds, id, '["s"]')
 for i = 1, 3 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
-if tonumber(ARGV[3]) <= tonumber(read) then return 'in_seed' end
+if tonumber(ARGV[3]) < tonumber(read) then return 'in_seed' end
 for i = 5, #ARGV do redis.call('HINCRBY', spent, ARGV[i], ARGV[2]) end
 return 'charged'
 """

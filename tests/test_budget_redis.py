@@ -4,6 +4,7 @@ plus leases, seeding once, an emptied Redis, and what a request gets while Redis
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import time
@@ -165,12 +166,17 @@ async def test_an_emptied_redis_is_reseeded_from_the_ledger_and_lost_holds_are_c
     assert (await store.reserve(hold("b", 0.6))).admitted  # reseeded: 0.3 + 0.6 <= 1.0
     assert len(ledger.reads) == 2
     assert not (await store.reserve(hold("c", 0.2))).admitted  # not reset to zero
-    # `a` ended after the read: the ledger did not have it, its charge is added
-    # a request that ended before the read is in the ledger's sum: not added again
-    before = int(ledger.reads[-1] * 1000) - 1
-    ended = [(a, 100_000, int(time.time() * 1000)), (hold("z", 0.1), 50_000, before)]
-    assert await store._settle_batch(ended) == [b"charged", b"in_seed"]
-    assert spent(redis_server) == {"user:u": 400_000}
+    # `a` ended after the read: the ledger did not have it, its charge is added. So is `y`'s,
+    # which ended in the read's millisecond: its row cannot have been flushed before the read.
+    # A request that ended in an earlier millisecond is in the ledger's sum: not added again.
+    read_ms = math.floor(ledger.reads[-1] * 1000)
+    ended = [
+        (a, 100_000, read_ms + 1),
+        (hold("y", 0.02), 20_000, read_ms),
+        (hold("z", 0.1), 50_000, read_ms - 1),
+    ]
+    assert await store._settle_batch(ended) == [b"charged", b"charged", b"in_seed"]
+    assert spent(redis_server) == {"user:u": 420_000}
     await store.close()
 
 
