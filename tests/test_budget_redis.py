@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
@@ -28,6 +28,19 @@ def hold(rid: str, usd: float, *scopes: Scope) -> Hold:
     return Hold(rid, TODAY, to_micros(usd), scopes or (USER,))
 
 
+MADE: list[RedisStore] = []
+
+
+@pytest.fixture(autouse=True)
+async def _stores_closed() -> AsyncIterator[None]:
+    """Every store a test made is closed, even when the test failed before its own `close()`:
+    a store left open is garbage-collected later with its Redis connection open, and the
+    ResourceWarning (an error here) then fails whichever test happens to be running."""
+    yield
+    while MADE:
+        await MADE.pop().close()  # a second close() only connects and closes once more
+
+
 def make(server: Any, mode: str = "local", lease: float = 60.0, source: Any = None) -> RedisStore:
     cfg = BudgetConfig(
         store=server.url,
@@ -37,6 +50,7 @@ def make(server: Any, mode: str = "local", lease: float = 60.0, source: Any = No
     )
     store = RedisStore(cfg, Metrics(), lambda: TODAY, source, max_scopes=10)
     store.breaker.cooldown_s = 0.1
+    MADE.append(store)
     return store
 
 
