@@ -16,6 +16,7 @@ from sidecar.exchange import Refusal
 from sidecar.telemetry.metrics import Metrics
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
+from tests.waiting import wait_for
 
 
 def make(strategy: str = "token-budget", **kw: Any) -> Admission:
@@ -140,16 +141,15 @@ async def test_queue_full_and_timeout_are_429() -> None:
 async def test_fixed_batch_releases_groups() -> None:
     adm = make(strategy="fixed-batch", max_batch=3, batch_window_s=0.02)
     tasks = [asyncio.ensure_future(adm.acquire(1, "m")) for _ in range(5)]
-    await asyncio.sleep(0.005)
-    assert sum(t.done() for t in tasks) == 3  # a full group goes at once
+    await wait_for(lambda: sum(t.done() for t in tasks) == 3, "a full group to go at once")
     releases = [t.result() for t in tasks if t.done()]
     releases[0]()
     releases[1]()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # past the window: a slower machine only waits longer
     assert sum(t.done() for t in tasks) == 3  # the next group waits for the whole group
     releases[2]()
-    await asyncio.sleep(0.01)
-    assert all(t.done() for t in tasks)  # window elapsed, group completed: the last two go
+    # window elapsed, group completed: the last two go
+    await wait_for(lambda: all(t.done() for t in tasks), "the last two to go")
     for t in tasks[3:]:
         t.result()()
     assert adm.in_use == 0

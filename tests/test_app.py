@@ -11,10 +11,11 @@ import aiohttp
 
 from tests.fakes import MODEL
 from tests.procs import start_tollbooth
+from tests.waiting import wait_for
 
 
 async def test_sigterm_drains_in_flight_requests(upstream: Any, tmp_path: Path) -> None:
-    _, server = upstream
+    fake, server = upstream
     tb = await start_tollbooth(
         tmp_path,
         {
@@ -34,10 +35,13 @@ async def test_sigterm_drains_in_flight_requests(upstream: Any, tmp_path: Path) 
                 return r.status, await r.json()
 
         in_flight = asyncio.create_task(slow())
-        await asyncio.sleep(0.3)  # the request is inside the upstream now
+        await wait_for(lambda: len(fake.seen) == 1, "the request to reach the upstream")
         tb.proc.send_signal(signal.SIGTERM)
         status, body = await in_flight
     assert status == 200 and body["usage"]["completion_tokens"] == 6
-    assert await tb.stop(signal.SIGTERM) == 0
+    # the one SIGTERM stops it: a second one, sent while it shuts down, would find the default
+    # handler back and kill it (-15)
+    assert await asyncio.wait_for(tb.proc.wait(), 30) == 0
+    await tb.stop(signal.SIGTERM)  # exited: sends nothing, closes its log
     log = tb.log.read_text()
     assert "draining in-flight requests" in log and "stopped" in log

@@ -4,10 +4,11 @@ plus leases, seeding once, an emptied Redis, and what a request gets while Redis
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from sidecar.billing.budget import DAY, Hold, Scope, to_micros
 from sidecar.billing.redis_store import SIDECARS, RedisStore, day_keys
 from sidecar.config import BudgetConfig
 from sidecar.telemetry.metrics import Metrics
+from tests.waiting import wait_for
 
 USER = Scope("user", "u", to_micros(1.0))
 GLOBAL = Scope("global", "*", to_micros(1.5))
@@ -24,6 +26,19 @@ TODAY = int(time.time() // DAY * DAY)
 
 def hold(rid: str, usd: float, *scopes: Scope) -> Hold:
     return Hold(rid, TODAY, to_micros(usd), scopes or (USER,))
+
+
+MADE: list[RedisStore] = []
+
+
+@pytest.fixture(autouse=True)
+async def _stores_closed() -> AsyncIterator[None]:
+    """Every store a test made is closed, even when the test failed before its own `close()`:
+    a store left open is garbage-collected later with its Redis connection open, and the
+    ResourceWarning (an error here) then fails whichever test happens to be running."""
+    yield
+    while MADE:
+        await MADE.pop().close()  # a second close() only connects and closes once more
 
 
 def make(server: Any, mode: str = "local", lease: float = 60.0, source: Any = None) -> RedisStore:
@@ -35,6 +50,7 @@ def make(server: Any, mode: str = "local", lease: float = 60.0, source: Any = No
     )
     store = RedisStore(cfg, Metrics(), lambda: TODAY, source, max_scopes=10)
     store.breaker.cooldown_s = 0.1
+    MADE.append(store)
     return store
 
 
@@ -52,13 +68,28 @@ def held(server: Any) -> dict[str, int]:
 
 
 async def settled(store: RedisStore) -> None:
-    for _ in range(200):
-        if not store.queue:
-            await asyncio.sleep(0.05)  # the batch taken off the queue has been answered
-            if not store.queue:
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError("settlements did not reach Redis")
+    """Until the queue is empty and the last batch taken off it was answered (the gauge is set
+    to the queue's length on every enqueue, and to 0 only after a batch's replies)."""
+
+    def done() -> bool:
+        return not store.queue and value(store, "llm_budget_settles_pending") == 0
+
+    await wait_for(done, "settlements to reach Redis")
+
+
+def redis_ms(server: Any) -> int:
+    """Redis's clock, which leases and heartbeats use (ms)."""
+    seconds, micros = server.client().time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def redis_clock_past(server: Any, ms: float) -> None:
+    await wait_for(lambda: redis_ms(server) > ms, f"Redis's clock to pass {ms} ms")
+
+
+def window_ms(store: RedisStore) -> int:
+    """How long a sidecar's heartbeat counts it alive (what `tick` passes the script)."""
+    return math.ceil(store.interval * 3 * 1000)
 
 
 def value(store: RedisStore, name: str, **labels: str) -> float:
@@ -102,7 +133,8 @@ async def test_an_expired_lease_is_charged_in_full_and_a_late_settle_corrects_it
 ) -> None:
     a, b = make(redis_server, lease=0.3), make(redis_server, lease=0.3)
     assert (await a.reserve(hold("k", 0.5))).admitted
-    await asyncio.sleep(0.4)  # `a` renews nothing: it is as good as killed
+    # `a` renews nothing: it is as good as killed, and its lease ends
+    await redis_clock_past(redis_server, redis_server.client().zscore(day_keys(TODAY)[3], "k"))
     await b.tick()
     assert spent(redis_server) == {"user:u": 500_000}
     assert held(redis_server) == {"user:u": 0}
@@ -123,7 +155,7 @@ async def test_a_running_request_keeps_its_hold_while_its_sidecar_renews_it(
     a, b = make(redis_server, lease=0.3), make(redis_server, lease=0.3)
     a.start()  # upkeep every 0.1 s renews the lease
     assert (await a.reserve(hold("k", 0.5))).admitted
-    for _ in range(6):
+    for _ in range(6):  # the time passing is what is tested: twice the lease, renewed meanwhile
         await asyncio.sleep(0.1)
         await b.tick()
     assert held(redis_server) == {"user:u": 500_000}
@@ -165,12 +197,17 @@ async def test_an_emptied_redis_is_reseeded_from_the_ledger_and_lost_holds_are_c
     assert (await store.reserve(hold("b", 0.6))).admitted  # reseeded: 0.3 + 0.6 <= 1.0
     assert len(ledger.reads) == 2
     assert not (await store.reserve(hold("c", 0.2))).admitted  # not reset to zero
-    # `a` ended after the read: the ledger did not have it, its charge is added
-    # a request that ended before the read is in the ledger's sum: not added again
-    before = int(ledger.reads[-1] * 1000) - 1
-    ended = [(a, 100_000, int(time.time() * 1000)), (hold("z", 0.1), 50_000, before)]
-    assert await store._settle_batch(ended) == [b"charged", b"in_seed"]
-    assert spent(redis_server) == {"user:u": 400_000}
+    # `a` ended after the read: the ledger did not have it, its charge is added. So is `y`'s,
+    # which ended in the read's millisecond: its row cannot have been flushed before the read.
+    # A request that ended in an earlier millisecond is in the ledger's sum: not added again.
+    read_ms = math.floor(ledger.reads[-1] * 1000)
+    ended = [
+        (a, 100_000, read_ms + 1),
+        (hold("y", 0.02), 20_000, read_ms),
+        (hold("z", 0.1), 50_000, read_ms - 1),
+    ]
+    assert await store._settle_batch(ended) == [b"charged", b"charged", b"in_seed"]
+    assert spent(redis_server) == {"user:u": 420_000}
     await store.close()
 
 
@@ -230,8 +267,11 @@ async def test_settlements_wait_for_an_unreachable_redis_and_then_count(
         assert (await store.reserve(hold("b", 0.2))).admitted  # open: admitted, counted
         store.settle("a", 150_000)
         store.settle("b", 180_000)
-        await asyncio.sleep(0.5)  # sent, timed out, queued again (Redis may still run them)
-        assert value(store, "llm_budget_store_errors_total", op="settle") >= 1
+        # sent, timed out, queued again (Redis may still run them)
+        await wait_for(
+            lambda: value(store, "llm_budget_store_errors_total", op="settle") >= 1,
+            "a settlement to time out",
+        )
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     await settled(store)
@@ -251,7 +291,8 @@ async def test_a_request_cancelled_during_a_store_call_is_cancelled(redis_server
             await store._call("heartbeat", [SIDECARS], [store.id, 1000])
 
     task = asyncio.create_task(calls())
-    await asyncio.sleep(0.2)
+    # calls are running: the first heartbeat is in Redis
+    await wait_for(lambda: redis_server.client().zscore(SIDECARS, store.id) is not None, "a call")
     task.cancel()
     await asyncio.wait({task})
     assert task.cancelled()
@@ -270,7 +311,7 @@ async def test_holds_admitted_while_redis_was_away_go_into_it_before_any_new_dec
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     assert [v.admitted for v in outage] == [True, True, False]  # its share: 0.8
-    await asyncio.sleep(0.15)  # the breaker's cooldown
+    await wait_for(lambda: a.breaker.clock() >= a.breaker.retry_at, "the breaker's cooldown")
     await a.tick()  # Redis answers: both running outage holds are recorded there, leased
     assert held(redis_server)["user:u"] == 800_000 and {"o0", "o1"} <= set(a.open)
     assert not (await b.reserve(hold("b", 0.5))).admitted  # not the full remainder again
@@ -305,7 +346,10 @@ async def test_holds_lost_with_redis_data_are_recorded_again(redis_server: Any) 
 async def test_sidecars_with_different_leases_count_each_other(redis_server: Any) -> None:
     short, long = make(redis_server, lease=0.3), make(redis_server, lease=60.0)
     await long.tick()
-    await asyncio.sleep(0.35)  # longer than the short lease's window, shorter than the long's
+    # longer than the short lease's window since long's heartbeat, shorter than the long's
+    beat = redis_server.client().zscore(SIDECARS, long.id) - window_ms(long)
+    await redis_clock_past(redis_server, beat + window_ms(short))
+    assert redis_ms(redis_server) < beat + window_ms(long)
     await short.tick()
     assert short.alive == 2
     await short.close()

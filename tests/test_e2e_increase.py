@@ -10,7 +10,9 @@ One scenario for the module (about 20 s), read by several tests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import math
 import os
 import re
 import signal
@@ -37,6 +39,7 @@ from tests.procs import (
     start_prometheus,
     start_tollbooth,
 )
+from tests.waiting import wait_for
 
 if PROMETHEUS is None:
     if os.environ.get("CI"):
@@ -103,8 +106,25 @@ async def chat(tb: Tollbooth, user: str, model: str, n: int, stream: bool = Fals
                 await r.read()
 
 
-async def scrapes(n: float) -> None:
-    await asyncio.sleep(n * 1.0 + 0.2)
+async def scrapes(proms: list[Prometheus], n: float) -> None:
+    """Until every Prometheus has scraped the sidecar `n` more times (rounded up); a slow
+    machine makes it wait longer, never pass with fewer scrapes."""
+    more = math.ceil(n)
+    for prom in proms:
+        start = await scraped(prom)
+        await wait_for(
+            functools.partial(has_scraped, prom, start + more), f"{prom.url}: {more} scrapes"
+        )
+
+
+async def scraped(prom: Prometheus) -> float:
+    """How many times `prom` has scraped the sidecar in the last hour."""
+    res = await prom.query(f'count_over_time(up{{job="{JOB}"}}[1h])')
+    return float(res[0]["value"][1]) if res else 0.0
+
+
+async def has_scraped(prom: Prometheus, n: float) -> bool:
+    return await scraped(prom) >= n
 
 
 async def scraping(prom: Prometheus) -> None:
@@ -158,12 +178,12 @@ async def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Run]:
             await scraping(prom)
         started = time.time()
         await asyncio.gather(chat(tb, "alice", "sim-a", 4), chat(tb, "bob", "sim-a", 3))
-        await scrapes(2)
+        await scrapes(proms, 2)
         # a new user on a new model, and a known user on another new model, mid-window
         await asyncio.gather(
             chat(tb, "carol", "sim-b", 4), chat(tb, "alice", "sim-c", 2, stream=True)
         )
-        await scrapes(1.5)
+        await scrapes(proms, 1.5)
         await tb.stop(signal.SIGTERM)  # a restart: every counter starts again from nothing
         tb = await start_tollbooth(tmp, cfg, ports=ports)
         await asyncio.gather(
@@ -171,7 +191,7 @@ async def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Run]:
             chat(tb, "bob", "sim-b", 3, stream=True),
             chat(tb, "carol", "sim-b", 2),
         )
-        await scrapes(HOLD_S + 3)  # shown, held, released and scraped at its value, by both
+        await scrapes(proms, HOLD_S + 3)  # shown, held, released and scraped at its value, by both
         yield Run(proms, started, Path(cfg["ledger"]["path"]))
     finally:
         for p in proms:

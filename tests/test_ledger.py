@@ -18,6 +18,7 @@ from sidecar.billing.ledger import Ledger, connect
 from sidecar.telemetry.metrics import Metrics
 from tests.fakes import MODEL
 from tests.procs import Tollbooth, start_tollbooth
+from tests.waiting import wait_for, wait_for_sync
 
 MSGS = [{"role": "user", "content": "one two three four five"}]
 PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}}
@@ -42,6 +43,14 @@ def rows(db: Path) -> list[tuple[Any, ...]]:
         ).fetchall()
     finally:
         conn.close()
+
+
+def on_disk(db: Path) -> int:
+    """Rows in the ledger file so far (0 before the writer created it)."""
+    with contextlib.suppress(sqlite3.OperationalError):
+        if db.is_file():
+            return len(rows(db))
+    return 0
 
 
 async def load(url: str, seconds: float, users: int = 3) -> list[float]:
@@ -85,7 +94,8 @@ async def test_hard_kill_loses_at_most_the_flush_interval(upstream: Any, tmp_pat
     db = tmp_path / "ledger.db"
     tb = await start_tollbooth(tmp_path, config(server, db))
     task = asyncio.create_task(load(tb.url, 10.0))
-    await asyncio.sleep(1.5)
+    await wait_for(lambda: on_disk(db) > 10, "rows on disk")
+    await asyncio.sleep(FLUSH + 0.3)  # a lower bound: those rows ended a flush interval before
     killed_at = time.monotonic()
     await tb.stop(signal.SIGKILL)
     done = await task
@@ -176,8 +186,7 @@ async def test_a_deleted_or_replaced_ledger_file_is_reopened(upstream: Any, tmp_
     tb = await start_tollbooth(tmp_path, config(server, db))
     try:
         first = await load(tb.url, 0.3, users=1)
-        await asyncio.sleep(FLUSH * 3)
-        assert len(rows(db)) == len(first)
+        await wait_for_rows(db, len(first))
         for suffix in ("", "-wal", "-shm"):  # what an operator's `rm ledger.db*` does
             Path(f"{db}{suffix}").unlink(missing_ok=True)
         second = await load(tb.url, 0.3, users=1)
@@ -247,7 +256,7 @@ def test_writer_retries_rows_after_a_failure(tmp_path: Path) -> None:
 
     ledger._write = flaky  # type: ignore[method-assign]
     ledger.append_audit((time.time(), "r1", None, "m", "u", "test", "{}"))
-    time.sleep(0.3)
+    wait_for_sync(lambda: calls["n"] >= 2, "the batch written again after the failure")
     ledger.close()
     conn = sqlite3.connect(tmp_path / "l.db")
     assert conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 1

@@ -18,6 +18,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from sidecar.proxy.handler import HOP_BY_HOP, request_headers, response_headers
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
+from tests.waiting import wait_for
 
 PRICING = {"models": {MODEL: {"input_per_1m": 1.0, "output_per_1m": 2.0}}}
 MSGS = [{"role": "user", "content": "one two three four five"}]  # 5 prompt tokens at the fake
@@ -251,17 +252,13 @@ async def test_upstream_reset_midstream_breaks_client_stream(start_sidecar: Star
                 run.url + "/v1/chat/completions", json=body, headers={"X-Fake": "reset"}
             ) as r:
                 await r.read()
-    await asyncio.sleep(0.05)
-    assert run.value("tollbooth_upstream_errors_total", reason="stream_interrupted") == 1
-    assert (
-        run.value(
-            "llm_requests_total",
-            model=MODEL,
-            api_endpoint="/v1/chat/completions",
-            status_code="stream_error",
-        )
-        == 1
-    )
+    key = {"model": MODEL, "api_endpoint": "/v1/chat/completions", "status_code": "stream_error"}
+
+    def recorded() -> bool:
+        interrupted = run.value("tollbooth_upstream_errors_total", reason="stream_interrupted")
+        return interrupted == 1 and run.value("llm_requests_total", **key) == 1
+
+    await wait_for(recorded, "the request and its interrupted stream recorded")
 
 
 async def test_upstream_down_is_502_with_openai_error(

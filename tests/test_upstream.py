@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 
 from sidecar.proxy import upstream as upstream_module
 from sidecar.proxy.upstream import BadResponse, Upstream
+from tests.waiting import wait_for
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -124,8 +125,7 @@ async def test_a_response_left_unread_closes_its_connection() -> None:
         resp.release()
         assert await post(up) == b"{}"
         assert server.accepted == 2
-        await asyncio.sleep(0.05)
-        assert server.open == 1  # the first one is closed
+        await wait_for(lambda: server.open == 1, "the first one to be closed")
 
 
 async def test_the_pool_opens_at_most_its_limit_and_the_rest_wait() -> None:
@@ -159,10 +159,10 @@ async def test_a_waiter_that_gives_up_leaves_its_turn_to_the_next() -> None:
 
     async with upstream_answering(make, limit=1) as (server, up):
         first = asyncio.ensure_future(post(up))
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: server.accepted == 1, "the first request's connection")
         quitter = asyncio.ensure_future(post(up))
         patient = asyncio.ensure_future(post(up))
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: len(up.waiting) == 2, "two requests waiting for a place")
         quitter.cancel()
         hold.set()
         assert await asyncio.wait_for(first, 2) == b"{}"
@@ -178,7 +178,7 @@ async def test_a_waiter_woken_then_cancelled_passes_its_turn_on() -> None:
         conn = await up._acquire()  # the only place
         quitter = asyncio.ensure_future(up._acquire())
         patient = asyncio.ensure_future(up._acquire())
-        await asyncio.sleep(0.01)
+        await wait_for(lambda: len(up.waiting) == 2, "two waiters")
         up.put(conn)  # wakes the quitter...
         quitter.cancel()  # ...which leaves before it runs
         assert await asyncio.wait_for(patient, 1) is conn
@@ -224,8 +224,7 @@ async def test_an_upstream_that_sends_nothing_after_the_request_times_out() -> N
     async with upstream_answering(make, read_timeout=0.2) as (_, up):
         with pytest.raises(TimeoutError):
             await post(up)
-        await asyncio.sleep(0.05)
-        assert up.opened == 0  # the connection was closed, its place given back
+        await wait_for(lambda: up.opened == 0, "the connection closed, its place given back")
 
 
 async def test_an_interim_response_is_read_past() -> None:
@@ -246,7 +245,7 @@ async def test_an_answer_that_is_not_http_is_a_client_error() -> None:
 async def test_a_connection_the_upstream_closed_while_idle_is_not_used_again() -> None:
     async with upstream_answering(answering(OK, then_close=True)) as (server, up):
         assert await post(up) == b"{}"
-        await asyncio.sleep(0.05)  # the upstream's FIN arrives
+        await wait_for(lambda: up.opened == 0, "the upstream's FIN")
         assert await post(up) == b"{}"
         assert server.accepted == 2
         assert up.opened == 1
@@ -261,12 +260,16 @@ async def test_a_connection_idle_for_long_is_closed_though_no_request_comes(
     async with upstream_answering(answering(OK)) as (server, up):
         await asyncio.gather(post(up), post(up), post(up))
         assert server.open == up.opened == 3
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # idle for less than IDLE_S: the time passing is what is tested
         assert await post(up) == b"{}"  # the most recent one, reused: it waits 0.4 s anew
-        await asyncio.sleep(0.3)
-        assert (server.open, len(up.idle)) == (1, 1)  # the two others are closed
-        await asyncio.sleep(0.3)
-        assert server.open == up.opened == 0 and not up.idle
+        assert server.accepted == 3
+        # the two others close (each at its own deadline); the reused one is still open
+        await wait_for(lambda: up.opened <= 1, "the two others to be closed")
+        assert up.opened == len(up.idle) == 1
+        await wait_for(lambda: server.open == 1, "the upstream to see the two closed")
+        await wait_for(lambda: up.opened == 0, "the reused one to be closed")
+        await wait_for(lambda: server.open == 0, "the upstream to see it closed")
+        assert not up.idle
 
 
 async def test_an_upstream_that_refuses_connections_is_a_client_error_and_leaks_no_place() -> None:

@@ -17,6 +17,7 @@ from sidecar.proxy import upstream as pool_module
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_upstream import OK, Serve, Server, upstream_answering
+from tests.waiting import wait_for
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -53,7 +54,7 @@ async def test_a_failure_on_a_reused_connection_does_not_reach_the_response_read
     make = first_then_silent(head, rest=b"data: A-end\n")
     async with upstream_answering(make, read_timeout=0.3, limit=1) as (server, up):
         a = await up.request("POST", "/v1/chat/completions", CIMultiDict(), b"{}")
-        await asyncio.wait_for(_until(lambda: bool(up.idle)), 2)
+        await wait_for(lambda: bool(up.idle), "the connection back in the pool")
         assert a.content.is_eof()  # A's body is all in its reader, unread; the connection is idle
         with pytest.raises(aiohttp.SocketTimeoutError):
             await up.request("POST", "/v1/chat/completions", CIMultiDict(), b"{}")
@@ -69,8 +70,7 @@ async def test_a_101_the_sidecar_never_asked_for_is_a_bad_response_not_a_hang() 
     async with upstream_answering(first_then_silent(switched), read_timeout=0.3) as (_, up):
         with pytest.raises(pool_module.BadResponse):
             await asyncio.wait_for(up.request("POST", "/v1/completions", CIMultiDict(), b"{}"), 3)
-        await asyncio.sleep(0.05)
-        assert up.opened == 0
+        await wait_for(lambda: up.opened == 0, "the connection closed")
 
 
 async def test_a_101_through_the_sidecar_is_a_502(
@@ -147,16 +147,10 @@ async def test_a_request_cancelled_as_its_connection_is_made_gives_its_place_bac
         with pytest.raises(asyncio.CancelledError):
             await opener[0]
         monkeypatch.undo()
-        await asyncio.sleep(0.05)  # the closed transport's connection_lost
-        assert up.opened == 0
+        await wait_for(lambda: up.opened == 0, "the closed transport's connection_lost")
         # limit 1: two requests at once, never two connections open
         await asyncio.gather(*(_post(up) for _ in range(2)))
         assert server.most_open == 1
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 def _serving(server: Server, data: bytes) -> Serve:

@@ -173,12 +173,12 @@ end
 local read = redis.call('GET', seeded)
 if not read then return 'unseeded' end
 redis.call('HSET', holds, id, '["s"]')
-if ended > tonumber(read) then
+if ended >= tonumber(read) then
   for i = 5, #ARGV do put(spent, ARGV[i], stored(spent, ARGV[i]) + charge) end
 end
 -- after the writes: EXPIREAT on a key that does not exist yet is a no-op
 for i = 1, 3 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
-if ended <= tonumber(read) then return 'in_seed' end
+if ended < tonumber(read) then return 'in_seed' end
 if clamped then return 'charged:clamped' end
 return 'charged'
 """
