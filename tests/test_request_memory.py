@@ -25,9 +25,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from sidecar.proxy.handler.memory import HELD_PER_BYTE, RequestMemory, parse_cost
 
 from sidecar.proxy.identity import add_key
+from sidecar.proxy.memory import HELD_PER_BYTE, RequestMemory, parse_cost
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 from tests.procs import start_tollbooth
