@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.proxy.handler import HOP_BY_HOP, request_headers, response_headers
+from sidecar.proxy.headers import HOP_BY_HOP, request_headers, response_headers
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 from tests.waiting import wait_for

@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,7 +21,7 @@ from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, MultiMapping
+from multidict import CIMultiDict
 from yarl import URL
 
 from ..credentials import api_key_id
@@ -42,6 +41,14 @@ from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
+from .headers import (
+    content_encoded,
+    decoded,
+    error_response,
+    request_headers,
+    request_id,
+    response_headers,
+)
 from .identity import Identity, Principal, Unauthorized
 from .memory import HELD_PER_BYTE, TOTAL, RequestMemory, Reservation, parse_cost
 from .routes import AmbiguousPath, classify, endpoint_class, routing_path
@@ -49,21 +56,6 @@ from .upstream import Upstream, UpstreamResponse
 
 log = logging.getLogger("tollbooth.proxy")
 
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Proxy-Connection",
-    )
-)
 COST_HEADER = "x-tollbooth-cost-usd"
 # A non-streaming body larger than this is forwarded as a stream and its usage marked unknown.
 MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -92,98 +84,6 @@ class TooLarge(Exception):
 # --- pure helpers ---------------------------------------------------------------------------------
 
 
-def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """`src` without the headers in `drop` (lower case) and those named in its Connection."""
-    if "Connection" in src:
-        drop = drop | _connection_listed(src)
-    out: CIMultiDict[str] = CIMultiDict(src)  # a copy in C, then a dozen lookups: half the time
-    for name in drop:
-        if name in out:
-            del out[name]
-    return out
-
-
-# Expect: the sidecar answers a 100-continue itself (aiohttp's server sends the 100 before the
-# handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
-_LENGTH = HOP_BY_HOP | {"content-length"}
-
-
-def request_headers(
-    src: Mapping[str, str], *, peer: str | None, scheme: str, authorization: str | None = None
-) -> CIMultiDict[str]:
-    """Headers for the upstream: the client's minus hop-by-hop, Host, Content-Length and Expect;
-    with an upstream key configured, its `Authorization` in place of the client's."""
-    out = _end_to_end(src, _NOT_FORWARDED)
-    if len(out) != len(out.keys() | ()):  # a name repeated (the keys' set is case-insensitive)
-        out = _one_spelling(out)
-    if authorization is not None:
-        out["Authorization"] = authorization
-    if peer:
-        prior = _joined(src, "X-Forwarded-For")
-        out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
-    out["X-Forwarded-Proto"] = src.get("X-Forwarded-Proto", scheme)
-    return out
-
-
-def _one_spelling(headers: CIMultiDict[str]) -> CIMultiDict[str]:
-    """Every line of a repeated name spelt as its first: aiohttp's client tells names apart by
-    case when it merges its defaults in (`ClientSession._prepare_headers`), and of `x-a: 1` and
-    `X-A: 2` it would send only `X-A: 2`."""
-    first: dict[str, str] = {}
-    return CIMultiDict((first.setdefault(k.lower(), k), v) for k, v in headers.items())
-
-
-def _joined(headers: Mapping[str, str], name: str) -> str | None:
-    """All the field lines of `name` as one list (RFC 9110 5.3), None when there are none."""
-    if isinstance(headers, MultiMapping):
-        values = headers.getall(name, ())
-        return ", ".join(values) if values else None
-    return headers.get(name)
-
-
-def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
-    return _end_to_end(src, _LENGTH if drop_length else HOP_BY_HOP)
-
-
-def _connection_listed(headers: Mapping[str, str]) -> set[str]:
-    """The options named in every Connection field line (RFC 9110 7.6.1: one list, however many
-    lines carry it)."""
-    value = _joined(headers, "Connection") or ""
-    return {t.strip().lower() for t in value.split(",") if t.strip()}
-
-
-def error_body(err_type: str, message: str) -> bytes:
-    """OpenAI's error shape; `code` is the same machine-readable string as `type`."""
-    return json.dumps({"error": {"message": message, "type": err_type, "code": err_type}}).encode()
-
-
-def error_response(
-    status: int, err_type: str, message: str, retry_after: float | None = None
-) -> web.Response:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return web.Response(
-        status=status,
-        body=error_body(err_type, message),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-def request_id(headers: Mapping[str, str], uid: str) -> str:
-    """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
-    given = headers.get("X-Request-Id")
-    return sanitize(given, 64) if given else uid
-
-
-def content_encoded(headers: Mapping[str, str]) -> bool:
-    """The body is sent in a Content-Encoding (gzip, br, ...): every coding but `identity`."""
-    value = _joined(headers, "Content-Encoding")
-    return bool(value) and any(
-        c.strip().lower() not in ("", "identity") for c in (value or "").split(",")
-    )
-
-
 def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> str | None:
     """Whose share of request memory a body counts in: the principal resolved from the headers
     (its key, or the one "anonymous" of unknown keys), else the presented key; None (the total
@@ -191,15 +91,6 @@ def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> st
     if principal is not None:
         return principal.key_id or principal.user
     return api_key_id(headers.get("Authorization"))
-
-
-def decoded(body: bytes, encoding: str | None) -> bytes:
-    """A decompressed copy for metering; the client still gets the original bytes."""
-    if encoding in ("gzip", "x-gzip"):
-        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
-    if encoding == "deflate":
-        return zlib.decompress(body)
-    return body
 
 
 # --- the upstream's model name for TGI's native routes -----------------------------------------

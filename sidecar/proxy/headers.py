@@ -1,0 +1,136 @@
+"""Proxy mechanics as pure functions: which headers cross the proxy, and the errors it answers.
+
+Owns: the hop-by-hop set and what else is never forwarded (Host, Content-Length, Expect), the
+upstream's request headers (X-Forwarded-*, the upstream key in place of the client's), the
+client's response headers, the request id, whether a body is content-encoded, OpenAI-shaped error
+bodies, and the decoded copy of a compressed response body for metering.
+Never: does I/O, or changes the bytes the client gets.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Mapping
+
+from aiohttp import web
+from multidict import CIMultiDict, MultiMapping
+
+from ..telemetry.metrics import sanitize
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Trailers",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Connection",
+    )
+)
+
+
+def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """`src` without the headers in `drop` (lower case) and those named in its Connection."""
+    if "Connection" in src:
+        drop = drop | _connection_listed(src)
+    out: CIMultiDict[str] = CIMultiDict(src)  # a copy in C, then a dozen lookups: half the time
+    for name in drop:
+        if name in out:
+            del out[name]
+    return out
+
+
+# Expect: the sidecar answers a 100-continue itself (aiohttp's server sends the 100 before the
+# handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
+_LENGTH = HOP_BY_HOP | {"content-length"}
+
+
+def request_headers(
+    src: Mapping[str, str], *, peer: str | None, scheme: str, authorization: str | None = None
+) -> CIMultiDict[str]:
+    """Headers for the upstream: the client's minus hop-by-hop, Host, Content-Length and Expect;
+    with an upstream key configured, its `Authorization` in place of the client's."""
+    out = _end_to_end(src, _NOT_FORWARDED)
+    if len(out) != len(out.keys() | ()):  # a name repeated (the keys' set is case-insensitive)
+        out = _one_spelling(out)
+    if authorization is not None:
+        out["Authorization"] = authorization
+    if peer:
+        prior = _joined(src, "X-Forwarded-For")
+        out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    out["X-Forwarded-Proto"] = src.get("X-Forwarded-Proto", scheme)
+    return out
+
+
+def _one_spelling(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """Every line of a repeated name spelt as its first: aiohttp's client tells names apart by
+    case when it merges its defaults in (`ClientSession._prepare_headers`), and of `x-a: 1` and
+    `X-A: 2` it would send only `X-A: 2`."""
+    first: dict[str, str] = {}
+    return CIMultiDict((first.setdefault(k.lower(), k), v) for k, v in headers.items())
+
+
+def _joined(headers: Mapping[str, str], name: str) -> str | None:
+    """All the field lines of `name` as one list (RFC 9110 5.3), None when there are none."""
+    if isinstance(headers, MultiMapping):
+        values = headers.getall(name, ())
+        return ", ".join(values) if values else None
+    return headers.get(name)
+
+
+def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
+    return _end_to_end(src, _LENGTH if drop_length else HOP_BY_HOP)
+
+
+def _connection_listed(headers: Mapping[str, str]) -> set[str]:
+    """The options named in every Connection field line (RFC 9110 7.6.1: one list, however many
+    lines carry it)."""
+    value = _joined(headers, "Connection") or ""
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def error_body(err_type: str, message: str) -> bytes:
+    """OpenAI's error shape; `code` is the same machine-readable string as `type`."""
+    return json.dumps({"error": {"message": message, "type": err_type, "code": err_type}}).encode()
+
+
+def error_response(
+    status: int, err_type: str, message: str, retry_after: float | None = None
+) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return web.Response(
+        status=status,
+        body=error_body(err_type, message),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def request_id(headers: Mapping[str, str], uid: str) -> str:
+    """The client's X-Request-Id (sanitised: logs and the ledger join on it), or a new one."""
+    given = headers.get("X-Request-Id")
+    return sanitize(given, 64) if given else uid
+
+
+def content_encoded(headers: Mapping[str, str]) -> bool:
+    """The body is sent in a Content-Encoding (gzip, br, ...): every coding but `identity`."""
+    value = _joined(headers, "Content-Encoding")
+    return bool(value) and any(
+        c.strip().lower() not in ("", "identity") for c in (value or "").split(",")
+    )
+
+
+def decoded(body: bytes, encoding: str | None) -> bytes:
+    """A decompressed copy for metering; the client still gets the original bytes."""
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+    if encoding == "deflate":
+        return zlib.decompress(body)
+    return body
