@@ -2,8 +2,9 @@
 
 Owns: the metered routes (`Endpoint`), what a request asks (`RequestInfo`), what was measured
 (`Usage`), its price (`Cost`), the `Exchange` itself with the verdicts read from it (`consumed`,
-`priced_model`), the hook types (`Sink`, `Gate`), the `Refusal` a gate raises, and the token
-estimate admission and GPU attribution share (`estimate_tokens`).
+`priced_model`), the hook types (`Sink`, `Gate`), what a budget gate holds (`BudgetHold`), the
+`Refusal` a gate raises, and the token estimate admission and GPU attribution share
+(`estimate_tokens`).
 Never: imports another part of the sidecar but `config` (a base module, as this one is), or does
 I/O: these are values and pure functions.
 """
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Protocol
 
 from .config import AdmissionConfig
 
@@ -141,6 +142,20 @@ UPSTREAM_FAILED = "upstream_error"
 _NOTHING_MEASURED = Usage()  # a shared default: Usage is frozen
 
 
+class BudgetHold(Protocol):
+    """What the budget gate reserved for an exchange (sidecar/billing/budget.py's `Hold`); read
+    back by the budget when the exchange settles."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def day(self) -> int: ...
+
+    @property
+    def amount(self) -> int: ...
+
+
 @dataclass(slots=True)
 class Exchange:
     """Mutable while the request runs; read-only once handed to `Meter.record`."""
@@ -179,7 +194,7 @@ class Exchange:
     end_user: str | None = None  # the body's `user`: recorded, never billed when keys are verified
     key_id: str | None = None  # "key-" + 12 hex of the key's sha256; never the key
     prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
-    budget_hold: Any = None  # budget.Hold reserved by the budget gate
+    budget_hold: BudgetHold | None = None  # reserved by the budget gate
     path: str = ""  # the normalised path: what was classified and forwarded
     # Set when the client left and a background task settles the usage (drain, /tokenize);
     # the exchange is recorded once it is done.

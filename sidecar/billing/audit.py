@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -34,6 +34,11 @@ from ..telemetry.metrics import Metrics
 from ..telemetry.thresholds import Thresholds
 from ..text import clean
 from .report import columns
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from .ledger import Ledger
 
 log = logging.getLogger("tollbooth.audit")
 # Request headers whose values a record keeps. Any other header keeps its name only: a deny-list
@@ -83,7 +88,7 @@ Pending = tuple[Exchange, list[str], float | None]  # (exchange, reasons, input 
 
 
 class _Rotating(logging.handlers.RotatingFileHandler):
-    def __init__(self, path: str, max_bytes: int, backups: int, errors: Any) -> None:
+    def __init__(self, path: str, max_bytes: int, backups: int, errors: Counter) -> None:
         super().__init__(
             path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True
         )  # no file until the first record
@@ -107,7 +112,7 @@ class Audit:
         thresholds: Thresholds,
         prices: PriceBook,
         metrics: Metrics,
-        ledger: Any = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.config = config
         self.prices = prices

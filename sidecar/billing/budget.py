@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from ..config import AdmissionConfig, BudgetConfig
-from ..exchange import Exchange, Refusal, consumed, priced_model
+from ..exchange import BudgetHold, Exchange, Refusal, consumed, priced_model
 from ..metering.pricing import PriceBook, compute
 from ..telemetry.metrics import LabelCap, Metrics
 
@@ -308,8 +308,9 @@ class Budgets:
     def settle(self, ex: Exchange) -> None:
         """A sink: the hold becomes the measured charge; measured spend feeds the gauge."""
         measured = self.measured_usd(ex)
-        if ex.budget_hold is not None:
-            self.store.settle(ex.budget_hold.request_id, self.charge(ex, measured))
+        hold = ex.budget_hold
+        if hold is not None:
+            self.store.settle(hold.request_id, self.charge(ex, hold, measured))
         if measured:
             self._gauge(ex.user_id, measured, self.request_day(ex))
 
@@ -327,11 +328,10 @@ class Budgets:
             return self.prices.input_cost(priced_model(ex), ex.usage) or 0.0
         return 0.0
 
-    def charge(self, ex: Exchange, measured: float) -> int:
+    def charge(self, ex: Exchange, hold: BudgetHold, measured: float) -> int:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter."""
-        hold: Hold = ex.budget_hold
         u = ex.usage
         partial = u.input_tokens is None or u.output_tokens is None
         if partial and ex.upstream_start is not None and consumed(ex):

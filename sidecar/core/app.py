@@ -15,7 +15,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, exposition
@@ -27,13 +27,23 @@ from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.edge import ConnectionGuard, listen
 from ..proxy.finishers import Finishers, PromptCounter
-from ..proxy.handler import Proxy, ProxySettings, TgiModelName
+from ..proxy.handler import Proxy, ProxyDeps, ProxySettings, TgiModelName
 from ..proxy.identity import Identity, upstream_authorization
 from ..proxy.routes import routing_path
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
 from ..telemetry.health import UpstreamProbe, probe_context, readiness
 from ..telemetry.metrics import LabelCap, Metrics
+
+if TYPE_CHECKING:  # set by wiring when configured; a single sidecar never loads psycopg
+    from ..billing.admission import Admission
+    from ..billing.audit import Audit
+    from ..billing.budget import Budgets
+    from ..billing.fleet_ledger import Shipper
+    from ..billing.ledger import Ledger
+    from ..telemetry.accesslog import AccessLog
+    from ..telemetry.gpu import Attribution
+    from ..telemetry.tracing import Tracing
 
 log = logging.getLogger("tollbooth")
 
@@ -53,15 +63,15 @@ class Sidecar:
     gates: list[Gate] = field(default_factory=list)  # may refuse a request before the upstream
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
 
-    budgets: Any = None  # budget.Budgets, set by wiring
-    probe: Any = None  # health.UpstreamProbe, set by create_app
-    ledger: Any = None  # ledger.Ledger when a ledger path is configured
-    shipper: Any = None  # fleet_ledger.Shipper when ledger.postgres_url is configured
-    admission: Any = None  # admission.Admission unless the strategy is "none"
-    attribution: Any = None  # gpu.Attribution when GPU telemetry is enabled
-    tracing: Any = None  # tracing.Tracing when an OTLP endpoint is configured
-    audit: Any = None  # audit.Audit when audit capture is enabled
-    access_log: Any = None  # accesslog.AccessLog unless logging.access_log is "off"
+    budgets: Budgets | None = None  # set by wiring
+    probe: UpstreamProbe | None = None  # set by create_app
+    ledger: Ledger | None = None  # when a ledger path is configured
+    shipper: Shipper | None = None  # when ledger.postgres_url is configured
+    admission: Admission | None = None  # unless the strategy is "none"
+    attribution: Attribution | None = None  # when GPU telemetry is enabled
+    tracing: Tracing | None = None  # when an OTLP endpoint is configured
+    audit: Audit | None = None  # when audit capture is enabled
+    access_log: AccessLog | None = None  # unless logging.access_log is "off"
 
     def __post_init__(self) -> None:
         pricing = self.config.pricing
@@ -185,20 +195,20 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     tgi = TgiModelName(upstream, up.model_name)
     counter = PromptCounter(upstream, up.api, sc.metrics)
-    sc.proxy = Proxy(
-        settings,
-        upstream,
-        sc.metrics,
-        sc.meter,
-        sc.users,
-        sc.models,
-        tgi,
-        sc.gates,
-        sc.on_start,
-        sc.identity,
+    deps = ProxyDeps(
+        upstream=upstream,
+        metrics=sc.metrics,
+        meter=sc.meter,
+        identity=sc.identity,
+        users=sc.users,
+        models=sc.models,
+        tgi_name=tgi,
+        gates=sc.gates,
+        on_start=sc.on_start,
         counter=counter,
         finishers=Finishers(),
     )
+    sc.proxy = Proxy(settings, deps)
     yield
     await upstream.close()
 

@@ -20,14 +20,17 @@ from ..billing.ledger import Ledger, ledger_context
 from ..telemetry import thresholds, tracing
 from ..telemetry.accesslog import AccessLog, access_log_context
 from ..telemetry.gpu import Attribution, GpuCollector, gpu_context
+from ..telemetry.health import Writer
 from .app import Sidecar
 
 if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from ..billing.fleet_ledger import Shipper
     from ..billing.redis_store import RedisStore
 
 
-def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar:
+def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = None) -> Sidecar:
     """Attach every component the config turns on. Returns `sc` for chaining.
 
     `nvml` and `span_exporter` are the two boundaries tests replace (a fake NVML module, an
@@ -97,7 +100,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: Any = None) -> Sidecar
 def _watch_writers(sc: Sidecar) -> None:
     """tollbooth_writer_failing{writer}: each writer's `problem` (what /readyz reads), read when
     scraped; nothing on the request path."""
-    writers = {"ledger": sc.ledger, "shipper": sc.shipper}
+    writers: dict[str, Writer | None] = {"ledger": sc.ledger, "shipper": sc.shipper}
     writers.update({"access_log": sc.access_log, "audit": sc.audit})
     for name, writer in writers.items():
         if writer is not None:
@@ -105,7 +108,7 @@ def _watch_writers(sc: Sidecar) -> None:
             sc.metrics.writer_failing.labels(name).set_function(failing)
 
 
-def _failing(writer: Any) -> float:
+def _failing(writer: Writer) -> float:
     return 0.0 if writer.problem is None else 1.0
 
 
@@ -138,10 +141,14 @@ def _shared_store(sc: Sidecar, shipper: Shipper | None) -> RedisStore | None:
             by_user, by_team = await asyncio.to_thread(local_spend_since, path, day)
         return spent_by_scope(by_user, by_team), read_at
 
+    def today() -> int:
+        assert sc.budgets is not None  # made right after the store, before it is opened
+        return sc.budgets.day_start(sc.budgets.clock())
+
     store = RedisStore(
         cfg.budgets,
         sc.metrics,
-        lambda: sc.budgets.day_start(sc.budgets.clock()),
+        today,
         source if path else None,
         max_scopes=cfg.budgets.max_tracked_users + 1 + len(cfg.budgets.teams),
     )

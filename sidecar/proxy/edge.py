@@ -18,7 +18,6 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
@@ -51,7 +50,9 @@ class ConnectionGuard:
         """aiohttp's own keep-alive timeout: later than ours, so ours decides (and counts)."""
         return self.keepalive_timeout + self.header_timeout + 1.0
 
-    def protocol_factory(self, make: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
+    def protocol_factory(
+        self, make: Callable[[], asyncio.Protocol]
+    ) -> Callable[[], asyncio.Protocol]:
         return lambda: GuardedConnection(self, make())
 
     def wrap(self, handler: Handler) -> Handler:
@@ -83,7 +84,7 @@ class GuardedConnection(asyncio.Protocol):
     request's CPU here, under cProfile).
     """
 
-    def __init__(self, guard: ConnectionGuard, inner: Any) -> None:
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
         self.guard, self.inner = guard, inner
         self.transport: asyncio.Transport | None = None
         self.busy = 0  # requests in a handler now
@@ -108,7 +109,7 @@ class GuardedConnection(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()  # type: ignore[no-any-return]
+        return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:

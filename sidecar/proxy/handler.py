@@ -15,8 +15,8 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import aiohttp
@@ -53,6 +53,9 @@ from .identity import Identity, Principal, Unauthorized
 from .memory import HELD_PER_BYTE, TOTAL, RequestMemory, Reservation, parse_cost
 from .routes import AmbiguousPath, classify, endpoint_class, routing_path
 from .upstream import Upstream, UpstreamResponse
+
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
 
 log = logging.getLogger("tollbooth.proxy")
 
@@ -152,34 +155,37 @@ class ProxySettings:
     max_buffered_per_key: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProxyDeps:
+    """The parts the proxy calls, made once by the core (sidecar/core/app.py)."""
+
+    upstream: Upstream  # every call to the inference server
+    metrics: Metrics
+    meter: Meter  # each finished exchange goes to it, and from it to the sinks
+    identity: Identity  # who is billed: a verified key, or the body's user
+    users: LabelCap
+    models: LabelCap
+    tgi_name: TgiModelName
+    gates: list[Gate] = field(default_factory=list)  # budgets, admission: may refuse a request
+    on_start: list[Callable[[Exchange], None]] = field(default_factory=list)  # e.g. open a span
+    counter: PromptCounter | None = None  # exact prompt size when the wire lacked usage
+    finishers: Finishers = field(default_factory=Finishers)  # work after the client left
+
+
 class Proxy:
-    def __init__(
-        self,
-        settings: ProxySettings,
-        upstream: Upstream,
-        metrics: Metrics,
-        meter: Meter,
-        users: LabelCap,
-        models: LabelCap,
-        tgi_name: TgiModelName,
-        gates: list[Gate],
-        on_start: list[Callable[[Exchange], None]],
-        identity: Identity,
-        counter: PromptCounter | None = None,
-        finishers: Finishers | None = None,
-    ) -> None:
+    def __init__(self, settings: ProxySettings, deps: ProxyDeps) -> None:
         self.s = settings
-        self.identity = identity
-        self.upstream = upstream  # every call to the inference server
-        self.metrics = metrics
-        self.meter = meter
-        self.users = users
-        self.models = models
-        self.tgi_name = tgi_name
-        self.gates = gates  # budgets, admission: may refuse a request before the upstream
-        self.on_start = on_start  # e.g. open a span, set the upstream's traceparent
-        self.counter = counter  # exact prompt size for requests whose usage the wire lacked
-        self.finishers = finishers or Finishers()  # work after the handler (client left)
+        self.identity = deps.identity
+        self.upstream = deps.upstream
+        self.metrics = metrics = deps.metrics
+        self.meter = deps.meter
+        self.users = deps.users
+        self.models = deps.models
+        self.tgi_name = deps.tgi_name
+        self.gates = deps.gates
+        self.on_start = deps.on_start
+        self.counter = deps.counter
+        self.finishers = deps.finishers
         self._urls: dict[tuple[str, str], URL] = {}
         self.memory = RequestMemory(settings.max_buffered, settings.max_buffered_per_key)
         metrics.request_memory.set_function(lambda: self.memory.total)
@@ -408,7 +414,7 @@ class Proxy:
                 done()
             REQUEST_CONTEXT.reset(context)
 
-    def _complete(self, ex: Exchange, releases: list[Callable[[], None]], in_flight: Any) -> None:
+    def _complete(self, ex: Exchange, releases: list[Callable[[], None]], in_flight: Gauge) -> None:
         for release in reversed(releases):
             release()
         in_flight.dec()

@@ -36,6 +36,14 @@ class Fetcher(Protocol):
     async def fetch(self, method: str, path: str, *, timeout: float) -> tuple[int, bytes]: ...
 
 
+class Writer(Protocol):
+    """What readiness needs of a writer (the ledger, the shipper, the access log, the audit
+    writer): why it cannot write now, None while it can."""
+
+    @property
+    def problem(self) -> str | None: ...
+
+
 class UpstreamProbe:
     def __init__(
         self,
@@ -109,9 +117,9 @@ def readiness(
     *,
     starting: bool,
     draining: bool,
-    probe: Any,
-    ledger: Any,
-    writers: Mapping[str, Any] | None = None,
+    probe: UpstreamProbe | None,
+    ledger: Writer | None,
+    writers: Mapping[str, Writer | None] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) for /readyz. `writers` (the shipper, the access log, the audit
     writer) each have a `problem`: one that cannot write makes the sidecar not ready, and only
