@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .. import __version__
-from ..config import Config, ConfigError, load
+from ..config import Config, ConfigError, ServerConfig, load
 from ..telemetry import logs
 
 
@@ -51,8 +51,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("serve", help="run the metering proxy in front of vLLM or TGI")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--upstream", help="inference server base URL (overrides upstream.url)")
-    p.add_argument("--listen", help="HOST:PORT for clients (default 127.0.0.1:8080)")
-    p.add_argument("--admin-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9464)")
+    server = ServerConfig()  # the defaults: each flag overrides its key only when given
+    p.add_argument("--listen", help=f"HOST:PORT for clients (default {server.listen})")
+    p.add_argument("--admin-listen", help=f"HOST:PORT for /metrics (default {server.admin_listen})")
     p.add_argument("--pricing", help="pricing YAML, re-read on SIGHUP")
     p.add_argument("--ledger", help="SQLite usage ledger path (overrides ledger.path)")
     p.set_defaults(func=cmd_serve)
@@ -69,13 +70,20 @@ def _subcommands() -> list[Adder]:
     return adders
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollbooth", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tollbooth {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _subcommands():
         add(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "lab_missing", False):  # a lab command says what to install
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

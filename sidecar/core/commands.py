@@ -6,6 +6,10 @@ import argparse
 import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
+from urllib.parse import urlsplit
+
+from ..config import BudgetConfig, ServerConfig, UpstreamConfig
+from .flags import option
 
 if TYPE_CHECKING:
     from tollbooth_lab.bench import Distribution
@@ -20,6 +24,21 @@ LAB_MISSING = (
     "distribution that the production install leaves out. From a clone of the repository: "
     "pip install ./lab (or run `make demo`)."
 )
+
+
+def lab_flags(p: argparse.ArgumentParser) -> bool:
+    """True when the lab is installed, and its commands' flags (whose defaults the lab's
+    dataclasses hold) can be made; else `p` takes any argument and its command says what to
+    install (`lab_missing`: sidecar/core/cli.py lets such a command's unknown arguments pass)."""
+    if importlib.util.find_spec("tollbooth_lab") is not None:
+        return True
+    p.set_defaults(lab_missing=True)
+    return False
+
+
+def hostport(url: str) -> str:
+    """HOST:PORT of a URL: the simulator listens where the sidecar's default upstream points."""
+    return urlsplit(url).netloc
 
 
 def needs_lab(cmd: Command) -> Command:
@@ -52,10 +71,10 @@ def add_report(sub: Sub) -> None:
     )
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
     p.add_argument("--by", default="user", choices=["user", "model", "day"])
-    p.add_argument(
-        "--day-start-hour-utc",
-        type=int,
-        default=0,
+    option(
+        p,
+        BudgetConfig,
+        "day_start_hour_utc",
         help="with --by day: the budget day's start (budgets.day_start_hour_utc)",
     )
     p.add_argument("--format", default="table", choices=["table", "csv", "json"])
@@ -65,31 +84,24 @@ def add_report(sub: Sub) -> None:
 def engine_params(args: argparse.Namespace) -> EngineParams:
     from tollbooth_lab.simulator import EngineParams
 
-    speed = args.speed
+    speed, base = args.speed, EngineParams()
     return EngineParams(
         kv_capacity_tokens=args.kv_capacity,
         on_full=args.on_full,
-        step_base_s=0.004 / speed,
-        prefill_s_per_token=0.00002 / speed,
-        decode_s_per_seq=0.0002 / speed,
+        step_base_s=base.step_base_s / speed,
+        prefill_s_per_token=base.prefill_s_per_token / speed,
+        decode_s_per_seq=base.decode_s_per_seq / speed,
         batch_dependent_output=args.batch_dependent_output,
     )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-capacity", type=int, default=65536, help="simulated KV cache, tokens")
-    p.add_argument(
-        "--on-full",
-        choices=["preempt", "oom"],
-        default="preempt",
-        help="what the simulated engine does when its KV cache is full",
-    )
+    from tollbooth_lab.simulator import EngineParams
+
+    option(p, EngineParams, "kv_capacity_tokens", "--kv-capacity")
+    option(p, EngineParams, "on_full")
     p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 = twice as fast")
-    p.add_argument(
-        "--batch-dependent-output",
-        action="store_true",
-        help="tokens depend on the batch they were decoded in, as on a GPU (default: they do not)",
-    )
+    option(p, EngineParams, "batch_dependent_output")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -113,11 +125,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def add_simulate(sub: Sub) -> None:
     p = sub.add_parser("simulate", help="run the simulated vLLM/TGI server")
-    p.add_argument("--listen", default="127.0.0.1:8000")
-    p.add_argument("--api", choices=["vllm", "tgi"], default="vllm")
-    p.add_argument("--model", default="sim-llama-3-8b")
-    add_engine_flags(p)
     p.set_defaults(func=needs_lab(cmd_simulate))
+    if not lab_flags(p):
+        return
+    import inspect
+
+    from tollbooth_lab.simulator import create_simulator
+
+    given = inspect.signature(create_simulator).parameters
+    p.add_argument("--listen", default=hostport(UpstreamConfig().url))
+    p.add_argument("--api", choices=["vllm", "tgi"], default=given["api"].default)
+    p.add_argument("--model", default=given["model"].default)
+    add_engine_flags(p)
 
 
 def _distribution(args: argparse.Namespace) -> Distribution:
@@ -133,16 +152,23 @@ def _distribution(args: argparse.Namespace) -> Distribution:
     )
 
 
-def _add_distribution_flags(p: argparse.ArgumentParser, n: int) -> None:
-    p.add_argument("--n", type=int, default=n, help="number of requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-words", type=int, default=120, help="median prompt length, words")
-    p.add_argument("--max-tokens-min", type=int, default=16)
-    p.add_argument("--max-tokens-max", type=int, default=192)
-    p.add_argument(
+def _add_distribution_flags(p: argparse.ArgumentParser, n: int | None = None) -> None:
+    from tollbooth_lab.bench import Distribution
+
+    n_flag = option(p, Distribution, "n", help="number of requests")
+    if n is not None:  # the bench's own number (BENCH_REQUESTS), not the file generator's
+        n_flag.default = n
+    option(p, Distribution, "seed")
+    option(
+        p, Distribution, "prompt_words_median", "--prompt-words", help="median prompt length, words"
+    )
+    option(p, Distribution, "max_tokens_min")
+    option(p, Distribution, "max_tokens_max")
+    option(
+        p,
+        Distribution,
+        "rate_per_s",
         "--arrival-rate",
-        type=float,
-        default=8.0,
         help="Poisson rate for the arrival offsets written to the file",
     )
 
@@ -158,9 +184,11 @@ def cmd_make_requests(args: argparse.Namespace) -> int:
 
 def add_make_requests(sub: Sub) -> None:
     p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")
-    p.add_argument("--out", required=True)
-    _add_distribution_flags(p, 64)
     p.set_defaults(func=needs_lab(cmd_make_requests))
+    if not lab_flags(p):
+        return
+    p.add_argument("--out", required=True)
+    _add_distribution_flags(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -188,7 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.burst
         else Arrival("file", 0)
         if args.requests
-        else Arrival("concurrency", 8)
+        else Arrival()
     )
     pricing = load_pricing_file(args.pricing) if args.pricing else load().pricing
     if args.config:
@@ -230,6 +258,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_bench(sub: Sub) -> None:
     p = sub.add_parser("bench", help="compare scheduling strategies on a fixed request set")
+    p.set_defaults(func=needs_lab(cmd_bench))
+    if not lab_flags(p):
+        return
+    from tollbooth_lab.bench import BenchOptions
+    from tollbooth_lab.bench.runner import BENCH_REQUESTS
+
     p.add_argument("--requests", help="request set (JSONL); default: a generated set")
     p.add_argument("--strategies", default="serial,fixed-batch,token-budget")
     p.add_argument("--upstream", help="vLLM/TGI base URL; default: start the simulator")
@@ -239,22 +273,13 @@ def add_bench(sub: Sub) -> None:
     g.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
     g.add_argument("--burst", type=int, help="bursts of N")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--token-budget", type=int, default=16384)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument(
-        "--lower-factor",
-        type=float,
-        default=0.5,
-        help="budget multiplier after an out-of-memory attempt",
-    )
-    p.add_argument("--max-attempts", type=int, default=3)
+    for name in ("warmup", "token_budget", "max_batch", "lower_factor", "max_attempts"):
+        option(p, BenchOptions, name)
     p.add_argument("--pricing", help="pricing YAML for cost per 1k tokens")
     p.add_argument("--config", help="tollbooth config whose pricing to use")
-    p.add_argument("--api", choices=["vllm", "tgi"], default="vllm", help="simulator API")
+    option(p, BenchOptions, "sim_api", "--api", choices=["vllm", "tgi"], help="simulator API")
     add_engine_flags(p)
-    _add_distribution_flags(p, 48)
-    p.set_defaults(func=needs_lab(cmd_bench))
+    _add_distribution_flags(p, BENCH_REQUESTS)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -273,9 +298,13 @@ def add_demo(sub: Sub) -> None:
     p = sub.add_parser("demo", help="simulator + sidecar + a short mixed load, then a summary")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of traffic")
     p.add_argument("--keep-running", action="store_true", help="stay up after the summary")
-    p.add_argument("--listen", default="127.0.0.1:8080")
-    p.add_argument("--admin-listen", default="127.0.0.1:9464")
-    p.add_argument("--upstream-listen", default="127.0.0.1:8000")
+    option(p, ServerConfig, "listen", help="HOST:PORT for clients (server.listen)")
+    option(p, ServerConfig, "admin_listen", help="HOST:PORT for /metrics (server.admin_listen)")
+    p.add_argument(
+        "--upstream-listen",
+        default=hostport(UpstreamConfig().url),
+        help="HOST:PORT for the simulator (upstream.url's)",
+    )
     p.set_defaults(func=needs_lab(cmd_demo))
 
 

@@ -110,7 +110,8 @@ class OutOfMemory(Exception):
 
 @dataclass(frozen=True, kw_only=True)
 class EngineParams:
-    kv_capacity_tokens: int = 65536
+    kv_capacity_tokens: int = 65536  # simulated KV cache, tokens
+    # When the KV cache is full: preempt the newest sequences (recomputed later), or fail all.
     on_full: Literal["preempt", "oom"] = "preempt"
     step_base_s: float = 0.004  # fixed cost of one forward step
     prefill_s_per_token: float = 0.00002
