@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import sys
 from typing import Literal
 
 import pytest
@@ -42,9 +44,10 @@ FROM_FIELDS = {
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser: the lab's are made by their own `parser()`."""
     parser = cli.build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
+    return dict(sub.choices) | {c.name: c.parser() for c in commands.LAB_COMMANDS}
 
 
 def test_every_flag_made_from_a_field_has_the_fields_default() -> None:
@@ -62,19 +65,19 @@ def test_every_flag_made_from_a_field_has_the_fields_default() -> None:
 
 def test_the_flags_defaults_are_the_dataclasses_defaults() -> None:
     """Read back as a user gets them: what each command would run with, given no flag."""
-    bench = cli.build_parser().parse_args(["bench", "--out", "o"])
+    bench = cli.parse(["bench", "--out", "o"])
     assert (bench.token_budget, bench.max_batch) == (16_384, 8)
     assert bench.token_budget == BenchOptions([], "o").token_budget == BENCH_ADMISSION.token_budget
     assert bench.max_batch == AdmissionConfig().max_batch
     assert bench.n == BENCH_REQUESTS
     assert commands.engine_params(bench) == EngineParams()  # at --speed 1, the engine's own
-    made = cli.build_parser().parse_args(["make-requests", "--out", "x"])
+    made = cli.parse(["make-requests", "--out", "x"])
     assert commands._distribution(made) == Distribution()
-    report = cli.build_parser().parse_args(["report", "--ledger", "l"])
+    report = cli.parse(["report", "--ledger", "l"])
     assert report.day_start_hour_utc == BudgetConfig().day_start_hour_utc
-    demo = cli.build_parser().parse_args(["demo"])
+    demo = cli.parse(["demo"])
     assert (demo.listen, demo.admin_listen) == (ServerConfig().listen, ServerConfig().admin_listen)
-    simulate = cli.build_parser().parse_args(["simulate"])
+    simulate = cli.parse(["simulate"])
     assert f"http://{simulate.listen}" == UpstreamConfig().url == f"http://{demo.upstream_listen}"
 
 
@@ -121,7 +124,19 @@ def test_an_option_takes_type_choices_default_and_help_from_its_field() -> None:
     assert field_help(Knobs, "path") is None
 
 
-def test_an_unknown_flag_is_still_refused_when_the_lab_is_installed() -> None:
+@pytest.mark.parametrize("argv", [["bench", "--out", "o", "--no-such-flag"], ["config", "--x"]])
+def test_an_unknown_flag_is_still_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "--out", "o", "--no-such-flag"])
+        cli.parse(argv)
     assert exc.value.code == 2
+
+
+def test_serving_makes_no_lab_flags_so_imports_no_lab() -> None:
+    code = (
+        "import sys; from sidecar.core.cli import parse; parse(['serve', '--listen', 'h:1']);"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tollbooth_lab'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip() == "[]"

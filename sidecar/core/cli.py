@@ -79,11 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line read; a lab command's flags by its own parser, made only now."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "lab_missing", False):  # a lab command says what to install
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
+    args, rest = parser.parse_known_args(argv)
+    lab = getattr(args, "lab_command", None)
+    if lab is not None:
+        return lab.parser().parse_args(rest)  # type: ignore[no-any-return]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")  # as parse_args does
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

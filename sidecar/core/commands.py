@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import urlsplit
 
@@ -26,14 +27,29 @@ LAB_MISSING = (
 )
 
 
-def lab_flags(p: argparse.ArgumentParser) -> bool:
-    """True when the lab is installed, and its commands' flags (whose defaults the lab's
-    dataclasses hold) can be made; else `p` takes any argument and its command says what to
-    install (`lab_missing`: sidecar/core/cli.py lets such a command's unknown arguments pass)."""
-    if importlib.util.find_spec("tollbooth_lab") is not None:
-        return True
-    p.set_defaults(lab_missing=True)
-    return False
+@dataclass(frozen=True)
+class LabCommand:
+    """A subcommand of the lab. Its flags, whose defaults the lab's dataclasses hold, are made
+    only when it is the command run (sidecar/core/cli.py `parse`): no other command, `serve`
+    least of all, imports the lab, and without the lab it says what to install."""
+
+    name: str
+    help: str
+    add_flags: Callable[[argparse.ArgumentParser], None]
+    run: Command
+
+    def add(self, sub: Sub) -> None:
+        """A placeholder in the main parser; `parser()` reads the flags, --help included."""
+        p = sub.add_parser(self.name, help=self.help, add_help=False)
+        p.set_defaults(lab_command=self)
+
+    def parser(self) -> argparse.ArgumentParser:
+        if importlib.util.find_spec("tollbooth_lab") is None:
+            raise SystemExit(LAB_MISSING.format(command=self.name))
+        p = argparse.ArgumentParser(prog=f"tollbooth {self.name}", description=self.help)
+        self.add_flags(p)
+        p.set_defaults(func=self.run, command=self.name)
+        return p
 
 
 def hostport(url: str) -> str:
@@ -123,11 +139,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_simulate(sub: Sub) -> None:
-    p = sub.add_parser("simulate", help="run the simulated vLLM/TGI server")
-    p.set_defaults(func=needs_lab(cmd_simulate))
-    if not lab_flags(p):
-        return
+def simulate_flags(p: argparse.ArgumentParser) -> None:
     import inspect
 
     from tollbooth_lab.simulator import create_simulator
@@ -182,11 +194,7 @@ def cmd_make_requests(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_make_requests(sub: Sub) -> None:
-    p = sub.add_parser("make-requests", help="generate a fixed request set (JSONL)")
-    p.set_defaults(func=needs_lab(cmd_make_requests))
-    if not lab_flags(p):
-        return
+def make_requests_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True)
     _add_distribution_flags(p)
 
@@ -256,11 +264,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench(sub: Sub) -> None:
-    p = sub.add_parser("bench", help="compare scheduling strategies on a fixed request set")
-    p.set_defaults(func=needs_lab(cmd_bench))
-    if not lab_flags(p):
-        return
+def bench_flags(p: argparse.ArgumentParser) -> None:
     from tollbooth_lab.bench import BenchOptions
     from tollbooth_lab.bench.runner import BENCH_REQUESTS
 
@@ -375,11 +379,22 @@ def add_config(sub: Sub) -> None:
     p.set_defaults(func=cmd_config)
 
 
+LAB_COMMANDS = [
+    LabCommand("simulate", "run the simulated vLLM/TGI server", simulate_flags, cmd_simulate),
+    LabCommand(
+        "make-requests",
+        "generate a fixed request set (JSONL)",
+        make_requests_flags,
+        cmd_make_requests,
+    ),
+    LabCommand(
+        "bench", "compare scheduling strategies on a fixed request set", bench_flags, cmd_bench
+    ),
+]
+
 ADDERS: list[Adder] = [
     add_report,
-    add_simulate,
-    add_make_requests,
-    add_bench,
+    *(c.add for c in LAB_COMMANDS),
     add_demo,
     add_audit,
     add_keys,

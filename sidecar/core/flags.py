@@ -33,14 +33,15 @@ def option(
     A bool defaulting to False becomes a switch; `overrides` (e.g. `help`) replace what the
     field gives."""
     default, hint = default_of(cls, name), typing.get_type_hints(cls)[name]
-    kw: dict[str, Any] = {"default": default, "help": field_help(cls, name)}
+    text = field_help(cls, name)
+    kw: dict[str, Any] = {"default": default, "help": text and text.replace("%", "%%")}
     if hint is bool and default is False:
         kw["action"] = "store_true"
     else:
         kw.update(_typed(hint))
     kw.update(overrides)
     if kw.get("action") != "store_true":
-        kw["help"] = f"{kw['help'] or ''} (default: %(default)s)".lstrip()
+        kw["help"] = f"{kw['help'] or ''} (default: %(default)s)".lstrip()  # argparse fills it
     action = parser.add_argument(flag or "--" + name.replace("_", "-"), **kw)
     action.field = (cls, name)  # type: ignore[attr-defined]  # what tests check it against
     return action
@@ -97,5 +98,5 @@ def _comments(cls: type) -> dict[str, str]:
                 i -= 1
             text = " ".join(above) or beside.get(node.end_lineno or node.lineno, "")
             if text:
-                out[node.target.id] = text.replace("%", "%%")  # argparse formats help with %
+                out[node.target.id] = text
     return out
