@@ -36,7 +36,7 @@ from ..exchange import (
     new_uid,
 )
 from ..metering.meter import Meter, price_cost
-from ..metering.usage import StreamMeter, inspect_request, usage_from_body
+from ..metering.wire import StreamMeter, inspect_request, open_stream, usage_from_body
 from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
@@ -505,7 +505,7 @@ class Proxy:
         self, request: web.Request, ex: Exchange, up: UpstreamResponse
     ) -> web.StreamResponse:
         info = ex.info
-        meter = StreamMeter(
+        meter = open_stream(
             ex.endpoint,
             strip_usage=info.injected_usage,
             strip_chunk_usage=info.strip_chunk_usage,
