@@ -76,7 +76,9 @@ class FastChatStream(WireMeter, ChatStream):
             # the wire path's shape, met here (an event split across reads, or after another)
             self._cut = self._wire_event(ev.raw, found)
             return False
-        if (carries := shape.carries(ev.data)) is not None:
+        # the text path, only while no chunk carried running usage: with it on, every chunk
+        # ends in its usage, the text never matches, and the try only adds to the decode
+        if not self._choice_usage and (carries := shape.carries(ev.data)) is not None:
             self._s.token_events += carries
             return False
         return super()._on_event(ev)
