@@ -282,20 +282,7 @@ class ChatStream(SSEMeter):
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
 
-    def _on_event(self, ev: Event) -> bool:
-        if ev.data is None:
-            return False
-        if ev.data == "[DONE]":
-            self.done = True
-            return False
-        obj = _decode(ev.data)
-        if obj is None:
-            return False
-        if "error" in obj and obj.get("error") is not None:
-            self._s.error = error_type(obj)
-        return self._chunk(ev.data, obj)
-
-    def _chunk(self, data: str, obj: Mapping[str, Any]) -> bool:
+    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
         """Read one decoded chunk; True when it is the usage chunk we caused."""
         s = self._s
         s.model = s.model or clean_or_none(obj.get("model"), MODEL_CHARS)
@@ -375,21 +362,7 @@ class ResponsesStream(SSEMeter):
     def finished(self) -> bool:
         return self.done or self._idle
 
-    def _on_event(self, ev: Event) -> bool:
-        if ev.data is None:
-            return False
-        if ev.data == "[DONE]":
-            self.done = True
-            return False
-        obj = _decode(ev.data)
-        if obj is None:
-            return False
-        if "error" in obj and obj.get("error") is not None:
-            self._s.error = error_type(obj)
-        self._event(obj)
-        return False
-
-    def _event(self, obj: Mapping[str, Any]) -> None:
+    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
         kind = compared(obj.get("type")) or ""
         if kind.endswith(".delta"):
             self._s.token_events += 1
@@ -398,7 +371,7 @@ class ResponsesStream(SSEMeter):
             self._idle = True
         response = obj.get("response")
         if not isinstance(response, dict):
-            return
+            return False
         self._s.model = self._s.model or clean_or_none(response.get("model"), MODEL_CHARS)
         self._s.response_id = self._s.response_id or clean_or_none(response.get("id"), ID_CHARS)
         if kind in ("response.completed", "response.incomplete", "response.failed"):
@@ -409,6 +382,7 @@ class ResponsesStream(SSEMeter):
                 self._final_usage.append(response["usage"])
             if kind == "response.failed":
                 self._s.error = self._s.error or "response.failed"
+        return False
 
     def _counted_usage(self) -> Usage:
         return _totals(self._base(), self._final_usage, self.endpoint)
@@ -428,15 +402,6 @@ def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endp
             unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
         )
     )
-
-
-def _decode(data: str) -> dict[str, Any] | None:
-    """An event's data as the JSON object it holds, else None."""
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _decoded(usage: Mapping[str, Any] | bytes) -> Mapping[str, Any]:

@@ -83,9 +83,9 @@ class FastChatStream(WireMeter, ChatStream):
             return False
         return super()._on_event(ev)
 
-    def _chunk(self, data: str, obj: Mapping[str, Any]) -> bool:
+    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
         self._shape.learn(data, obj)
-        return super()._chunk(data, obj)
+        return super()._read(data, obj)
 
 
 class _TokenShape:
@@ -94,7 +94,7 @@ class _TokenShape:
 
     Relies on: a server writing those chunks with the same bytes around the text (vLLM and TGI
     do: same id, created, model, key order; only the token's text differs), and on
-    `ChatStream._chunk` reading from a chunk only the model, id, error, usage, finish reasons and
+    `ChatStream._read` reading from a chunk only the model, id, error, usage, finish reasons and
     whether a choice carries output. The shape is learnt from a decoded chunk that sets nothing
     but the token count: its bytes before and after the text, confirmed by decoding it once more
     with other text in the slot. A later chunk with that prefix and suffix whose text has no
@@ -164,7 +164,7 @@ class _TokenShape:
         backslash, or bytes of multi-byte characters (read with "replace" these never make a
         quote or a control character, nor an empty text), so the event decodes to the learnt
         chunk with other text in its slot. The usage member is the object's last, so it is the
-        value a JSON reader keeps (the dict `ChatStream._chunk` keeps); it is what
+        value a JSON reader keeps (the dict `ChatStream._read` keeps); it is what
         `openai._without_usage`
         cuts, as that regex's match must end on a brace followed by `}` and a newline, which
         only this flat member's closing brace is.

@@ -1,18 +1,22 @@
 """The stream meter every SSE wire adapter builds on: bytes in, bytes for the client out.
 
-Owns: feeding an upstream's bytes through the SSE parser, handing each event to the adapter's
-reader (`_on_event`), dropping or cutting the events the adapter says we caused, the state all
-readers share (model, id, error, token events, finish reasons), the `event_too_large` rule, and
-the wire fast path's loop (`WireMeter`), which fast adapters use beside their reference path.
+Owns: the plain reference path of every SSE adapter (the upstream's bytes through the SSE parser,
+each event's data decoded by `json.loads`, the object handed to the adapter's `_read`), dropping
+or cutting the events the adapter says we caused, the state all readers share (model, id, error,
+token events, finish reasons), the `event_too_large` rule, and the wire fast path's loop
+(`WireMeter`), which fast adapters use beside their reference path.
 Never: touches sockets, clocks or metrics, or changes a byte the adapter did not ask to cut.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..exchange import Endpoint, Usage
+from .counts import error_type
 from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, SSEParser
 
 # What a wire fast path found at a position: (the event's end, whether its text is not empty,
@@ -99,7 +103,26 @@ class SSEMeter:
         return b"".join(out)
 
     def _on_event(self, ev: Event) -> bool:
-        """Read one event; True when it must not reach the client (set `_cut` to cut it)."""
+        """The reference path for one event: its data decoded, an error noted, the object read
+        by the adapter (`_read`). True when it must not reach the client."""
+        data = ev.data
+        if data is None:
+            return False
+        if data == "[DONE]":
+            self.done = True
+            return False
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return False
+        if not isinstance(obj, dict):
+            return False
+        if "error" in obj and obj.get("error") is not None:
+            self._s.error = error_type(obj)
+        return self._read(data, obj)
+
+    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
+        """Read one decoded event (`data` its text); True to drop it, `_cut` set to cut it."""
         raise NotImplementedError
 
     def _cut_event(self, ev: Event) -> bytes:

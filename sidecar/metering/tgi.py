@@ -217,24 +217,7 @@ class TGIStream(SSEMeter):
         self._tokens = 0
         self._details: Mapping[str, Any] | None = None
 
-    def _on_event(self, ev: Event) -> bool:
-        if ev.data is None:
-            return False
-        if ev.data == "[DONE]":
-            self.done = True
-            return False
-        try:
-            obj = json.loads(ev.data)
-        except ValueError:
-            return False
-        if not isinstance(obj, dict):
-            return False
-        if "error" in obj and obj.get("error") is not None:
-            self._s.error = error_type(obj)
-        self._event(obj)
-        return False
-
-    def _event(self, obj: Mapping[str, Any]) -> None:
+    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
         if isinstance(obj.get("token"), dict):
             self._tokens += 1
             self._s.token_events += 1
@@ -245,6 +228,7 @@ class TGIStream(SSEMeter):
                 self._s.finish[0] = r
         if obj.get("generated_text") is not None:
             self.done = True
+        return False
 
     def _counted_usage(self) -> Usage:
         base = self._base()
@@ -273,7 +257,7 @@ class FastTGIStream(WireMeter, TGIStream):
         return self._feed_wire(_tgi_at, chunk, found)
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
-        self._tokens += 1  # all that `_event` does with it
+        self._tokens += 1  # all that `_read` does with it
         self._s.token_events += 1
         return False
 
@@ -290,7 +274,7 @@ class FastTGIStream(WireMeter, TGIStream):
 # admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits, and no
 # integer of more than 18 digits (`json.loads` refuses one of over 4300: such an event counts
 # nothing on the general path). Such an event decodes to a dict with a `token` object, null
-# `generated_text` and `details`, and no `error`: `TGIStream._event` only counts it.
+# `generated_text` and `details`, and no `error`: `TGIStream._read` only counts it.
 TGI_TOKEN_EVENT = re.compile(
     r'\{"index":(?:0|[1-9][0-9]{0,17}),"token":\{"id":(?:0|[1-9][0-9]{0,17}),'
     r'"text":"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*",'
