@@ -102,3 +102,20 @@ def test_the_reference_path_reads_the_whole_vllm_stream() -> None:
     ref.feed(sse_of([compact(e) for e in VLLM_STREAM]))
     usage = ref.finish()[1]
     assert (usage.input_tokens, usage.output_tokens, ref.token_events) == (3, 9, 8)
+
+
+def test_a_registered_family_takes_its_server_s_routes_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """How the next adapters come in (SGLang's /generate is TGI's path): one `register` call, for
+    one server; the other servers' reading of the route is untouched."""
+    monkeypatch.setattr(wire, "_ROUTES", dict(wire._ROUTES))  # the test's registration only
+
+    class Other(tgi.TGIAdapter):
+        pass
+
+    other = Other()
+    wire.register(other, [Endpoint.TGI_GENERATE], "sglang")
+    assert wire.adapter_for(Endpoint.TGI_GENERATE, "sglang") is other
+    assert type(wire.adapter_for(Endpoint.TGI_GENERATE, "tgi")) is tgi.TGIAdapter
+    assert type(wire.adapter_for(Endpoint.TGI_GENERATE_STREAM, "sglang")) is tgi.TGIAdapter

@@ -282,7 +282,7 @@ class ChatStream(SSEMeter):
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
 
-    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         """Read one decoded chunk; True when it is the usage chunk we caused."""
         s = self._s
         s.model = s.model or clean_or_none(obj.get("model"), MODEL_CHARS)
@@ -362,7 +362,7 @@ class ResponsesStream(SSEMeter):
     def finished(self) -> bool:
         return self.done or self._idle
 
-    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         kind = compared(obj.get("type")) or ""
         if kind.endswith(".delta"):
             self._s.token_events += 1

@@ -83,9 +83,10 @@ class FastChatStream(WireMeter, ChatStream):
             return False
         return super()._on_event(ev)
 
-    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
-        self._shape.learn(data, obj)
-        return super()._read(data, obj)
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        assert ev.data is not None  # decoded: it has data
+        self._shape.learn(ev.data, obj)
+        return super()._read(ev, obj)
 
 
 class _TokenShape:

@@ -119,10 +119,11 @@ class SSEMeter:
             return False
         if "error" in obj and obj.get("error") is not None:
             self._s.error = error_type(obj)
-        return self._read(data, obj)
+        return self._read(ev, obj)
 
-    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
-        """Read one decoded event (`data` its text); True to drop it, `_cut` set to cut it."""
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        """Read one decoded event (`ev` for its text and `event:` type, `obj` its data decoded);
+        True to drop it, `_cut` set to cut it."""
         raise NotImplementedError
 
     def _cut_event(self, ev: Event) -> bytes:

@@ -217,7 +217,7 @@ class TGIStream(SSEMeter):
         self._tokens = 0
         self._details: Mapping[str, Any] | None = None
 
-    def _read(self, data: str, obj: Mapping[str, Any]) -> bool:
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         if isinstance(obj.get("token"), dict):
             self._tokens += 1
             self._s.token_events += 1

@@ -6,13 +6,14 @@ protocol every stream meter implements, and the registry from a route (and the s
 to its adapter. `inspect_request`, `usage_from_body`, `open_stream` and `tokenize_requests` are
 what the proxy calls; they resolve `/invocations` and hand the rest to the adapter.
 Never: reads a wire itself. A new wire family (Anthropic Messages, Ollama's NDJSON, ...) is a new
-module implementing `WireAdapter` (and a `StreamMeter`: SSE ones build on `stream.SSEMeter`)
-and one line in `_ADAPTERS`; the adapters here are not touched.
+module implementing `WireAdapter` (and a `StreamMeter`: SSE ones build on `stream.SSEMeter`,
+NDJSON ones feed their own line reader) and one `register` call; the adapters here are not
+touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from ..exchange import Endpoint, RequestInfo, Usage
@@ -84,17 +85,30 @@ class WireAdapter(Protocol):
         ...
 
 
-_VLLM_OPENAI = OpenAIAdapter()
-_TGI_OPENAI = TGIOpenAIAdapter()
-_TGI = TGIAdapter()
-_ADAPTERS: Mapping[str, WireAdapter] = {"vllm": _VLLM_OPENAI, "tgi": _TGI_OPENAI}
+# The registry: (route, server) -> adapter; a server of None is any server. A new wire family
+# registers its routes (and, where it shares a path with another, its server: SGLang's /generate
+# is TGI's path) and touches nothing else.
+_ROUTES: dict[tuple[Endpoint, str | None], WireAdapter] = {}
+_OPENAI_ROUTES = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES)
+_TGI_ROUTES = tuple(e for e in Endpoint if e.is_tgi_native)
+
+
+def register(adapter: WireAdapter, routes: Iterable[Endpoint], api: str | None = None) -> None:
+    """Read `routes` with `adapter` (on server `api`, or on any server when None)."""
+    for route in routes:
+        _ROUTES[route, api] = adapter
+
+
+register(OpenAIAdapter(), _OPENAI_ROUTES, "vllm")
+register(TGIOpenAIAdapter(), _OPENAI_ROUTES, "tgi")
+register(TGIAdapter(), _TGI_ROUTES)
+_FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]  # OTHER: read as an OpenAI body (it is never streamed
+# by a meter of its own; its usage, when one is found, is OpenAI's shape)
 
 
 def adapter_for(endpoint: Endpoint, api: str = "vllm") -> WireAdapter:
     """The adapter that reads `endpoint` on server `api` ("vllm" or "tgi")."""
-    if endpoint.is_tgi_native:
-        return _TGI
-    return _ADAPTERS.get(api, _VLLM_OPENAI)
+    return _ROUTES.get((endpoint, api)) or _ROUTES.get((endpoint, None)) or _FALLBACK
 
 
 def inspect_request(
@@ -124,10 +138,11 @@ def inspect_request(
     )
 
 
-def usage_from_body(endpoint: Endpoint, body: bytes, headers: Mapping[str, str]) -> Usage:
-    """Usage of a complete response. Responses read alike on both servers' OpenAI routes: only
-    what a request asks depends on the server."""
-    return adapter_for(endpoint).usage_from_body(endpoint, body, headers)
+def usage_from_body(
+    endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, api: str = "vllm"
+) -> Usage:
+    """Usage of a complete response on `endpoint` of server `api`."""
+    return adapter_for(endpoint, api).usage_from_body(endpoint, body, headers)
 
 
 def open_stream(
@@ -139,10 +154,11 @@ def open_stream(
     per_prompt: int = 1,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     fast: bool = True,
+    api: str = "vllm",
 ) -> StreamMeter:
     """The meter for a streamed response on `endpoint` (see `SSEMeter` for the options).
     `fast=False` gives the adapter's plain reference path: what its fast path must equal."""
-    return adapter_for(endpoint).stream(
+    return adapter_for(endpoint, api).stream(
         endpoint,
         fast=fast,
         strip_usage=strip_usage,

@@ -488,7 +488,7 @@ class Proxy:
             ex.response_sample = body  # a reference to what is in memory anyway, not a copy
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
-            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers))
+            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers, api=self.s.api))
         except Exception:
             log.exception("could not read usage of request %s", ex.request_id)
             self.metrics.metering_errors.labels("parse").inc()
@@ -512,6 +512,7 @@ class Proxy:
             choices=info.choices,
             per_prompt=info.n or 1,
             max_event_bytes=self.s.max_event_bytes,
+            api=self.s.api,
         )
         resp = web.StreamResponse(
             status=up.status,
