@@ -47,6 +47,11 @@ class OpenAIAdapter:
 
     api = "vllm"
 
+    def __init__(self, *, fast_chat: type[ChatStream] | None = None) -> None:
+        # the chat/completions meter with a fast path beside `ChatStream` (`shape.py`'s); with
+        # none, `stream(fast=True)` is the reference path too
+        self._fast_chat = fast_chat
+
     # --- requests ---------------------------------------------------------------------------------
 
     def inspect(
@@ -116,14 +121,12 @@ class OpenAIAdapter:
     def stream(
         self, endpoint: Endpoint, *, fast: bool = True, **options: Any
     ) -> ChatStream | ResponsesStream:
-        """The meter for a streamed response; `fast` adds the learnt-shape path (`shape.py`)."""
+        """The meter for a streamed response; `fast` adds the fast chat path given at start."""
         if endpoint is Endpoint.RESPONSES:
             return ResponsesStream(endpoint, fast=fast, **options)
-        if fast:
-            from .shape import FastChatStream  # beside this module, and built on it
-
-            return FastChatStream(endpoint, **options)
-        return ChatStream(endpoint, fast=False, **options)
+        if fast and self._fast_chat is not None:
+            return self._fast_chat(endpoint, **options)
+        return ChatStream(endpoint, fast=fast, **options)
 
     # --- after a disconnect -----------------------------------------------------------------------
 
@@ -137,7 +140,7 @@ class OpenAIAdapter:
         if info.endpoint is Endpoint.CHAT and isinstance(obj.get("messages"), list):
             body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
             return [("/tokenize", json.dumps(body).encode())]
-        if info.endpoint is Endpoint.COMPLETIONS and (prompt := _one_prompt(obj)) is not None:
+        if info.endpoint is Endpoint.COMPLETIONS and (prompt := one_prompt(obj)) is not None:
             keep = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
             return [("/tokenize", json.dumps({**keep, "prompt": prompt}).encode())]
         return None
@@ -177,7 +180,7 @@ def _body_object(info: RequestInfo) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _one_prompt(obj: Mapping[str, Any]) -> str | None:
+def one_prompt(obj: Mapping[str, Any]) -> str | None:
     """A completion's one text prompt; None for a batch, token ids (counted without asking) or a
     truncated prompt."""
     prompt = obj.get("prompt")
@@ -412,7 +415,7 @@ def _decoded(usage: Mapping[str, Any] | bytes) -> Mapping[str, Any]:
     return usage
 
 
-_DELTA_OUTPUT = (
+DELTA_OUTPUT = (
     "content",
     "reasoning_content",
     "reasoning",
@@ -454,5 +457,5 @@ def _carries_output(choice: object) -> bool:
         return False
     delta = choice.get("delta")
     if isinstance(delta, dict):
-        return any(delta.get(k) for k in _DELTA_OUTPUT)
+        return any(delta.get(k) for k in DELTA_OUTPUT)
     return bool(choice.get("text"))

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..exchange import Endpoint
 from .counts import compared, count
-from .openai import _DELTA_OUTPUT, ChatStream
+from .openai import DELTA_OUTPUT, ChatStream
 from .sse import Event
 from .stream import WireEvent, WireMeter
 
@@ -253,7 +253,7 @@ def _text_slot(obj: Mapping[str, Any]) -> tuple[str, str] | None:
         return None
     delta = choice.get("delta")
     if isinstance(delta, dict):
-        if any(delta.get(k) for k in _DELTA_OUTPUT if k != "content"):
+        if any(delta.get(k) for k in DELTA_OUTPUT if k != "content"):
             return None
         key, text = "content", delta.get("content")
     else:

@@ -21,7 +21,7 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import INVALID_USAGE, count, error_type, header_count, invalid, loads, number
-from .openai import OpenAIAdapter, _one_prompt
+from .openai import OpenAIAdapter, one_prompt
 from .reqsize import body_size, prompt_chars
 from .sse import Event
 from .stream import SSEMeter, WireEvent, WireMeter
@@ -43,7 +43,7 @@ class TGIOpenAIAdapter(OpenAIAdapter):
             return None
         if info.endpoint is Endpoint.CHAT and isinstance(obj.get("messages"), list):
             return [("/chat_tokenize", info.body)]
-        if info.endpoint is Endpoint.COMPLETIONS and (prompt := _one_prompt(obj)) is not None:
+        if info.endpoint is Endpoint.COMPLETIONS and (prompt := one_prompt(obj)) is not None:
             return [("/tokenize", json.dumps({"inputs": prompt}).encode())]
         return None
 

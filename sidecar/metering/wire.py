@@ -20,6 +20,7 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from .counts import parse
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .openai import OpenAIAdapter
+from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
 from .tgi import TGIAdapter, TGIOpenAIAdapter
 
@@ -99,11 +100,11 @@ def register(adapter: WireAdapter, routes: Iterable[Endpoint], api: str | None =
         _ROUTES[route, api] = adapter
 
 
-register(OpenAIAdapter(), _OPENAI_ROUTES, "vllm")
-register(TGIOpenAIAdapter(), _OPENAI_ROUTES, "tgi")
+register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
+register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
-_FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]  # OTHER: read as an OpenAI body (it is never streamed
-# by a meter of its own; its usage, when one is found, is OpenAI's shape)
+# Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
+_FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 
 
 def adapter_for(endpoint: Endpoint, api: str = "vllm") -> WireAdapter:
