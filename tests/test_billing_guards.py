@@ -35,7 +35,7 @@ from sidecar.config import (
 from sidecar.credentials import bearer
 from sidecar.exchange import Endpoint, Exchange, Usage
 from sidecar.metering.pricing import PriceBook, compute
-from sidecar.metering.usage import StreamMeter, inspect_request, usage_from_body
+from sidecar.metering.wire import StreamMeter, inspect_request, open_stream, usage_from_body
 from sidecar.proxy.identity import Identity
 from sidecar.telemetry.metrics import LabelCap, Metrics
 from tests.conftest import StartSidecar
@@ -410,7 +410,7 @@ def _running_chunk(index: int, prompt: int, done: int) -> bytes:
 def test_a_cut_short_chat_with_n_choices_is_charged_its_prompt_once() -> None:
     """A chat's `n` choices share one prompt: summing each choice's running prompt count charged
     it n times."""
-    meter = StreamMeter(Endpoint.CHAT, choices=3, per_prompt=3)
+    meter = open_stream(Endpoint.CHAT, choices=3, per_prompt=3)
     for index, done in ((0, 2), (1, 3), (2, 4)):
         meter.feed(_running_chunk(index, 11, done))
     usage = meter.usage_so_far()
@@ -424,7 +424,7 @@ def test_the_budget_charges_a_cut_short_chat_its_prompt_once() -> None:
         json.dumps({"model": "m", "messages": [], "n": 3, "max_tokens": 4}).encode(),
         inject_usage=False,
     )
-    meter = StreamMeter(Endpoint.CHAT, choices=info.choices, per_prompt=info.n or 1)
+    meter = open_stream(Endpoint.CHAT, choices=info.choices, per_prompt=info.n or 1)
     for index in range(3):
         meter.feed(_running_chunk(index, 100, 1))
     b = Budgets(
@@ -644,7 +644,7 @@ def _responses(meter: StreamMeter, kind: str, **response: Any) -> None:
 
 @pytest.mark.parametrize("kind", ["response.completed", "response.incomplete", "response.failed"])
 def test_a_responses_stream_ends_with_its_terminal_event_and_its_usage(kind: str) -> None:
-    meter = StreamMeter(Endpoint.RESPONSES)
+    meter = open_stream(Endpoint.RESPONSES)
     _responses(meter, "response.created", status="in_progress")
     assert not meter.done
     usage = {"input_tokens": 9, "output_tokens": 4}

@@ -207,7 +207,7 @@ def worst_case(
     from sidecar.config import AdmissionConfig, BudgetConfig, ModelPrice, PricingConfig
     from sidecar.exchange import Endpoint, Exchange
     from sidecar.metering.pricing import PriceBook
-    from sidecar.metering.usage import inspect_request
+    from sidecar.metering.wire import inspect_request
     from sidecar.telemetry.metrics import LabelCap, Metrics
 
     info = inspect_request(Endpoint(endpoint), json.dumps(body).encode(), inject_usage=False)
@@ -359,7 +359,7 @@ async def test_an_invocations_body_with_two_shapes_is_refused(start_sidecar: Sta
 
 def test_a_body_behind_a_bom_is_read_for_the_hold_and_never_edited() -> None:
     from sidecar.exchange import Endpoint
-    from sidecar.metering.usage import inspect_request
+    from sidecar.metering.wire import inspect_request
 
     body = b'\xef\xbb\xbf{"model":"m","messages":[],"stream":true,"max_tokens":30000}'
     info = inspect_request(Endpoint.CHAT, body, inject_usage=True)
@@ -369,9 +369,9 @@ def test_a_body_behind_a_bom_is_read_for_the_hold_and_never_edited() -> None:
 
 def test_running_totals_of_a_batched_completion_give_every_prompts_size() -> None:
     from sidecar.exchange import Endpoint
-    from sidecar.metering.usage import StreamMeter
+    from sidecar.metering.wire import open_stream
 
-    meter = StreamMeter(Endpoint.COMPLETIONS, choices=4, per_prompt=2)  # 2 prompts, n = 2
+    meter = open_stream(Endpoint.COMPLETIONS, choices=4, per_prompt=2)  # 2 prompts, n = 2
     for index, prompt in ((0, 3), (1, 3), (2, 5), (3, 5)):
         chunk = {
             "choices": [{"index": index, "text": "t", "finish_reason": None}],
@@ -384,9 +384,9 @@ def test_running_totals_of_a_batched_completion_give_every_prompts_size() -> Non
 
 def test_a_tgi_stream_without_token_events_has_no_output_count() -> None:
     from sidecar.exchange import Endpoint
-    from sidecar.metering.usage import StreamMeter
+    from sidecar.metering.wire import open_stream
 
-    meter = StreamMeter(Endpoint.TGI_COMPAT)
+    meter = open_stream(Endpoint.TGI_COMPAT)
     chat = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
     meter.feed(f"data:{json.dumps(chat)}\n\n".encode())
     _, usage = meter.finish()

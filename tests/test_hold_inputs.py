@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sidecar.exchange import Endpoint
 from sidecar.metering import reqsize
-from sidecar.metering.usage import inspect_request
+from sidecar.metering.wire import inspect_request
 from tests.test_budget import worst_case
 
 

@@ -35,9 +35,10 @@ from sidecar.config import (
     build,
 )
 from sidecar.exchange import Endpoint, Exchange, Refusal, RequestInfo, Usage
+from sidecar.metering.counts import INVALID_USAGE, MAX_TOKEN_COUNT
 from sidecar.metering.meter import price_cost
 from sidecar.metering.pricing import PriceBook, compute
-from sidecar.metering.usage import INVALID_USAGE, MAX_TOKEN_COUNT, StreamMeter, usage_from_body
+from sidecar.metering.wire import open_stream, usage_from_body
 from sidecar.proxy.finishers import _count
 from sidecar.telemetry.metrics import LabelCap, Metrics
 from tests.conftest import StartSidecar
@@ -103,7 +104,7 @@ def test_an_out_of_range_count_in_a_body_is_invalid_usage(bad: str, where: str) 
 
 @pytest.mark.parametrize("bad", BAD)
 def test_an_out_of_range_count_in_a_stream_is_invalid_usage(bad: str) -> None:
-    meter = StreamMeter(Endpoint.CHAT)
+    meter = open_stream(Endpoint.CHAT)
     meter.feed(stream(bad))
     _, u = meter.finish()
     assert (u.input_tokens, u.output_tokens) == (None, None)
@@ -117,7 +118,7 @@ def test_the_ceiling_itself_is_a_count() -> None:
 
 def test_a_streams_totals_above_the_ceiling_are_invalid() -> None:
     """Two usage objects, each within the ceiling, whose sum is not."""
-    meter = StreamMeter(Endpoint.CHAT)
+    meter = open_stream(Endpoint.CHAT)
     half = str(MAX_TOKEN_COUNT // 2 + 1)
     one = stream(half)
     meter.feed(one.replace(b"data: [DONE]\n\n", b"") + one.split(b"\n\n")[2] + b"\n\n")
@@ -144,7 +145,7 @@ def test_tgi_count_headers_out_of_range_are_invalid_usage(bad: str) -> None:
 
 @pytest.mark.parametrize("field", ["generated_tokens", "input_length"])
 def test_tgi_stream_details_out_of_range_are_invalid_usage(field: str) -> None:
-    meter = StreamMeter(Endpoint.TGI_GENERATE_STREAM)
+    meter = open_stream(Endpoint.TGI_GENERATE_STREAM)
     details = {"finish_reason": "length", "generated_tokens": 1, "input_length": 3, field: 10**30}
     token = {"token": {"id": 1, "text": "hi"}, "generated_text": None, "details": None}
     last = {"token": {"id": 2, "text": "!"}, "generated_text": "hi!", "details": details}
@@ -498,7 +499,7 @@ def test_any_json_value_in_a_usage_field_is_a_count_or_unknown(
     assert_sane(u)
     assert_priced_sane(u)
     if endpoint is not Endpoint.EMBEDDINGS:
-        meter = StreamMeter(endpoint)
+        meter = open_stream(endpoint)
         if endpoint is Endpoint.RESPONSES:
             done = {
                 "type": "response.completed",
@@ -521,7 +522,7 @@ def test_any_json_value_in_tgi_counts_is_a_count_or_unknown(
     details = {"finish_reason": "length", "generated_tokens": gen, "input_length": inp}
     token = {"token": {"id": 1, "text": "hi"}, "generated_text": None, "details": None}
     last = {"token": {"id": 2, "text": "!"}, "generated_text": "hi!", "details": details}
-    meter = StreamMeter(Endpoint.TGI_GENERATE_STREAM)
+    meter = open_stream(Endpoint.TGI_GENERATE_STREAM)
     meter.feed(f"data:{json.dumps(token)}\n\ndata:{json.dumps(last)}\n\n".encode())
     _, u = meter.finish()
     assert_sane(u)
@@ -574,7 +575,7 @@ def test_any_usage_through_the_budget_path_never_holds_or_spends_below_zero(
                     continue
                 usage = hostile_usage(Endpoint.CHAT, inp, out, {"cached_tokens": cached})
                 if streaming:
-                    meter = StreamMeter(Endpoint.CHAT)
+                    meter = open_stream(Endpoint.CHAT)
                     meter.feed(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
                     ex.usage = meter.finish()[1]
                 else:

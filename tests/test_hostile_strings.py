@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.exchange import Endpoint
-from sidecar.metering.usage import StreamMeter, inspect_request, usage_from_body
+from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.identity import Identity
 from sidecar.telemetry.metrics import LabelCap
 from sidecar.text import MODEL_CHARS, REASON_CHARS, USER_CHARS
@@ -77,7 +77,7 @@ def test_the_upstreams_model_id_reasons_and_error_type_are_made_safe() -> None:
 
 def test_the_upstreams_model_in_a_stream_is_made_safe() -> None:
     for bad in HOSTILE:
-        meter = StreamMeter(Endpoint.CHAT)
+        meter = open_stream(Endpoint.CHAT)
         chunk = {"id": bad, "model": bad, "choices": [{"index": 0, "delta": {"content": "x"}}]}
         last = {"id": bad, "model": bad, "choices": [{"index": 0, "finish_reason": bad}]}
         wire = b"".join(b"data: " + raw(c) + b"\n\n" for c in (chunk, last))

@@ -712,7 +712,7 @@ async def test_a_meter_that_fails_on_a_stream_forwards_it_unchanged(
     """Accounting never breaks traffic: the meter raising on a read of a stream leaves the client
     with the upstream's bytes (nothing injected here, so nothing to cut), the failure counted,
     and the stream's usage unknown rather than invented."""
-    from sidecar.metering import usage
+    from sidecar.metering.shape import FastChatStream
 
     run = await start_sidecar({"metering": {"inject_stream_usage": False}, "pricing": PRICING})
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 6}
@@ -722,15 +722,15 @@ async def test_a_meter_that_fails_on_a_stream_forwards_it_unchanged(
             return await r.read()
 
     direct = await stream(run.sc.config.upstream.url + "/v1/chat/completions")
-    feed, reads = usage.StreamMeter.feed, [0]
+    feed, reads = FastChatStream.feed, [0]
 
-    def failing(self: usage.StreamMeter, chunk: bytes) -> bytes:
+    def failing(self: FastChatStream, chunk: bytes) -> bytes:
         reads[0] += 1
         if reads[0] == 1:
             raise RuntimeError("a bug in metering")
         return feed(self, chunk)
 
-    monkeypatch.setattr(usage.StreamMeter, "feed", failing)
+    monkeypatch.setattr(FastChatStream, "feed", failing)
     assert await stream(run.url + "/v1/chat/completions") == direct
     assert reads[0] >= 1
     assert run.value("tollbooth_metering_errors_total", stage="stream") == 1

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sidecar.exchange import Endpoint
 from sidecar.metering import sse as sse_module
 from sidecar.metering.sse import SSEParser
-from sidecar.metering.usage import StreamMeter
+from sidecar.metering.wire import open_stream
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_sse import LinesOnly
@@ -69,7 +69,7 @@ def test_a_huge_unterminated_event_costs_linear_work_and_holds_nothing(
     monkeypatch.setattr(sse_module, "_EOL", eol)
     monkeypatch.setattr(sse_module, "_BLANK", blank, raising=False)
     # the default limit, 1 MiB (metering.max_event_bytes)
-    meter = StreamMeter(Endpoint.CHAT, strip_usage=strips[0], strip_chunk_usage=strips[1])
+    meter = open_stream(Endpoint.CHAT, strip_usage=strips[0], strip_chunk_usage=strips[1])
     sent = [LEARNT, *huge(32 << 20)]
     out, fed = [], 0
     for piece in sent:
@@ -86,7 +86,7 @@ def test_a_huge_unterminated_event_costs_linear_work_and_holds_nothing(
 def test_after_the_huge_event_the_stream_is_read_again_and_its_usage_is_unknown() -> None:
     """The event ends; the chunks after it are counted again, but the stream's usage stays
     unknown: the event that was not read may have carried anything."""
-    meter = StreamMeter(Endpoint.CHAT, strip_usage=True, max_event_bytes=4096)
+    meter = open_stream(Endpoint.CHAT, strip_usage=True, max_event_bytes=4096)
     sent = [LEARNT, HUGE_HEAD + b"z" * 10000, b'"}}]}\n', b"\n" + chunk("d"), USAGE]
     sent.append(b"data: [DONE]\n\n")
     out = [meter.feed(p) for p in sent]
@@ -111,7 +111,7 @@ def test_a_long_event_is_not_read_whether_it_comes_whole_or_in_pieces(endpoint: 
         event = b"data:" + (token % (3, "t" * 5000)).encode() + b"\n\n"
     results = []
     for pieces in ([before + event], [before, event], [before, event[:100], event[100:]]):
-        meter = StreamMeter(endpoint, max_event_bytes=4096)
+        meter = open_stream(endpoint, max_event_bytes=4096)
         for p in pieces:
             assert meter.feed(p) == p
         results.append((meter.token_events, meter.finish()[1].unknown_reason))
@@ -120,7 +120,7 @@ def test_a_long_event_is_not_read_whether_it_comes_whole_or_in_pieces(endpoint: 
 
 def test_an_event_at_the_limit_is_read() -> None:
     event = chunk("q" * 100)
-    meter = StreamMeter(Endpoint.CHAT, max_event_bytes=len(event))
+    meter = open_stream(Endpoint.CHAT, max_event_bytes=len(event))
     meter.feed(event + USAGE)
     assert meter.token_events == 1
     assert meter.finish()[1].output_tokens == 9

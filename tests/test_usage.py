@@ -13,12 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.exchange import Endpoint, Usage
-from sidecar.metering import usage as usage_module
-from sidecar.metering.usage import StreamMeter, inspect_request, usage_from_body
-from sidecar.proxy.finishers import tokenize_requests
+from sidecar.metering import counts, shape, tgi
+from sidecar.metering.wire import (
+    StreamMeter,
+    inspect_request,
+    open_stream,
+    tokenize_requests,
+    usage_from_body,
+)
 from sidecar.proxy.routes import AmbiguousPath, classify, routing_path
 from tests.fakes import load_fixture
-from tests.test_sse import LinesOnly
 
 
 def openai_sse(events: list[dict]) -> bytes:
@@ -26,7 +30,7 @@ def openai_sse(events: list[dict]) -> bytes:
 
 
 def meter_all(endpoint: Endpoint, wire: bytes, *, strip: bool = False, step: int = 7):
-    m = StreamMeter(endpoint, strip_usage=strip)
+    m = open_stream(endpoint, strip_usage=strip)
     out = b"".join(m.feed(wire[i : i + step]) for i in range(0, len(wire), step))
     tail, usage = m.finish()
     return out + tail, usage, m
@@ -210,7 +214,7 @@ def test_role_only_first_chunk_is_not_a_token() -> None:
         "model": "m",
         "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}],
     }
-    m = StreamMeter(Endpoint.CHAT)
+    m = open_stream(Endpoint.CHAT)
     m.feed(openai_sse([role])[: -len(b"data: [DONE]\n\n")])
     assert m.token_events == 0
     m.feed(f"data: {json.dumps(token)}\n\n".encode())
@@ -478,13 +482,13 @@ def test_running_usage_is_cut_out_byte_for_byte(step: int) -> None:
     with_usage = [_chunk(i, _running(i + 1), "length" if i == n - 1 else None) for i in range(n)]
     wire = _compact_sse([*with_usage, {**final, "usage": _running(n)}]) + b"data: [DONE]\n\n"
     plain = _compact_sse([_chunk(i, None, "length" if i == n - 1 else None) for i in range(n)])
-    m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
     out = b"".join(m.feed(wire[i : i + step]) for i in range(0, len(wire), step))
     tail, usage = m.finish()
     assert out + tail == plain + b"data: [DONE]\n\n"  # what vLLM sends when nobody asked
     assert (usage.input_tokens, usage.output_tokens) == (7, 5)
     # a client that asked for the final usage keeps that chunk, and only that
-    keep = StreamMeter(Endpoint.CHAT, strip_chunk_usage=True)
+    keep = open_stream(Endpoint.CHAT, strip_chunk_usage=True)
     out = b"".join(keep.feed(wire[i : i + step]) for i in range(0, len(wire), step))
     assert out + keep.finish()[0] == (
         plain + _compact_sse([{**final, "usage": _running(n)}]) + b"data: [DONE]\n\n"
@@ -492,14 +496,14 @@ def test_running_usage_is_cut_out_byte_for_byte(step: int) -> None:
 
 
 def test_usage_so_far_and_finished() -> None:
-    m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
     m.feed(_compact_sse([_chunk(0, _running(2)), _chunk(1, _running(4))]))
     assert not m.finished
     usage = m.usage_so_far()
     assert (usage.input_tokens, usage.output_tokens) == (7, 4)  # exact up to the last chunk
     m.feed(_compact_sse([_chunk(2, _running(5), "stop")]))
     assert m.finished and not m.done  # generation over, the usage chunk still to come
-    plain = StreamMeter(Endpoint.CHAT, choices=2)
+    plain = open_stream(Endpoint.CHAT, choices=2)
     plain.feed(_compact_sse([_chunk(0, None, "stop")]))
     assert not plain.finished  # n=2: the other choice is still generating
     assert plain.usage_so_far().output_tokens is None
@@ -551,7 +555,7 @@ def test_running_usage_is_cut_whatever_the_content_or_spacing() -> None:
     tricky["choices"][0]["delta"]["content"] = 'data: ,"usage":{"x":1}}\n}'
     spaced = json.dumps(_chunk(1, _running(2)))  # not vLLM's compact form: the slow path
     wire = _compact_sse([tricky]) + f"data: {spaced}\r\n\r\n".encode()
-    m = StreamMeter(Endpoint.CHAT, strip_chunk_usage=True)
+    m = open_stream(Endpoint.CHAT, strip_chunk_usage=True)
     out = m.feed(wire)
     first, second = out.split(b"\n\n", 1)
     assert first + b"\n\n" == _compact_sse([{k: v for k, v in tricky.items() if k != "usage"}])
@@ -579,7 +583,7 @@ def test_responses_stream_is_finished_between_output_items() -> None:
     def ev(kind: str) -> bytes:
         return f"event: {kind}\ndata: {json.dumps({'type': kind})}\n\n".encode()
 
-    m = StreamMeter(Endpoint.RESPONSES)
+    m = open_stream(Endpoint.RESPONSES)
     m.feed(ev("response.created") + ev("response.output_text.delta"))
     assert not m.finished
     m.feed(ev("response.output_text.done") + ev("response.output_item.done"))
@@ -588,20 +592,16 @@ def test_responses_stream_is_finished_between_output_items() -> None:
 
 # --- the fast paths against the general path (every event decoded) -------------------------------
 
-NEVER = re.compile(r"(?!)")
-
 
 def meter_pair(
     endpoint: Endpoint, strip: bool, strip_chunk: bool = False
 ) -> tuple[StreamMeter, StreamMeter]:
-    def meter() -> StreamMeter:
-        return StreamMeter(endpoint, strip_usage=strip, strip_chunk_usage=strip_chunk)
+    def meter(fast: bool) -> StreamMeter:
+        return open_stream(endpoint, strip_usage=strip, strip_chunk_usage=strip_chunk, fast=fast)
 
-    ref = meter()
-    ref._shape = None  # no fast path for OpenAI chunks, as text or on the wire
-    ref._tgi_wire = None
-    ref._parser = LinesOnly(keep_raw=strip or strip_chunk)  # and the general SSE path
-    return meter(), ref
+    # fast=False: the adapter's reference path alone (the line-by-line SSE parser, every event
+    # decoded), the meter the fast paths must equal
+    return meter(True), meter(False)
 
 
 def run_pair(
@@ -614,8 +614,7 @@ def run_pair(
     last = 0
     for c in [*sorted(set(cuts)), len(wire)]:
         out = fast.feed(wire[last:c])
-        with mock.patch.object(usage_module, "_TGI_TOKEN_EVENT", NEVER):
-            assert out == ref.feed(wire[last:c]), (wire, cuts, c)
+        assert out == ref.feed(wire[last:c]), (wire, cuts, c)
         assert fast.token_events == ref.token_events, (wire, cuts, c)
         assert fast.usage_so_far() == ref.usage_so_far(), (wire, cuts, c)
         last = c
@@ -692,10 +691,10 @@ def test_fast_path_agrees_at_every_cut_and_every_pair_of_cuts_near_the_markers()
 def test_the_shape_is_learnt_and_used() -> None:
     """Not a speed test: the fast path is taken for plain tokens, and only for them."""
     wire = sse_of([compact(e) for e in VLLM_STREAM])
-    m = StreamMeter(Endpoint.CHAT)
+    m = open_stream(Endpoint.CHAT)
     calls = []
     real = json.loads
-    with mock.patch.object(usage_module.json, "loads", lambda s: calls.append(s) or real(s)):
+    with mock.patch.object(json, "loads", lambda s: calls.append(s) or real(s)):
         m.feed(wire)
     decoded = [c for c in calls if isinstance(c, str) and '"content":"x"' not in c]
     # the role chunk and "Hello" are decoded (learning), " x", "y" and "" are not; the rest
@@ -763,10 +762,10 @@ def test_running_usage_chunks_take_the_wire_path() -> None:
     """Not a speed test: plain running-usage chunks are neither decoded nor parsed as SSE, their
     usage is cut out byte for byte, and a client leaving is billed the last running totals."""
     wire = sse_of([compact(e) for e in RUNNING_STREAM[:5]])
-    m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
     calls: list[object] = []
     real = json.loads
-    with mock.patch.object(usage_module.json, "loads", lambda s: calls.append(s) or real(s)):
+    with mock.patch.object(json, "loads", lambda s: calls.append(s) or real(s)):
         events = wire.split(b"\n\n")[:-1]
         out = b"".join(m.feed(e + b"\n\n") for e in events)
     cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
@@ -934,7 +933,7 @@ def test_running_usage_on_the_wire_is_not_fooled(datas: list[str]) -> None:
 
 
 def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> None:
-    assert usage_module._text_slot(chunk("a")) == ("content", "a")
+    assert shape._text_slot(chunk("a")) == ("content", "a")
     for obj in (
         chunk("a", finish="stop"),
         chunk("a", usage={"prompt_tokens": 1}),
@@ -942,7 +941,7 @@ def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> 
         chunk('"a'),
         {**chunk(""), "choices": [{"delta": {"content": "", "reasoning_content": "r"}}]},
     ):
-        assert usage_module._text_slot(obj) is None, obj
+        assert shape._text_slot(obj) is None, obj
 
 
 def tgi_event(text: str, logprob: str, tail: str = '"generated_text":null,"details":null') -> str:
@@ -982,9 +981,9 @@ def test_tgi_fast_path_agrees_with_decoding_every_event(
 
 def test_tgi_token_events_take_the_fast_path_and_count() -> None:
     plain = tgi_event("a\\n\\u00e9", "-0.25")
-    assert usage_module._TGI_TOKEN_EVENT.fullmatch(plain)
+    assert tgi.TGI_TOKEN_EVENT.fullmatch(plain)
     for odd in (tgi_event("a", "01"), tgi_event("a\\x", "-1"), tgi_event("\x01", "-1")):
-        assert not usage_module._TGI_TOKEN_EVENT.fullmatch(odd)
+        assert not tgi.TGI_TOKEN_EVENT.fullmatch(odd)
     final = tgi_event(
         "b", "-1", '"generated_text":"ab","details":{"generated_tokens":2,"input_length":5}'
     )
@@ -1033,9 +1032,9 @@ def test_a_long_suffix_is_not_compiled_into_a_wire_pattern() -> None:
     datas.append(compact({**chunk(None), "choices": [], "usage": running(2)}))
     wire = sse_of(datas)
     compiled: list[bytes] = []
-    real = usage_module._tail
-    with mock.patch.object(usage_module, "_tail", lambda s: compiled.append(s) or real(s)):
-        m = StreamMeter(Endpoint.COMPLETIONS, strip_usage=True)
+    real = shape._tail
+    with mock.patch.object(shape, "_tail", lambda s: compiled.append(s) or real(s)):
+        m = open_stream(Endpoint.COMPLETIONS, strip_usage=True)
         m.feed(wire)
     assert compiled == [] and m.token_events == 3
     for strips in ((True, True), (False, False)):
@@ -1056,13 +1055,13 @@ def test_a_shape_met_once_compiles_nothing() -> None:
     repeating = sse_of([compact(chunk(t, usage=running(i))) for i, t in enumerate("abcd")])
     plain = sse_of([compact(chunk(t)) for t in "abcd"])  # met again by the text fast path
     compiled: list[bytes] = []
-    real = usage_module._tail
-    with mock.patch.object(usage_module, "_tail", lambda s: compiled.append(s) or real(s)):
+    real = shape._tail
+    with mock.patch.object(shape, "_tail", lambda s: compiled.append(s) or real(s)):
         for wire, made in ((varying, 0), (repeating, 1), (plain, 1)):
             compiled.clear()
             ends = boundaries(wire)
             pieces = [wire[a:b] for a, b in zip([0, *ends], ends, strict=False)]
-            m = StreamMeter(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+            m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
             for piece in pieces:
                 m.feed(piece)
             assert len(compiled) == made and m.token_events == 4
@@ -1173,7 +1172,7 @@ def test_wire_fast_path_agrees_on_raw_bytes_and_sse_variants(
 
 
 # --- loads: what the server reads, for every body, whatever came before ------------------------
-# The differential tests of orjson against json.loads went with orjson (see `usage.loads`).
+# The differential tests of orjson against json.loads went with orjson (see `counts.loads`).
 
 USAGE_TWIN = "mpvinrekuspkfgbzhjfdpwyieucsyyeuchybkooqjruiqdlbnhxqaayngvnduyrk"
 USAGE_SLOT = "evict4172"
@@ -1182,14 +1181,14 @@ USAGE_SLOT = "evict4172"
 def test_loads_reads_each_key_as_it_is_written_whatever_was_read_before() -> None:
     """One body that names the twin of "usage": every later response's "usage" must still be
     read as "usage" (json.loads does; a key cache keyed by hash alone does not)."""
-    usage_module.loads(json.dumps({USAGE_SLOT: 0, USAGE_TWIN: 0}).encode())
+    counts.loads(json.dumps({USAGE_SLOT: 0, USAGE_TWIN: 0}).encode())
     body = b'{"usage": {"prompt_tokens": 5, "completion_tokens": 7}}'
-    assert usage_module.loads(body) == json.loads(body)
+    assert counts.loads(body) == json.loads(body)
     headers: dict[str, str] = {}
     assert usage_from_body(Endpoint.CHAT, body, headers).output_tokens == 7
     twin = json.dumps({USAGE_TWIN: 1}).encode()
-    usage_module.loads(b'{"usage": 0}')
-    assert usage_module.loads(twin) == json.loads(twin)
+    counts.loads(b'{"usage": 0}')
+    assert counts.loads(twin) == json.loads(twin)
 
 
 def _outcome(read: Any, data: bytes) -> str:
@@ -1225,13 +1224,18 @@ _JSON_VALUES = st.recursive(
     )
 )
 def test_loads_reads_every_body_as_json_loads_reads_its_bytes(data: bytes) -> None:
-    """Read from text where that is the same (`usage.loads`): for any bytes, in any encoding the
+    """Read from text where that is the same (`counts.loads`): for any bytes, in any encoding the
     server reads, with a BOM, a NUL or an encoded surrogate, the value (or the refusal) is
     `json.loads`'s of the bytes."""
     expected = _outcome(json.loads, data)
-    assert _outcome(usage_module.loads, data) == expected
+    assert _outcome(counts.loads, data) == expected
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return
-    assert _outcome(lambda d: usage_module.loads(d, text), data) == expected
+    assert _outcome(lambda d: counts.loads(d, text), data) == expected
+    # and a request is read by the same rule (`counts.parse`: None where `loads` refuses)
+    read = counts.parse(data)
+    assert read[0] == (text if counts.utf8_text(data) is not None else None)
+    if expected != "refused" and data:
+        assert repr(read[1]) == expected

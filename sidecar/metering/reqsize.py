@@ -190,3 +190,24 @@ def _is_media(where: int, key: str, value: str) -> bool:
     if where == _MEDIA:  # an image_url's {"url": "data:..."}, input_audio's {"data"}, a file's
         return key in _MEDIA_SLOTS or (key == "url" and value.startswith("data:"))
     return False
+
+
+def prompt_chars(obj: Mapping[str, Any]) -> int:
+    """Characters of prompt text in a request (for admission estimates and audit sizes only)."""
+    total = 0
+    for key in ("prompt", "inputs", "input"):
+        total += _text_len(obj.get(key))
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                total += _text_len(m.get("content"))
+    return total
+
+
+def _text_len(value: object) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_len(v.get("text") if isinstance(v, dict) else v) for v in value)
+    return 0

@@ -2,7 +2,9 @@
 
 Owns: locating the members of one JSON object (key and value spans) without building a new
 document, and the edits made from those spans. Every character outside an edit is kept, so a body
-is never re-serialised (`1e999`, key order, spacing and escapes survive exactly).
+is never re-serialised (`1e999`, key order, spacing and escapes survive exactly); and the one
+edit we make to a request (`with_usage_requested`: `stream_options.include_usage`, and vLLM's
+running totals, spliced into UTF-8 JSON objects only).
 Never: parses more than it must, or guesses: text that is not a well-formed object gives None.
 """
 
@@ -10,7 +12,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from .counts import lax_true
 
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
@@ -121,3 +127,67 @@ def _last_member_fast(text: str, key: str) -> str | None:
     if comma < 0 or text[comma + 1 : at].strip():
         return None
     return text[:comma] + text[end:]
+
+
+# --- the one edit we make to a request ----------------------------------------------------------
+
+
+def with_usage_requested(
+    text: str, obj: Mapping[str, Any], continuous: bool
+) -> tuple[bytes, bool, bool] | None:
+    """Ask for the usage the client did not, by splicing bytes; never by re-serialising.
+
+    Returns (the body to send, injected_usage, strip_chunk_usage), or None to send it as it is.
+    """
+    opts = obj.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        return None  # the server refuses it anyway: forward untouched
+    opts = opts or {}
+    asked_usage = lax_true(opts.get("include_usage"))
+    asked_running = lax_true(opts.get("continuous_usage_stats"))
+    want_running = continuous or asked_running
+    if asked_usage and (asked_running or not continuous):
+        return None  # the client asked for everything we would add
+    body = _splice_stream_options(text, obj, want_running)
+    if body is None:
+        return None
+    # the server now sends per-chunk usage; the client would have seen it only if it asked for
+    # both (vLLM sends running totals only together with include_usage)
+    return (
+        body.encode("utf-8"),
+        not asked_usage,
+        want_running and not (asked_usage and asked_running),
+    )
+
+
+def _splice_stream_options(text: str, obj: Mapping[str, Any], running: bool) -> str | None:
+    """`text` with stream_options.include_usage (and continuous_usage_stats) set to true."""
+    wanted = '"include_usage":true' + (',"continuous_usage_stats":true' if running else "")
+    if "stream_options" not in obj:  # no member decodes to that key: the usual case, no scan
+        return insert_first(text, text.index("{"), '"stream_options":{' + wanted + "}")
+    top = members(text)
+    if top is None:
+        return None
+    current = last(top, "stream_options")
+    if current is None:
+        brace = text.index("{")
+        return insert_first(text, brace, '"stream_options":{' + wanted + "}")
+    if obj["stream_options"] is None:
+        span = (current.value_start, current.value_end, "{" + wanted + "}")
+        return apply(text, [span])
+    inner = members(text, current.value_start)
+    if inner is None:
+        return None
+    edits: list[tuple[int, int, str]] = []
+    added: list[str] = []
+    keys = ("include_usage", "continuous_usage_stats") if running else ("include_usage",)
+    for key in keys:
+        m = last(inner, key)
+        if m is None:
+            added.append(f'"{key}":true')
+        elif not lax_true(obj["stream_options"].get(key)):
+            edits.append((m.value_start, m.value_end, "true"))
+    text = apply(text, edits)  # value edits lie after the object's `{`: it does not move
+    if added:
+        text = insert_first(text, current.value_start, ",".join(added))
+    return text

@@ -18,8 +18,9 @@ from typing import Any
 
 import aiohttp
 
-from ..exchange import Endpoint, RequestInfo, Usage
-from ..metering.usage import StreamMeter, token_count
+from ..exchange import RequestInfo, Usage
+from ..metering.counts import count as token_count
+from ..metering.wire import StreamMeter, prompt_token_ids, tokenize_requests
 from ..telemetry.metrics import Metrics
 from .upstream import Upstream, UpstreamResponse
 
@@ -56,93 +57,11 @@ class Finishers:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-# Chat request fields that change how vLLM renders the prompt; /tokenize takes the same ones.
-_VLLM_TEMPLATE_KEYS = (
-    "model",
-    "messages",
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "mm_processor_kwargs",
-)
-
-
-def tokenize_requests(info: RequestInfo, api: str) -> list[tuple[str, bytes]] | None:
-    """The upstream calls that count this request's prompt exactly as its generation did:
-    (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
-
-    vLLM's /tokenize renders chat messages with the same template inputs as the chat route; TGI's
-    /tokenize takes a generate request and /chat_tokenize a chat request.
-    """
-    try:
-        obj = json.loads(info.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(obj, dict):
-        return None
-    ep = info.endpoint
-    if ep is Endpoint.TGI_VERTEX:
-        instances = obj.get("instances")
-        if not isinstance(instances, list) or not instances or len(instances) > 64:
-            return None
-        calls = [_tgi_tokenize(i) for i in instances]
-        return None if None in calls else calls  # type: ignore[return-value]
-    if ep.is_tgi_native:
-        call = _tgi_tokenize(obj)
-        return [call] if call else None
-    if ep is Endpoint.CHAT and isinstance(obj.get("messages"), list):
-        if api == "tgi":
-            return [("/chat_tokenize", info.body)]
-        body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
-        return [("/tokenize", json.dumps(body).encode())]
-    if ep is Endpoint.COMPLETIONS:
-        return _completion_tokenize(obj, api)
-    return None
-
-
-def _completion_tokenize(obj: dict[str, Any], api: str) -> list[tuple[str, bytes]] | None:
-    prompt = obj.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or "truncate_prompt_tokens" in obj:
-        return None  # a batch, token ids (counted without asking) or a truncated prompt
-    if api == "tgi":  # TGI's completions generate from the prompt as given
-        return [("/tokenize", json.dumps({"inputs": prompt}).encode())]
-    body = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
-    return [("/tokenize", json.dumps({**body, "prompt": prompt}).encode())]
-
-
-def _tgi_tokenize(obj: object) -> tuple[str, bytes] | None:
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("inputs"), str):
-        keep = {k: obj[k] for k in ("inputs", "parameters", "add_special_tokens") if k in obj}
-        return ("/tokenize", json.dumps(keep).encode())
-    if isinstance(obj.get("messages"), list):
-        return ("/chat_tokenize", json.dumps(obj).encode())
-    return None
-
-
-def prompt_token_ids(info: RequestInfo) -> int | None:
-    """A completion whose prompt is token ids is counted without asking anyone."""
-    if info.endpoint is not Endpoint.COMPLETIONS:
-        return None
-    try:
-        prompt = json.loads(info.body).get("prompt")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return len(prompt)
-    return None
-
-
 class PromptCounter:
     """The prompt's exact token count, from the upstream that served the request.
 
-    The calls come from `usage.tokenize_requests` (the same template inputs the generation used);
+    The calls come from the request's wire adapter (`wire.tokenize_requests`: the same template
+    inputs the generation used);
     vLLM answers `{"count": N}`, TGI's /tokenize a list of tokens and /chat_tokenize
     `{"tokenize_response": [...]}`. Any failure gives None, counted as a tokenize upstream error.
     """
@@ -153,7 +72,7 @@ class PromptCounter:
         self.upstream, self.api, self.metrics = upstream, api, metrics
 
     async def count(self, info: RequestInfo, headers: dict[str, str] | None = None) -> int | None:
-        if (ids := prompt_token_ids(info)) is not None:
+        if (ids := prompt_token_ids(info, self.api)) is not None:
             return ids
         calls = tokenize_requests(info, self.api)
         if not calls:

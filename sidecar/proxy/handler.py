@@ -36,7 +36,7 @@ from ..exchange import (
     new_uid,
 )
 from ..metering.meter import Meter, price_cost
-from ..metering.usage import StreamMeter, inspect_request, usage_from_body
+from ..metering.wire import StreamMeter, inspect_request, open_stream, usage_from_body
 from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
@@ -490,7 +490,7 @@ class Proxy:
             ex.response_sample = body  # a reference to what is in memory anyway, not a copy
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
-            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers))
+            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers, api=self.s.api))
         except Exception:
             log.exception("could not read usage of request %s", ex.request_id)
             self.metrics.metering_errors.labels("parse").inc()
@@ -507,13 +507,14 @@ class Proxy:
         self, request: web.Request, ex: Exchange, up: UpstreamResponse
     ) -> web.StreamResponse:
         info = ex.info
-        meter = StreamMeter(
+        meter = open_stream(
             ex.endpoint,
             strip_usage=info.injected_usage,
             strip_chunk_usage=info.strip_chunk_usage,
             choices=info.choices,
             per_prompt=info.n or 1,
             max_event_bytes=self.s.max_event_bytes,
+            api=self.s.api,
         )
         resp = web.StreamResponse(
             status=up.status,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from sidecar.metering.usage import lax_true
+from sidecar.metering.counts import lax_true
 from sidecar.telemetry.metrics import (
     TGI_BATCH,
     TGI_QUEUE,

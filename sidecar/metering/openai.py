@@ -1,0 +1,461 @@
+"""The OpenAI wire as vLLM serves it: chat, completions, the Responses API, embeddings.
+
+Owns: what such a request asks for (model, stream as the server reads it, user, limits, prompt
+size), reading `usage` from its response bodies and streams (the reference path: each event SSE-
+parsed, decoded and read), removing from a stream exactly the usage we caused (the usage chunk,
+per-chunk running totals), and the /tokenize calls that count its prompt after a disconnect.
+The learnt-shape fast path for its chunks is `shape.py`'s, beside this one.
+Never: counts stream chunks as tokens, invents a count, or touches clocks, sockets and metrics.
+A count that cannot be read is None, with the reason in `Usage.unknown_reason`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import ID_CHARS, MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from . import reqsize, splice
+from .counts import (
+    INVALID_USAGE,
+    bounded,
+    compared,
+    count,
+    error_type,
+    invalid,
+    lax_true,
+    loads,
+    number,
+    total,
+    total_present,
+)
+from .reqsize import body_size, lax_int, prompt_chars
+from .sse import Event
+from .stream import SSEMeter
+
+_INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
+_CHUNK_ROUTES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+
+
+class OpenAIAdapter:
+    """The OpenAI routes of one server (`api`: "vllm"; TGI's differ only in what `tgi.py`
+    overrides: its limit fields and its tokenizer routes)."""
+
+    api = "vllm"
+
+    def __init__(self, *, fast_chat: type[ChatStream] | None = None) -> None:
+        # the chat/completions meter with a fast path beside `ChatStream` (`shape.py`'s); with
+        # none, `stream(fast=True)` is the reference path too
+        self._fast_chat = fast_chat
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def inspect(
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        text: str | None,
+        obj: Mapping[str, Any],
+        *,
+        inject_usage: bool,
+        continuous_usage: bool = False,
+    ) -> RequestInfo:
+        """Read what the request asks for. With `inject_usage`, a streaming chat/completions body
+        that is a UTF-8 JSON object gets `include_usage` (and, with `continuous_usage`, vLLM's
+        running totals on every chunk)."""
+        max_tokens, n, unreadable = self._limits(endpoint, obj)
+        text_chars, prompt_ids = body_size(obj)
+        stream = endpoint is not Endpoint.EMBEDDINGS and lax_true(obj.get("stream"))
+        injected = None
+        if inject_usage and stream and endpoint in _INJECTABLE and text is not None:
+            injected = splice.with_usage_requested(text, obj, continuous_usage)
+        sent, injected_usage, strip_chunk_usage = injected or (body, False, False)
+        return RequestInfo(
+            endpoint=endpoint,
+            body=sent,
+            parsed=True,
+            stream=stream,
+            injected_usage=injected_usage,
+            strip_chunk_usage=strip_chunk_usage,
+            model=clean_or_none(obj.get("model"), MODEL_CHARS),
+            user=clean_or_none(obj.get("user"), USER_CHARS),
+            max_tokens=max_tokens,
+            temperature=number(obj.get("temperature")),
+            n=n,
+            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
+            messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
+            prompt_chars=prompt_chars(obj),
+            choices=max(1, n or 1) * _prompts(endpoint, obj),
+            utf8=text is not None,
+            text_chars=text_chars,
+            prompt_ids=prompt_ids,
+            unreadable=unreadable,
+        )
+
+    def _limits(
+        self, endpoint: Endpoint, obj: Mapping[str, Any]
+    ) -> tuple[int | None, int | None, tuple[str, ...]]:
+        """(the output limit as the route's server reads it, n, the limits present that are no
+        integer the server would read). Only the fields that route reads (`reqsize`)."""
+        limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, self.api), obj)
+        n = obj.get("n")
+        read_n = n if n is None or type(n) is int else lax_int(n)
+        if n is not None and read_n is None:
+            unreadable += ("n",)
+        return limit, reqsize.positive(read_n), unreadable
+
+    # --- responses --------------------------------------------------------------------------------
+
+    def usage_from_body(self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str]) -> Usage:
+        """Usage of a complete (non-streaming) response."""
+        try:
+            obj = loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        return body_usage(endpoint, obj)
+
+    def stream(
+        self, endpoint: Endpoint, *, fast: bool = True, **options: Any
+    ) -> ChatStream | ResponsesStream:
+        """The meter for a streamed response; `fast` adds the fast chat path given at start."""
+        if endpoint is Endpoint.RESPONSES:
+            return ResponsesStream(endpoint, fast=fast, **options)
+        if fast and self._fast_chat is not None:
+            return self._fast_chat(endpoint, **options)
+        return ChatStream(endpoint, fast=fast, **options)
+
+    # --- after a disconnect -----------------------------------------------------------------------
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        """The upstream calls that count this request's prompt exactly as its generation did:
+        (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
+        vLLM's /tokenize renders chat messages with the same template inputs as the chat route."""
+        obj = _body_object(info)
+        if obj is None:
+            return None
+        if info.endpoint is Endpoint.CHAT and isinstance(obj.get("messages"), list):
+            body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
+            return [("/tokenize", json.dumps(body).encode())]
+        if info.endpoint is Endpoint.COMPLETIONS and (prompt := one_prompt(obj)) is not None:
+            keep = {k: obj[k] for k in ("model", "add_special_tokens") if k in obj}
+            return [("/tokenize", json.dumps({**keep, "prompt": prompt}).encode())]
+        return None
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        """A completion whose prompt is token ids is counted without asking anyone."""
+        if info.endpoint is not Endpoint.COMPLETIONS:
+            return None
+        try:
+            prompt = json.loads(info.body).get("prompt")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return None
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return len(prompt)
+        return None
+
+
+# Chat request fields that change how vLLM renders the prompt; /tokenize takes the same ones.
+_VLLM_TEMPLATE_KEYS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+
+
+def _body_object(info: RequestInfo) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(info.body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def one_prompt(obj: Mapping[str, Any]) -> str | None:
+    """A completion's one text prompt; None for a batch, token ids (counted without asking) or a
+    truncated prompt."""
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or "truncate_prompt_tokens" in obj:
+        return None
+    return prompt
+
+
+def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
+    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one."""
+    prompt = obj.get("prompt")
+    if endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and prompt:
+        return 1 if isinstance(prompt[0], int) else len(prompt)
+    return 1
+
+
+def body_usage(endpoint: Endpoint, obj: object) -> Usage:
+    """Usage of a decoded OpenAI response body."""
+    if not isinstance(obj, dict):
+        return Usage(unknown_reason="unparseable_response")
+    if obj.get("error") is not None and "choices" not in obj:  # Responses bodies carry error: null
+        return Usage(error=error_type(obj), unknown_reason="error_response")
+    usage = obj.get("usage")
+    model = clean_or_none(obj.get("model"), MODEL_CHARS)
+    rid = clean_or_none(obj.get("id"), ID_CHARS)
+    reasons = _finish_reasons(obj)
+    if endpoint is Endpoint.RESPONSES:
+        reasons = (s,) if (s := clean_or_none(obj.get("status"), REASON_CHARS)) else ()
+    if not isinstance(usage, dict):
+        return Usage(
+            model=model, response_id=rid, finish_reasons=reasons, unknown_reason="no_usage"
+        )
+    return read_usage(usage, endpoint, model=model, response_id=rid, finish_reasons=reasons)
+
+
+def read_usage(
+    usage: Mapping[str, Any],
+    endpoint: Endpoint,
+    *,
+    model: str | None = None,
+    response_id: str | None = None,
+    finish_reasons: tuple[str, ...] = (),
+) -> Usage:
+    """An OpenAI-style `usage` object (chat/completions/embeddings or the Responses API's), with
+    the response's other fields when they are known."""
+    if endpoint is Endpoint.RESPONSES:
+        raw_in, raw_out = usage.get("input_tokens"), usage.get("output_tokens")
+        details = usage.get("input_tokens_details")
+    else:
+        raw_in, raw_out = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+    raw_cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    inp, out, cached = count(raw_in), count(raw_out), count(raw_cached)
+    more_cached = cached is not None and inp is not None and cached > inp  # than there was
+    if invalid(raw_in, inp) or invalid(raw_out, out) or invalid(raw_cached, cached) or more_cached:
+        return Usage(
+            model=model,
+            response_id=response_id,
+            finish_reasons=finish_reasons,
+            unknown_reason=INVALID_USAGE,
+        )
+    if out is None and endpoint is Endpoint.EMBEDDINGS and inp is not None:
+        out = 0  # embeddings generate nothing: zero is what happened, not a guess
+    missing = inp is None or out is None
+    return Usage(
+        input_tokens=inp,
+        output_tokens=out,
+        cached_input_tokens=cached,
+        model=model,
+        response_id=response_id,
+        finish_reasons=finish_reasons,
+        unknown_reason="incomplete_usage" if missing else None,
+    )
+
+
+def _finish_reasons(obj: Mapping[str, Any]) -> tuple[str, ...]:
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return ()
+    return tuple(
+        r
+        for c in choices
+        if isinstance(c, dict) and (r := clean_or_none(c.get("finish_reason"), REASON_CHARS))
+    )
+
+
+# --- streams --------------------------------------------------------------------------------------
+
+
+class ChatStream(SSEMeter):
+    """A chat or completions stream, the reference path: every event SSE-parsed, decoded, read.
+
+    Totals come from the usage-only chunk (`choices: []`) when it came, else from the running
+    usage riding on each choice's chunks (vLLM's `continuous_usage_stats`).
+    """
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._final_usage: list[Mapping[str, Any] | bytes] = []  # usage-only chunks: totals
+        # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
+        self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        """Read one decoded chunk; True when it is the usage chunk we caused."""
+        s = self._s
+        s.model = s.model or clean_or_none(obj.get("model"), MODEL_CHARS)
+        s.response_id = s.response_id or clean_or_none(obj.get("id"), ID_CHARS)
+        choices = obj.get("choices")
+        usage = obj.get("usage")
+        if isinstance(choices, list) and choices:
+            if any(_carries_output(c) for c in choices):
+                s.token_events += 1
+            for c in choices:
+                if isinstance(c, dict) and (
+                    r := clean_or_none(c.get("finish_reason"), REASON_CHARS)
+                ):
+                    s.finish[count(c.get("index")) or 0] = r
+            if isinstance(usage, dict):
+                first = choices[0] if isinstance(choices[0], dict) else {}
+                self._choice_usage[count(first.get("index")) or 0] = usage
+                self._cut = self._strip_chunk
+            return False
+        if isinstance(usage, dict) and isinstance(choices, list):
+            self._final_usage.append(usage)
+            return self._strip
+        return False
+
+    def _cut_event(self, ev: Event) -> bytes:
+        return _without_usage(ev)
+
+    def usage_so_far(self) -> Usage:
+        """Usage of a stream the client cut short: the totals if they came; else vLLM's running
+        totals (exact up to the last chunk received); else unknown."""
+        running = self._choice_usage
+        if self._final_usage or len(running) < 2 or self._parser.oversized:
+            return self._usage()
+        parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
+        inp = self._running_input(parts)
+        reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
+        return bounded(
+            replace(
+                self._usage(),
+                input_tokens=inp,
+                output_tokens=total(p.output_tokens for p in parts.values()),
+                cached_input_tokens=None,
+                unknown_reason=None if inp is not None else reason or "incomplete_usage",
+            )
+        )
+
+    def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
+        """A chat's choices share one prompt. A batched completion's choice `i` belongs to prompt
+        `i // n`, and each choice's running usage carries its own prompt's size: one per prompt,
+        and only when every prompt was seen."""
+        if None in (p.input_tokens for p in parts.values()):
+            return None
+        if self.endpoint is Endpoint.CHAT:
+            return max(p.input_tokens or 0 for p in parts.values())
+        prompts: dict[int, int] = {}
+        for i, p in parts.items():
+            prompts[i // self._per_prompt] = p.input_tokens or 0
+        if len(prompts) * self._per_prompt < self._choices:
+            return None
+        return sum(prompts.values())
+
+    def _counted_usage(self) -> Usage:
+        totals = [*self._final_usage] or [*self._choice_usage.values()]
+        return _totals(self._base(), totals, self.endpoint)
+
+
+class ResponsesStream(SSEMeter):
+    """The Responses API's typed events: a `.delta` is a token event; the terminal event
+    (`response.completed`, `.incomplete`, `.failed`) carries the response with its usage."""
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._idle = False  # the last output item is done, no delta since
+        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the terminal event's
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self._idle
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        kind = compared(obj.get("type")) or ""
+        if kind.endswith(".delta"):
+            self._s.token_events += 1
+            self._idle = False
+        elif kind == "response.output_item.done":
+            self._idle = True
+        response = obj.get("response")
+        if not isinstance(response, dict):
+            return False
+        self._s.model = self._s.model or clean_or_none(response.get("model"), MODEL_CHARS)
+        self._s.response_id = self._s.response_id or clean_or_none(response.get("id"), ID_CHARS)
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            self.done = True
+            if (status := clean_or_none(response.get("status"), REASON_CHARS)) is not None:
+                self._s.finish[0] = status
+            if isinstance(response.get("usage"), dict):
+                self._final_usage.append(response["usage"])
+            if kind == "response.failed":
+                self._s.error = self._s.error or "response.failed"
+        return False
+
+    def _counted_usage(self) -> Usage:
+        return _totals(self._base(), self._final_usage, self.endpoint)
+
+
+def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endpoint) -> Usage:
+    """A stream's usage: the sum of its usage objects, with the stream's other fields."""
+    if not totals:
+        return replace(base, unknown_reason="stream_without_usage")
+    parts = [read_usage(_decoded(u), endpoint) for u in totals]
+    return bounded(
+        replace(
+            base,
+            input_tokens=total(p.input_tokens for p in parts),
+            output_tokens=total(p.output_tokens for p in parts),
+            cached_input_tokens=total_present(p.cached_input_tokens for p in parts),
+            unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
+        )
+    )
+
+
+def _decoded(usage: Mapping[str, Any] | bytes) -> Mapping[str, Any]:
+    """Running usage the wire fast path kept as bytes (an object of numbers), decoded."""
+    if isinstance(usage, bytes):
+        decoded: Mapping[str, Any] = json.loads(usage)
+        return decoded
+    return usage
+
+
+DELTA_OUTPUT = (
+    "content",
+    "reasoning_content",
+    "reasoning",
+    "tool_calls",
+    "function_call",
+    "refusal",
+)
+
+
+# vLLM's chunk ends `,"usage":{...}}` (compact JSON, usage last; its values are numbers and one
+# nested object). A raw newline cannot be inside a JSON string, nor an unescaped quote, so this
+# can only match the top-level object's last member, right before the end of the data line.
+_USAGE_LAST = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}(?=\}[ \t]*[\r\n])')
+
+
+def _without_usage(ev: Event) -> bytes:
+    """The event's bytes with its JSON's `usage` member cut out, every other byte kept.
+
+    Only a single-line `data:` event is cut (vLLM's shape); any other is forwarded as it came.
+    """
+    raw = ev.raw
+    if raw.count(b"\ndata:") + raw.startswith(b"data:") != 1:
+        return raw
+    if (m := _USAGE_LAST.search(raw)) is not None:
+        return raw[: m.start()] + raw[m.end() :]
+    data = ev.data or ""
+    cut = splice.without(data, "usage")
+    encoded = data.encode("utf-8")
+    at = raw.find(encoded)
+    if cut is None or at < 0:
+        return raw
+    return raw[:at] + cut.encode("utf-8") + raw[at + len(encoded) :]
+
+
+def _carries_output(choice: object) -> bool:
+    """Does this chunk carry generated output? vLLM's first chat chunk (the role, empty content)
+    is sent before prefill finishes, so it must not count as the first token."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return any(delta.get(k) for k in DELTA_OUTPUT)
+    return bool(choice.get("text"))

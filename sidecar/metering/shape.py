@@ -1,0 +1,275 @@
+"""The fast path for OpenAI chunks, beside `openai.ChatStream` (the reference path it must equal).
+
+Owns: learning the shape of the commonest chunk (one choice whose text is all that changes), and
+reading later chunks of that shape without decoding them: on the wire (`_TokenShape.at`, a
+compiled pattern per suffix) or as text (`carries`). `FastChatStream` is `ChatStream` with these
+in front; `openai.OpenAIAdapter.stream(fast=False)` is the switch the differential tests use.
+Why it is kept, and what it saves per chunk: docs/performance.md.
+Never: reads a chunk differently from `ChatStream`: anything not of the learnt shape is decoded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ..exchange import Endpoint
+from .counts import compared, count
+from .openai import DELTA_OUTPUT, ChatStream
+from .sse import Event
+from .stream import WireEvent, WireMeter
+
+
+class FastChatStream(WireMeter, ChatStream):
+    """`ChatStream`, with chunks of the learnt shape counted on the bytes."""
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._shape = _TokenShape()
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.passthrough:
+            return chunk
+        shape = self._shape
+        if not (head := shape.head):
+            return self._feed_events(chunk)
+        if chunk.startswith(head) and not self._parser.mid_event and len(chunk) <= self._max_event:
+            whole = shape.tail.fullmatch(chunk, len(head))
+            if whole is not None:  # the usual read: exactly one event of the shape
+                return self._one_event(chunk, whole, len(head))
+        found = None if self._parser.mid_event else shape.at(chunk, 0)
+        return self._feed_wire(shape.at, chunk, found)
+
+    def _one_event(self, chunk: bytes, whole: re.Match[bytes], start: int) -> bytes:
+        """`_feed_wire` for the usual read, in short: exactly one whole event of the learnt
+        shape, `whole` its tail (`_TokenShape.tail` matched from `start` to the chunk's end)."""
+        shape = self._shape
+        if whole.end(1) > start:  # its text is not empty
+            self._s.token_events += 1
+            shape.tries = _SHAPE_TRIES
+        cut = whole.start(2)
+        if cut < 0:
+            return chunk
+        self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
+        return chunk[:cut] + chunk[-3:] if self._strip_chunk else chunk
+
+    def _wire_event(self, data: bytes, found: WireEvent) -> bool:
+        """Its token counted, its running usage kept as bytes (decoded only if it is read)."""
+        end, text, cut = found
+        if text:
+            self._s.token_events += 1
+            self._shape.tries = _SHAPE_TRIES
+        if cut < 0:
+            return False
+        self._choice_usage[self._shape.index] = data[cut + _USAGE_KEY : end - 3]
+        return self._strip_chunk
+
+    def _on_event(self, ev: Event) -> bool:
+        if ev.data is None:
+            return False
+        shape = self._shape
+        found = shape.at(ev.raw, 0) if shape.head and ev.raw else None
+        if found is not None and found[0] == len(ev.raw):
+            # the wire path's shape, met here (an event split across reads, or after another)
+            self._cut = self._wire_event(ev.raw, found)
+            return False
+        # the text path, only while no chunk carried running usage: with it on, every chunk
+        # ends in its usage, the text never matches, and the try only adds to the decode
+        if not self._choice_usage and (carries := shape.carries(ev.data)) is not None:
+            self._s.token_events += carries
+            return False
+        return super()._on_event(ev)
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        assert ev.data is not None  # decoded: it has data
+        self._shape.learn(ev.data, obj)
+        return super()._read(ev, obj)
+
+
+class _TokenShape:
+    """The fast path of `ChatStream._on_event` for the commonest event on OpenAI routes: a chunk
+    with one choice whose text is the only thing in it that changes.
+
+    Relies on: a server writing those chunks with the same bytes around the text (vLLM and TGI
+    do: same id, created, model, key order; only the token's text differs), and on
+    `ChatStream._read` reading from a chunk only the model, id, error, usage, finish reasons and
+    whether a choice carries output. The shape is learnt from a decoded chunk that sets nothing
+    but the token count: its bytes before and after the text, confirmed by decoding it once more
+    with other text in the slot. A later chunk with that prefix and suffix whose text has no
+    quote, backslash or control character tokenises exactly like the learnt one, so it decodes
+    to the same object but for the text: the meter's only change is a token event when the text
+    is not empty. Every other event is decoded.
+    """
+
+    __slots__ = ("head", "index", "prefix", "suffix", "tail", "tries", "wired")
+
+    def __init__(self) -> None:
+        self.prefix = self.suffix = ""
+        self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
+        self.head = b""  # the shape on the wire (see `at`); no head: not usable there
+        self.tail = _NEVER
+        self.wired = False  # `head` and `tail` made for this shape (see `wire`)
+        self.index = 0  # the choice's index: running usage is kept per choice
+
+    def carries(self, data: str) -> bool | None:
+        """Does this chunk of the learnt shape carry output? None: not that shape, decode it."""
+        p, s = self.prefix, self.suffix
+        if not p or len(data) < len(p) + len(s) or not data.startswith(p):
+            return None
+        if not data.endswith(s) or not _plain(text := data[len(p) : len(data) - len(s)]):
+            return None
+        self.tries = _SHAPE_TRIES
+        if not self.wired:
+            self.wire()
+        return text != ""
+
+    def learn(self, data: str, obj: Mapping[str, Any]) -> None:
+        if self.tries <= 0:
+            return
+        data, obj = _without_running_usage(data, obj)
+        if (found := _text_slot(obj)) is None:
+            return
+        key, text = found
+        at = data.find(marker := f'"{key}":"')
+        if at < 0:
+            at = data.find(marker := f'"{key}": "')
+        start = at + len(marker)
+        end = start + len(text)
+        if at < 0 or data[start:end] != text or data[end : end + 1] != '"':
+            return
+        self.tries -= 1
+        if _is_the_slot(data[:start], data[end:], key, text):
+            met_before = data[end:] == self.suffix
+            self.prefix, self.suffix = data[:start], data[end:]
+            self.index = count(obj["choices"][0].get("index")) or 0
+            self.head, self.tail = b"", _NEVER
+            self.wired = False
+            if met_before:
+                self.wire()
+
+    def wire(self) -> None:
+        """Make the shape's wire form, once it has been met twice: a compiled pattern is worth it
+        only for a shape that repeats (a chunk with logprobs has a new suffix every time)."""
+        self.wired = True
+        self.head, self.tail = _on_the_wire(self.prefix, self.suffix)
+
+    def at(self, chunk: bytes, pos: int) -> WireEvent | None:
+        """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional
+        running usage before its closing brace: (its end, whether its text is not empty, where
+        its usage member starts or -1). None when it is not one.
+
+        Relies on what `carries` relies on, in bytes: the text is printable ASCII but quote and
+        backslash, or bytes of multi-byte characters (read with "replace" these never make a
+        quote or a control character, nor an empty text), so the event decodes to the learnt
+        chunk with other text in its slot. The usage member is the object's last, so it is the
+        value a JSON reader keeps (the dict `ChatStream._read` keeps); it is what
+        `openai._without_usage`
+        cuts, as that regex's match must end on a brace followed by `}` and a newline, which
+        only this flat member's closing brace is.
+        """
+        head = self.head
+        if chunk.startswith(head, pos):
+            start = pos + len(head)
+        elif chunk.startswith(head[6:], pos + 5) and chunk.startswith(b"data:", pos):
+            start = pos + len(head) - 1  # `data:` without the space
+        else:
+            return None
+        m = self.tail.match(chunk, start)
+        if m is None:
+            return None
+        return m.end(), m.end(1) > start, m.start(2)
+
+
+_SHAPE_TRIES = 8
+
+# The running totals vLLM puts last on each chunk (`continuous_usage_stats`): a flat object of
+# integers (or null), as pydantic writes it. Nothing else is learnt past or cut by the wire path.
+_USAGE_OBJECT = re.compile(
+    rb'\{"[a-z_]+":(?:[1-9][0-9]{0,17}|0|null)(?:,"[a-z_]+":(?:[1-9][0-9]{0,17}|0|null))*\}'
+)
+_USAGE_KEY = len(b',"usage":')
+_RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
+_NEVER = re.compile(rb"(?!)")
+
+
+def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """A chunk ending in running usage, as the same chunk without it; any other as it is."""
+    if not isinstance(obj.get("usage"), dict) or not (m := _RUNNING_USAGE_TEXT.search(data)):
+        return data, obj
+    base = data[: m.start()] + "}"
+    if '"usage"' in base:  # another member of that name: the dict left out is not its value
+        return data, obj
+    return base, {k: v for k, v in obj.items() if k != "usage"}
+
+
+# The longest suffix compiled into a wire pattern. A chunk's suffix is tens of bytes (vLLM's and
+# TGI's); a long one (an echoed completion's prompt logprobs, per-token logprobs) is the client's
+# to choose and rarely repeats, and compiling costs about 2 us per byte on the event loop (a
+# 400 KB suffix: 0.7 s, and 2.6 MB held in `_tail`'s cache). Such shapes use the text fast path.
+_WIRE_SUFFIX_MAX = 512
+
+
+def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes]]:
+    """(head, tail) for `_TokenShape.at`: `data: ` and the prefix; the text, the suffix and
+    optional running usage before its closing brace. No head when the shape is not one `data:`
+    line of a JSON object."""
+    p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
+    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s or len(s) > _WIRE_SUFFIX_MAX:
+        return b"", _NEVER
+    return b"data: " + p, _tail(s[:-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _tail(suffix: bytes) -> re.Pattern[bytes]:
+    """The part of the shape after the prefix, compiled once per suffix. A chunk's suffix holds
+    no id (vLLM's: `"},"logprobs":null,"finish_reason":null}]`), so streams share it."""
+    text = rb"([ !#-\[\]-~\x80-\xff]*)"  # `_plain` text, and the other bytes of UTF-8
+    usage = rb'(?:(,"usage":)' + _USAGE_OBJECT.pattern + b")?"
+    return re.compile(text + re.escape(suffix) + usage + rb"\}\n\n")
+
+
+# The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
+# writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
+# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits, and no
+
+
+def _plain(text: str) -> bool:
+    """Text a JSON string holds as it is: no quote, backslash or control character."""
+    return '"' not in text and "\\" not in text and text.isprintable()
+
+
+def _text_slot(obj: Mapping[str, Any]) -> tuple[str, str] | None:
+    """("content" or "text", the text) of a chunk whose only effect is a token event, else None."""
+    choices = obj.get("choices")
+    if obj.get("error") is not None or isinstance(obj.get("usage"), dict):
+        return None
+    if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)):
+        return None
+    choice = choices[0]
+    if compared(choice.get("finish_reason")) is not None:
+        return None
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        if any(delta.get(k) for k in DELTA_OUTPUT if k != "content"):
+            return None
+        key, text = "content", delta.get("content")
+    else:
+        key, text = "text", choice.get("text")
+    return (key, text) if isinstance(text, str) and _plain(text) else None
+
+
+def _is_the_slot(prefix: str, suffix: str, key: str, text: str) -> bool:
+    """Other text between `prefix` and `suffix` lands in the choice's text slot.
+
+    The span is a whole JSON string (it follows `":"`, holds plain text and ends at a quote),
+    so other plain text there changes that one string of the decoded chunk and nothing else.
+    """
+    other = "y" if text == "x" else "x"
+    try:
+        choice = json.loads(prefix + other + suffix)["choices"][0]
+        return bool((choice["delta"] if key == "content" else choice)[key] == other)
+    except (ValueError, LookupError, TypeError):
+        return False

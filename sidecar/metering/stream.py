@@ -1,0 +1,218 @@
+"""The stream meter every SSE wire adapter builds on: bytes in, bytes for the client out.
+
+Owns: the plain reference path of every SSE adapter (the upstream's bytes through the SSE parser,
+each event's data decoded by `json.loads`, the object handed to the adapter's `_read`), dropping
+or cutting the events the adapter says we caused, the state all readers share (model, id, error,
+token events, finish reasons), the `event_too_large` rule, and the wire fast path's loop
+(`WireMeter`), which fast adapters use beside their reference path.
+Never: touches sockets, clocks or metrics, or changes a byte the adapter did not ask to cut.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..exchange import Endpoint, Usage
+from .counts import error_type
+from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, SSEParser
+
+# What a wire fast path found at a position: (the event's end, whether its text is not empty,
+# where its usage member starts or -1).
+WireEvent = tuple[int, bool, int]
+
+
+@dataclass(slots=True)
+class StreamState:
+    model: str | None = None
+    response_id: str | None = None
+    error: str | None = None
+    token_events: int = 0
+    finish: dict[int, str] = field(default_factory=dict)
+
+
+class SSEMeter:
+    """Feed the upstream's bytes; get back the bytes for the client and the count of token events.
+
+    With `strip_usage` (we injected include_usage) an event the reader says we caused is dropped;
+    with `strip_chunk_usage` (we caused per-chunk usage) the usage member the reader marks is cut
+    out of its event (`_cut_event`); otherwise the bytes pass through unchanged as they arrive.
+    `choices` is how many choices the stream carries (to know when it is finished). `fast=False`
+    parses with the reference SSE parser (`LineParser`); adapters with a fast path add theirs in
+    a subclass, so this class is always the plain path: SSE parse, decode, read.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        strip_usage: bool = False,
+        strip_chunk_usage: bool = False,
+        choices: int = 1,
+        per_prompt: int = 1,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        fast: bool = True,
+    ) -> None:
+        self.endpoint = endpoint
+        self._per_prompt = max(1, per_prompt)  # n: choices of one prompt have adjacent indexes
+        self._strip = strip_usage
+        self._strip_chunk = strip_chunk_usage
+        self._rewrite = strip_usage or strip_chunk_usage
+        self._cut = False  # the event just read carries a usage member to cut
+        self._choices = choices
+        # raw bytes only needed to rewrite; an event over max_event_bytes passes through unparsed
+        parser = SSEParser if fast else LineParser
+        self._parser = parser(keep_raw=self._rewrite, max_event_bytes=max_event_bytes)
+        self._max_event = max_event_bytes  # the wire paths leave a longer event to the parser
+        self._s = StreamState()
+        self.done = False  # saw [DONE] or the wire's terminal event
+        self.passthrough = False  # set after an accounting failure: forward, stop parsing
+
+    @property
+    def token_events(self) -> int:
+        return self._s.token_events
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.passthrough:
+            return chunk
+        return self._feed_events(chunk)
+
+    def _feed_events(self, chunk: bytes) -> bytes:
+        """SSE events parsed, each one read by `_on_event`."""
+        held = self._parser.mid_event
+        events = self._parser.feed(chunk)
+        if not self._rewrite:
+            for ev in events:
+                self._on_event(ev)
+            return chunk
+        out: list[bytes] = []
+        changed = False
+        for ev in events:
+            if self._on_event(ev):
+                changed = True  # an event we caused (the usage chunk) is dropped
+            elif self._cut:
+                self._cut = False
+                changed = True
+                out.append(self._cut_event(ev))  # running usage we asked for is cut out
+            else:
+                out.append(ev.raw)
+        if not changed and not held and not self._parser.mid_event:
+            return chunk  # nothing changed, and this chunk's events are exactly the chunk
+        return b"".join(out)
+
+    def _on_event(self, ev: Event) -> bool:
+        """The reference path for one event: its data decoded, an error noted, the object read
+        by the adapter (`_read`). True when it must not reach the client."""
+        data = ev.data
+        if data is None:
+            return False
+        if data == "[DONE]":
+            self.done = True
+            return False
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return False
+        if not isinstance(obj, dict):
+            return False
+        if "error" in obj and obj.get("error") is not None:
+            self._s.error = error_type(obj)
+        return self._read(ev, obj)
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        """Read one decoded event (`ev` for its text and `event:` type, `obj` its data decoded);
+        True to drop it, `_cut` set to cut it."""
+        raise NotImplementedError
+
+    def _cut_event(self, ev: Event) -> bytes:
+        """The event's bytes without the usage the reader marked (`_cut`)."""
+        return ev.raw
+
+    def finish(self) -> tuple[bytes, Usage]:
+        """The upstream stream ended. Returns bytes still held (an unterminated event) and usage."""
+        tail = self._parser.finish()
+        return (tail if self._rewrite else b""), self._usage()
+
+    @property
+    def finished(self) -> bool:
+        """Generation is over: every choice has its finish reason (or the stream its terminal
+        event). Only the usage may still be on its way."""
+        return self.done or len(self._s.finish) >= self._choices
+
+    def usage_so_far(self) -> Usage:
+        """Usage of a stream the client cut short: what `finish` would say now."""
+        return self._usage()
+
+    def _usage(self) -> Usage:
+        if self._parser.oversized:  # an event that was not read may have carried anything
+            return replace(
+                self._counted_usage(),
+                input_tokens=None,
+                output_tokens=None,
+                cached_input_tokens=None,
+                unknown_reason="event_too_large",
+            )
+        return self._counted_usage()
+
+    def _base(self) -> Usage:
+        s = self._s
+        return Usage(
+            model=s.model,
+            response_id=s.response_id,
+            finish_reasons=tuple(s.finish[k] for k in sorted(s.finish)),
+            error=s.error,
+        )
+
+    def _counted_usage(self) -> Usage:
+        raise NotImplementedError
+
+
+class WireMeter(SSEMeter):
+    """The wire fast path's loop, for an adapter's fast meter: whole events of one known shape
+    read on the bytes (`_wire_event`), never SSE-parsed nor decoded; everything else on the
+    reference path. Differentially tested against the reference meter at every cut."""
+
+    def _wire_event(self, data: bytes, found: WireEvent) -> bool:
+        """An event the wire path recognised: counted; True when its usage is to be cut out."""
+        raise NotImplementedError
+
+    def _feed_wire(
+        self, at: Callable[[bytes, int], WireEvent | None], chunk: bytes, found: WireEvent | None
+    ) -> bytes:
+        """Whole events of one known shape (`at` recognises one on the bytes; `found` is what it
+        found at the start, None when the parser holds part of an event), neither SSE-parsed nor
+        decoded; any other event, and anything the parser holds from an earlier read, goes to
+        the general path up to the end of that event.
+
+        Relies on: `at` matching only events whose effect is known without decoding them, and a
+        segment ending in a blank line leaving the parser holding nothing (its last `\\n` ends an
+        empty line, which dispatches), so the next event starts where reading event by event
+        would start it.
+        """
+        pos, size = 0, len(chunk)
+        out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
+        kept = 0  # chunk[kept:pos] goes to the client as it came
+        while pos < size:
+            if found is not None and found[0] - pos > self._max_event:
+                found = None  # too long to be read: the parser passes it through, as in pieces
+            if found is None:  # not an event of the shape, or the parser holds part of one
+                end = chunk.find(b"\n\n", pos) + 2
+                end = end if end > 1 else size
+                got = self._feed_events(piece := chunk[pos:end])
+                if got != piece:
+                    out += (chunk[kept:pos], got)
+                    kept = end
+            else:
+                end, _, cut = found
+                if self._wire_event(chunk, found):
+                    out.append(chunk[kept:cut])
+                    kept = end - 3  # the object's closing brace and the blank line stay
+            pos = end
+            # each position is tried once; what the parser holds goes on on the general path
+            found = None if pos >= size or self._parser.mid_event else at(chunk, pos)
+        if not out:
+            return chunk
+        out.append(chunk[kept:])
+        return b"".join(out)
