@@ -593,7 +593,8 @@ class Proxy:
             ex.response_sample = body  # a reference to what is in memory anyway, not a copy
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
-            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers))
+            usage = usage_from_body(ex.endpoint, plain, up.headers, sequences=ex.info.choices)
+            self._set_usage(ex, usage)
         except Exception:
             log.exception("could not read usage of request %s", ex.request_id)
             self.metrics.metering_errors.labels("parse").inc()
