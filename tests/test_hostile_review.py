@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 
 from sidecar.exchange import Endpoint
@@ -89,3 +90,93 @@ def test_best_of_output_not_reported_for_every_sequence_is_unknown(seqs: object)
 def test_one_sequence_reads_as_before() -> None:
     usage = usage_from_body(Endpoint.TGI_GENERATE, _answer(None), HEADERS)
     assert (usage.input_tokens, usage.output_tokens, usage.unknown_reason) == (5, 10, None)
+
+
+# --- an output count the request could not have produced ------------------------------------------
+# The hostile upstream answered `"completion_tokens": 7, "completion_tokens": 900000000` (JSON
+# readers keep the last) to a request with max_tokens 5: under the 10^9 ceiling, so it was read
+# as measured, $90,000 charged to the user and the global budget drained for everyone else. The
+# server stops at the limit it reads (the table in docs/budgets.md), so more is no measurement.
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_more_output_than_the_request_allows_is_invalid_usage(
+    start_sidecar: Any, aiohttp_server: Any, tmp_path: Any, streaming: bool
+) -> None:
+    from sidecar.metering.usage import INVALID_USAGE
+    from tests.test_hostile_numbers import MODEL, PRICES, Hostile, ledger_rows, wait_for
+
+    hostile = Hostile()
+    up = await aiohttp_server(hostile.app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": PRICES,  # $0.001 a token
+            "budgets": {"user_daily_usd": 1.0, "global_daily_usd": 2.0},
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    msg = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    async with aiohttp.ClientSession() as s:
+        for user, completion in (("eve", "900000000"), ("eve", "10"), ("bob", "10")):
+            hostile.completion = completion
+            req = {**msg, "stream": streaming, "n": 1}
+            if streaming:
+                req["stream_options"] = {"include_usage": True}
+            headers = {"X-Tollbooth-User": user}
+            async with s.post(run.url + "/v1/chat/completions", json=req, headers=headers) as r:
+                assert r.status == 200, await r.text()  # not refused: no budget drained
+                assert completion.encode() in await r.read()  # the client gets what was sent
+    await wait_for(lambda: len(ledger_rows(db)) == 3, "every ledger row")
+    bad, good, other = ledger_rows(db)
+    assert bad == (None, None, None)
+    assert good == other == (5, 10, pytest.approx(0.015))
+    labels = {"model": MODEL, "api_endpoint": "/v1/chat/completions", "reason": INVALID_USAGE}
+    assert run.value("llm_usage_unknown_total", **labels) == 1
+
+
+def test_output_within_the_limit_times_the_choices_is_a_count() -> None:
+    from sidecar.metering.usage import within_request
+
+    chat = inspect_request(
+        Endpoint.CHAT,
+        json.dumps({"messages": [], "max_tokens": 10, "n": 3}).encode(),
+        inject_usage=False,
+    )
+    from sidecar.exchange import Usage
+
+    assert within_request(Usage(input_tokens=1, output_tokens=30), chat).output_tokens == 30
+    over = within_request(Usage(input_tokens=1, output_tokens=31), chat)
+    assert (over.input_tokens, over.output_tokens, over.unknown_reason) == (
+        None,
+        None,
+        "invalid_usage",
+    )
+    unlimited = inspect_request(Endpoint.CHAT, b'{"messages": []}', inject_usage=False)
+    big = Usage(input_tokens=1, output_tokens=10**9)
+    assert within_request(big, unlimited) == big  # no limit read: any count under the ceiling
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "api", "out"),
+    [
+        # an older vLLM reads max_tokens only: its 4000 tokens are measured, never made free
+        (Endpoint.CHAT, {"max_completion_tokens": 1, "max_tokens": 4000}, "vllm", 4000),
+        # a 0 another server may read as "no limit": no cap
+        (Endpoint.CHAT, {"max_completion_tokens": 0, "max_tokens": 5}, "vllm", 900),
+        (Endpoint.CHAT, {"max_completion_tokens": "x", "max_tokens": 5}, "vllm", 900),
+        # the route reads none of the fields sent: the server's own default applies, no cap
+        (Endpoint.COMPLETIONS, {"max_completion_tokens": 5}, "vllm", 900),
+        (Endpoint.TGI_GENERATE, {"max_tokens": 5, "parameters": {}}, "tgi", 900),
+    ],
+)
+def test_output_a_server_may_have_been_asked_for_stays_measured(
+    endpoint: Endpoint, body: dict[str, Any], api: str, out: int
+) -> None:
+    from sidecar.exchange import Usage
+    from sidecar.metering.usage import within_request
+
+    req = inspect_request(endpoint, json.dumps(body).encode(), inject_usage=False, api=api)
+    usage = Usage(input_tokens=1, output_tokens=out)
+    assert within_request(usage, req) == usage

@@ -95,6 +95,7 @@ def inspect_request(
         text_chars=text_chars,
         prompt_ids=prompt_ids,
         unreadable=unreadable,
+        output_cap=reqsize.output_cap(max_tokens, obj, params),
     )
 
 
@@ -319,6 +320,24 @@ def _text_len(value: object) -> int:
     if isinstance(value, list):
         return sum(_text_len(v.get("text") if isinstance(v, dict) else v) for v in value)
     return 0
+
+
+def within_request(usage: Usage, info: RequestInfo) -> Usage:
+    """`usage`, or invalid usage when it counts more output than the request can have asked for
+    (`RequestInfo.output_cap` times its choices): the server stops there, so more is no
+    measurement (an upstream answering a duplicated `completion_tokens` of 900,000,000 to
+    `max_tokens: 5` drained the global budget for everyone). Charged the hold, as any invalid
+    usage; a request without a cap keeps any count under the ceiling."""
+    out, cap = usage.output_tokens, info.output_cap
+    if out is None or cap is None or out <= cap * info.choices:
+        return usage
+    return replace(
+        usage,
+        input_tokens=None,
+        output_tokens=None,
+        cached_input_tokens=None,
+        unknown_reason=INVALID_USAGE,
+    )
 
 
 # --- non-streaming responses ----------------------------------------------------------------------

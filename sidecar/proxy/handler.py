@@ -37,7 +37,7 @@ from ..exchange import (
     new_uid,
 )
 from ..metering.meter import Meter, price_cost
-from ..metering.usage import StreamMeter, inspect_request, usage_from_body
+from ..metering.usage import StreamMeter, inspect_request, usage_from_body, within_request
 from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
@@ -749,6 +749,7 @@ class Proxy:
         return tail
 
     def _set_usage(self, ex: Exchange, usage: Usage) -> None:
+        usage = within_request(usage, ex.info)
         ex.usage = usage
         if usage.model:
             ex.model = self.models(usage.model)
