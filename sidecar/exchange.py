@@ -106,6 +106,10 @@ class RequestInfo:
     text_chars: int = 0
     prompt_ids: int = 0
     unreadable: tuple[str, ...] = ()
+    # The most output one choice can have been asked for by any limit field in the body (the
+    # route's limit and every other: a server may read another one), None when the route's limit
+    # is absent or any limit field is no positive integer (`reqsize.output_cap`).
+    output_cap: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
 
 

@@ -107,7 +107,7 @@ async def test_configured_model_name_wins_over_info(start_sidecar: StartSidecar)
     async with (
         aiohttp.ClientSession() as s,
         s.post(
-            run.url + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}
+            run.url + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 10}}
         ) as r,
     ):
         await r.read()

@@ -94,6 +94,7 @@ class OpenAIAdapter:
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=unreadable,
+            output_cap=reqsize.output_cap(max_tokens, obj, obj),
         )
 
     def _limits(
@@ -110,8 +111,10 @@ class OpenAIAdapter:
 
     # --- responses --------------------------------------------------------------------------------
 
-    def usage_from_body(self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str]) -> Usage:
-        """Usage of a complete (non-streaming) response."""
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
         try:
             obj = loads(body) if body else None
         except (ValueError, UnicodeDecodeError):

@@ -83,6 +83,31 @@ def read_limit(
     return limit, unreadable
 
 
+# Every field any route of vLLM or TGI reads a limit from (`parameters.max_new_tokens` on TGI's).
+_ANY_LIMIT = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def output_cap(
+    route_limit: int | None, obj: Mapping[str, Any], params: Mapping[str, Any]
+) -> int | None:
+    """The most output a choice can have been asked for: the largest of the route's limit and
+    every other limit field in the body (a server of another version may read another one),
+    or None (no cap) without a route limit or with a limit field that is 0 or no integer (a
+    server may read that as no limit)."""
+    if route_limit is None:
+        return None
+    given = [obj.get(k) for k in _ANY_LIMIT] + [params.get(k) for k in _TGI_NATIVE_LIMIT]
+    cap = route_limit
+    for value in given:
+        if value is None:
+            continue
+        read = value if type(value) is int else lax_int(value)
+        if read is None or read <= 0:
+            return None
+        cap = max(cap, read)
+    return cap
+
+
 def vertex_limit(instance: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     """TGI's /vertex instance: a generate request (`inputs`, `parameters.max_new_tokens`) when it
     has a string `inputs` (serde's untagged enum tries that first), else a chat request."""

@@ -82,22 +82,26 @@ class TGIAdapter:
             tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
             messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
             prompt_chars=prompt_chars(obj),
-            choices=1,
+            choices=_best_of(params) if endpoint in _BEST_OF else 1,
             utf8=text is not None,
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=unreadable,
+            output_cap=reqsize.output_cap(limit, obj, params),
         )
 
-    def usage_from_body(self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str]) -> Usage:
-        """Usage of a complete (non-streaming) response."""
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete (non-streaming) response. `sequences`: what the request's
+        `choices` says it generates (on the generate routes, `best_of`)."""
         try:
             obj = loads(body) if body else None
         except (ValueError, UnicodeDecodeError):
             obj = None
         if endpoint is Endpoint.TGI_VERTEX:
             return _vertex_body_usage(obj)
-        return _tgi_body_usage(obj, headers)
+        return _tgi_body_usage(obj, headers, sequences)
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> TGIStream:
         """The meter for /generate_stream; `fast` adds the token-event path (`FastTGIStream`)."""
@@ -162,14 +166,36 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         messages=sum(len(i["messages"]) for i in instances if isinstance(i.get("messages"), list)),
         prompt_chars=sum(prompt_chars(i) for i in instances),
         n=max(1, len(instances)),  # estimates multiply the limit by n, as for n choices
-        choices=max(1, len(instances)),
+        choices=max(1, sum(_instance_sequences(i) for i in instances)),
         text_chars=text_chars,
         prompt_ids=prompt_ids,
         unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
     )
 
 
-def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
+# TGI's non-streaming generate routes run `parameters.best_of` generations (its streams refuse
+# best_of > 1) and report the count of the best one only (router/src/server.rs
+# `generate_internal`): the others are generated, so held, and measured only when every one is
+# in `details.best_of_sequences` (`_tgi_body_usage`).
+_BEST_OF = frozenset({Endpoint.TGI_GENERATE, Endpoint.TGI_COMPAT})
+
+
+def _best_of(params: Mapping[str, Any]) -> int:
+    """The sequences a TGI generate request runs: `best_of` as serde reads an `Option<usize>` (a
+    JSON integer; TGI refuses anything else), 1 when absent or not above 1."""
+    value = params.get("best_of")
+    return value if type(value) is int and value > 1 else 1
+
+
+def _instance_sequences(instance: Mapping[str, Any]) -> int:
+    """The sequences one /vertex instance runs: a generate instance's best_of, else 1."""
+    params = instance.get("parameters")
+    if isinstance(instance.get("inputs"), str) and isinstance(params, dict):
+        return _best_of(params)
+    return 1
+
+
+def _tgi_body_usage(obj: object, headers: Mapping[str, str], sequences: int = 1) -> Usage:
     if isinstance(obj, list) and obj and isinstance(obj[0], dict):
         obj = obj[0]  # the compat route wraps one response in a list
     details = obj.get("details") if isinstance(obj, dict) else None
@@ -190,12 +216,32 @@ def _tgi_body_usage(obj: object, headers: Mapping[str, str]) -> Usage:
         out = generated
     if inp is None and isinstance(details.get("prefill"), list) and details["prefill"]:
         inp = count(len(details["prefill"]))
+    if sequences > 1 and out is not None:
+        out = _with_best_of(out, details.get("best_of_sequences"), sequences - 1)
+        if out is None:
+            return Usage(
+                input_tokens=inp, finish_reasons=reasons, unknown_reason="best_of_unreported"
+            )
     return Usage(
         input_tokens=inp,
         output_tokens=out,
         finish_reasons=reasons,
         unknown_reason=None if inp is not None and out is not None else "no_usage",
     )
+
+
+def _with_best_of(best: int, others: object, expected: int) -> int | None:
+    """The best sequence's count plus every other sequence's (`details.best_of_sequences`), or None
+    unless exactly `expected` others are reported, each with a valid count."""
+    if not isinstance(others, list) or len(others) != expected:
+        return None
+    total = best
+    for seq in others:
+        n = count(seq.get("generated_tokens")) if isinstance(seq, dict) else None
+        if n is None:  # absent, or no count we can use (docs/budgets.md, Numbers)
+            return None
+        total += n
+    return count(total)
 
 
 def _vertex_body_usage(obj: object) -> Usage:

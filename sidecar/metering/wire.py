@@ -14,10 +14,11 @@ touched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
 from ..exchange import Endpoint, RequestInfo, Usage
-from .counts import parse
+from .counts import INVALID_USAGE, parse
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .openai import OpenAIAdapter
 from .shape import FastChatStream
@@ -69,8 +70,11 @@ class WireAdapter(Protocol):
         with the one edit the adapter may make, when `inject_usage` asks for it, in its body."""
         ...
 
-    def usage_from_body(self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str]) -> Usage:
-        """Usage of a complete (non-streaming) response."""
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete (non-streaming) response; `sequences`: how many the request's
+        `choices` says are generated (where the wire reports only the best of them)."""
         ...
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> StreamMeter:
@@ -140,10 +144,33 @@ def inspect_request(
 
 
 def usage_from_body(
-    endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, api: str = "vllm"
+    endpoint: Endpoint,
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    api: str = "vllm",
+    sequences: int = 1,
 ) -> Usage:
     """Usage of a complete response on `endpoint` of server `api`."""
-    return adapter_for(endpoint, api).usage_from_body(endpoint, body, headers)
+    return adapter_for(endpoint, api).usage_from_body(endpoint, body, headers, sequences=sequences)
+
+
+def within_request(usage: Usage, info: RequestInfo) -> Usage:
+    """`usage`, or invalid usage when it counts more output than the request can have asked for
+    (`RequestInfo.output_cap` times its choices): the server stops there, so more is no
+    measurement (an upstream answering a duplicated `completion_tokens` of 900,000,000 to
+    `max_tokens: 5` drained the global budget for everyone). Charged the hold, as any invalid
+    usage; a request without a cap keeps any count under the ceiling."""
+    out, cap = usage.output_tokens, info.output_cap
+    if out is None or cap is None or out <= cap * info.choices:
+        return usage
+    return replace(
+        usage,
+        input_tokens=None,
+        output_tokens=None,
+        cached_input_tokens=None,
+        unknown_reason=INVALID_USAGE,
+    )
 
 
 def open_stream(

@@ -36,7 +36,13 @@ from ..exchange import (
     new_uid,
 )
 from ..metering.meter import Meter, price_cost
-from ..metering.wire import StreamMeter, inspect_request, open_stream, usage_from_body
+from ..metering.wire import (
+    StreamMeter,
+    inspect_request,
+    open_stream,
+    usage_from_body,
+    within_request,
+)
 from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
@@ -490,7 +496,10 @@ class Proxy:
             ex.response_sample = body  # a reference to what is in memory anyway, not a copy
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
-            self._set_usage(ex, usage_from_body(ex.endpoint, plain, up.headers, api=self.s.api))
+            usage = usage_from_body(
+                ex.endpoint, plain, up.headers, api=self.s.api, sequences=ex.info.choices
+            )
+            self._set_usage(ex, usage)
         except Exception:
             log.exception("could not read usage of request %s", ex.request_id)
             self.metrics.metering_errors.labels("parse").inc()
@@ -646,6 +655,7 @@ class Proxy:
         return tail
 
     def _set_usage(self, ex: Exchange, usage: Usage) -> None:
+        usage = within_request(usage, ex.info)
         ex.usage = usage
         if usage.model:
             ex.model = self.models(usage.model)
