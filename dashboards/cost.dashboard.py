@@ -2,7 +2,17 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, INST, Grid, dashboard, or_zero, stat, target, timeseries
+from dashboards.lib import (
+    FILTER,
+    INST,
+    USD_PER_HOUR,
+    Grid,
+    dashboard,
+    or_zero,
+    stat,
+    target,
+    timeseries,
+)
 from sidecar.telemetry.thresholds import Thresholds
 
 
@@ -63,7 +73,7 @@ def build(t: Thresholds) -> Dashboard:
             g,
             "$/hour by model",
             "Spend rate per model, from per-token prices.",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum by (model) (rate(llm_cost_usd_total{{{FILTER}}}"
@@ -105,7 +115,7 @@ def build(t: Thresholds) -> Dashboard:
             "Cost: input vs output",
             "Spend rate split by token direction (cached "
             "input is part of input, at its own price).",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum by (token_type) (rate(llm_cost_usd_total{{{FILTER}}}"
@@ -129,6 +139,7 @@ def build(t: Thresholds) -> Dashboard:
                 )
             ],
             threshold=1,
+            decimals=0,
         ),
     ]
     return dashboard(

@@ -2,7 +2,7 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import Grid, dashboard, or_zero, stat, target, timeseries
+from dashboards.lib import USD_PER_HOUR, Grid, dashboard, or_zero, stat, target, timeseries
 from sidecar.telemetry.thresholds import Thresholds
 
 U = 'job="$job",instance=~"$instance",model=~"$model",user_id="$user_id"'
@@ -46,7 +46,7 @@ def build(t: Thresholds) -> Dashboard:
             g,
             "Spend rate by model",
             "USD per hour.",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum by (model) (rate(llm_cost_usd_total{{{U}}}[$__rate_interval])) * 3600",

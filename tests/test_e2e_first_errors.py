@@ -201,6 +201,8 @@ async def test_a_short_outage_shows_at_once_and_fires(
         ("error_alert_firing_after_s", fired_after),
         ("cost_alert_firing_after_s", cost_after),
         ("new_model_request_cost_usd", cost),
+        ("requests_sent", len(statuses)),
+        ("requests_502", statuses.count(502)),
     ):
         record_property(name, value)
         print(f"{name}={value}")
