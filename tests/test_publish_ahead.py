@@ -116,7 +116,7 @@ def test_what_is_published_ahead() -> None:
     )
     users = {s.labels.get("user_id") for s in next(iter(m.cost.collect())).samples}
     assert users == {"alice"}  # no phantom "anonymous"
-    assert n == 2 * len(eps) * (len(SIDECAR_STATUSES) + 4) + 2 * 2 * len(eps) * 2
+    assert n == 2 * len(eps) * (len(SIDECAR_STATUSES) + 4) + 2 * 2 * len(eps) * 2 + 1
 
 
 def test_known_users_ahead_are_bounded() -> None:

@@ -83,6 +83,7 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.request_cost,
         m.cost_unknown,
         m.budget_rejections,
+        m.budget_refusals,
         m.queue_wait,
         m.admission_rejections,
         m.device_seconds,
@@ -123,7 +124,7 @@ def publish_ahead(
             for hist in (m.request_cost, m.duration, m.ttft, m.tpot):
                 m.child(hist, model, ep)
             n += len(SIDECAR_STATUSES) + 4
-    per_user = 2 * len(models) * len(eps) * len(TOKEN_TYPES)
+    per_user = 2 * len(models) * len(eps) * len(TOKEN_TYPES)  # and one refusal series
     room = MAX_USER_SERIES_AHEAD // per_user if per_user else 0
     if len(users) > room:
         log.warning(
@@ -139,7 +140,8 @@ def publish_ahead(
                 for kind in TOKEN_TYPES:
                     m.child(m.tokens, model, kind, ep, user)
                     m.child(m.cost, model, kind, ep, user)
-        n += per_user
+        m.child(m.budget_refusals, user, "user", "budget")
+        n += per_user + 1
     return n
 
 

@@ -441,6 +441,14 @@ class Metrics:
             ["scope"],
             registry=r,
         )
+        self.budget_refusals = Counter(
+            "llm_budget_refusals",
+            "Requests refused by a daily budget (429), by the user refused, the scope whose "
+            "budget it would exceed, and why: budget (over the limit) or capacity (the budget "
+            "table is full of users).",
+            ["user_id", "scope", "reason"],
+            registry=r,
+        )
         self.budget_unmeasured_charges = Counter(
             "llm_budget_unmeasured_charges",
             "Requests that reached the server with no usage measured; their budget hold was "
