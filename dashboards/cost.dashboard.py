@@ -3,6 +3,7 @@
 from grafanalib.core import Dashboard
 
 from dashboards.lib import (
+    COUNT,
     FILTER,
     INST,
     USD_PER_HOUR,
@@ -12,6 +13,7 @@ from dashboards.lib import (
     stat,
     target,
     timeseries,
+    today,
 )
 from sidecar.telemetry.thresholds import Thresholds
 
@@ -25,6 +27,70 @@ def build(t: Thresholds) -> Dashboard:
         f' - sum(increase(llm_request_cost_usd_bucket{{{FILTER},le="{le}"}}[$__range]))'
     )
     panels = [
+        today(
+            g,
+            "Today: spend by user",
+            "Spend since the start of the budget day by user (llm_spend_today_usd: settled, "
+            "restored from the ledger after a restart; equals the ledger's day).",
+            "currencyUSD",
+            [target(f"sort_desc(sum by (user_id) (llm_spend_today_usd{{{INST}}}))", "{{user_id}}")],
+        ),
+        today(
+            g,
+            "Today: spend by model",
+            "Spend since 00:00 UTC by model, from the cost counters (increase over today).",
+            "currencyUSD",
+            [
+                target(
+                    f"sort_desc(sum by (model) (increase(llm_cost_usd_total{{{FILTER}}}"
+                    "[$__range])))",
+                    "{{model}}",
+                )
+            ],
+        ),
+        today(
+            g,
+            "Today: requests and errors by model",
+            "Requests since 00:00 UTC by model and status code (5xx and stream_error are "
+            "errors; 429 budget or admission refusals; 499 the client left).",
+            COUNT,
+            [
+                target(
+                    f"sort_desc(sum by (model, status_code) (increase(llm_requests_total"
+                    f"{{{FILTER}}}[$__range])) > 0)",
+                    "{{model}} {{status_code}}",
+                )
+            ],
+        ),
+        today(
+            g,
+            "Today: budget left by user",
+            "What is left of each user's daily budget (llm_budget_remaining_usd) and of the "
+            "site's; empty when no budget is configured.",
+            "currencyUSD",
+            [
+                target(
+                    f"sort(max by (scope, name) (llm_budget_remaining_usd{{{INST}}}))",
+                    "{{scope}} {{name}}",
+                )
+            ],
+        ),
+        today(
+            g,
+            "Today: budget refusals by user",
+            "Requests refused with 429 by a daily budget since 00:00 UTC, by user and reason.",
+            COUNT,
+            [
+                target(
+                    or_zero(
+                        f"sort_desc(sum by (user_id, reason) (increase("
+                        f"llm_budget_refusals_total{{{INST}}}[$__range])) > 0)",
+                        "user_id",
+                    ),
+                    "{{user_id}} {{reason}}",
+                )
+            ],
+        ),
         stat(
             g,
             f"Spend, last {w24}",

@@ -152,6 +152,21 @@ def stat(
     )
 
 
+def today(
+    grid: Grid, title: str, description: str, unit: str, targets: list[Target], w: int = 8
+) -> Stat:
+    """One value per series (user, model...) for today so far: the panel's range is pinned to
+    the UTC day (`now/d`; the dashboards are in UTC), so `$__range` in its queries is today."""
+    panel = stat(grid, title, description, unit, targets, w=w)
+    panel.gridPos = GridPos(h=8, w=w, x=panel.gridPos.x, y=panel.gridPos.y)
+    grid.row_h = max(grid.row_h, 8)
+    panel.timeFrom = "now/d"
+    panel.orientation = "horizontal"
+    panel.textMode = "value_and_name"
+    panel.graphMode = "none"
+    return panel
+
+
 def text(grid: Grid, title: str, content: str, w: int = 24, h: int = 4) -> Text:
     return Text(title=title, content=content, mode="markdown", gridPos=grid.next(w, h))
 
@@ -281,7 +296,7 @@ DASHBOARD_KEYS = {
 }  # fmt: skip
 PANEL_KEYS = {
     "datasource", "description", "fieldConfig", "gridPos", "id", "maxDataPoints", "options",
-    "targets", "title", "type",
+    "targets", "timeFrom", "title", "type",
 }  # fmt: skip
 TARGET_KEYS = {"datasource", "exemplar", "expr", "format", "legendFormat", "refId"}
 VARIABLE_KEYS = {

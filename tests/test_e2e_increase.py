@@ -122,6 +122,8 @@ def tollbooth_config(tmp: Path, upstream: str) -> dict[str, Any]:
         "metering": {"new_series_hold_s": HOLD_S},
         "ledger": {"path": str(tmp / "ledger.db")},
         "admission": {"strategy": "token-budget", "token_budget": 4096},
+        # limits far above this run's spend: the budget-state panels have a limit to draw
+        "budgets": {"global_daily_usd": 1000.0, "user_daily_usd": 100.0},
         "logging": {"access_log": "off"},
         "audit": {"path": str(tmp / "audit.jsonl")},
     }
