@@ -313,3 +313,24 @@ async def test_dashboard_variables_have_values(run: Run) -> None:
             selector, label = grafana(m.group(1), 60), m.group(2)
             values = await prom.query(f"group by ({label}) ({selector})")
             assert values, (path.name, var["name"])
+
+
+def panel_expr(dashboard: str, title: str) -> str:
+    return next(e for (d, t, _), e in dashboard_targets() if d == dashboard and t == title)
+
+
+async def test_the_today_row_equals_the_ledger(run: Run) -> None:
+    """Spend today by user (the budget-day gauge, restored across the restart) and by model (the
+    cost counters over the UTC day), as the cost dashboard's today row asks for them."""
+    with sqlite3.connect(run.ledger) as con:
+        by_model = dict(con.execute("SELECT model, SUM(cost_usd) FROM requests GROUP BY model"))
+    by_user = {u: usd for u, (usd, _) in ledger_by_user(run.ledger).items()}
+    prom = run.proms[0]
+    at = await run.aligned(prom)
+    for title, label, ledger in (
+        ("Today: spend by user", "user_id", by_user),
+        ("Today: spend by model", "model", by_model),
+    ):
+        expr = grafana(panel_expr("cost.json", title), at - run.started)
+        shown = {r["metric"][label]: float(r["value"][1]) for r in await prom.query(expr, at)}
+        assert shown == pytest.approx(ledger, rel=1e-6, abs=1e-9), title
