@@ -334,3 +334,23 @@ async def test_the_today_row_equals_the_ledger(run: Run) -> None:
         expr = grafana(panel_expr("cost.json", title), at - run.started)
         shown = {r["metric"][label]: float(r["value"][1]) for r in await prom.query(expr, at)}
         assert shown == pytest.approx(ledger, rel=1e-6, abs=1e-9), title
+
+
+async def test_a_preview_of_every_dashboard_is_written(run: Run, tmp_path: Path) -> None:
+    """One HTML page of every panel against this run's Prometheus (under tmp_path, or under
+    $TOLLBOOTH_PREVIEW_DIR when set, to keep it); each panel with data or on EMPTY_HERE."""
+    from tests.preview import render
+
+    prom = run.proms[0]
+    end = await run.aligned(prom)
+
+    async def query(expr: str) -> list[Any]:
+        return await prom.query_range(grafana(expr, end - run.started), run.started, end, 1)
+
+    out_dir = Path(os.environ.get("TOLLBOOTH_PREVIEW_DIR") or tmp_path)
+    out = out_dir / "dashboards-preview.html"
+    has = await render(sorted((ROOT / "dashboards/generated").glob("*.json")), query, out)
+    print(f"dashboard preview: {out}")
+    listed = {f"{d}: {t}" for d, t, _ in EMPTY_HERE}
+    assert {p for p, ok in has.items() if not ok} <= listed
+    assert "<svg" in out.read_text()
