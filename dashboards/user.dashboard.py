@@ -89,8 +89,9 @@ def build(t: Thresholds) -> Dashboard:
         ),
         timeseries(
             g,
-            "Spend vs per-user limit",
-            f"Rolling {w24} spend with the per-user threshold line.",
+            "Spend vs the per-user alert threshold",
+            f"Rolling {w24} spend with the LLMUserDailySpendHigh threshold line (the alert, not "
+            "the user's budget: that is on 'Budget day: spend vs this user's limit').",
             "currencyUSD",
             [target(f"sum(increase(llm_cost_usd_total{{{U}}}[{w24}]))", "spend")],
             threshold=t.user_daily_spend_usd,

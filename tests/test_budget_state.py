@@ -34,6 +34,7 @@ async def test_limits_remainders_and_refusals_by_user(start_sidecar: StartSideca
             },
         }
     )
+
     def v(metric: str, **labels: str) -> float | None:
         return run.sc.metrics.registry.get_sample_value(metric, labels)
 
