@@ -2,7 +2,19 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, INST, Grid, dashboard, or_zero, stat, target, timeseries
+from dashboards.lib import (
+    COUNT,
+    FILTER,
+    INST,
+    USD_PER_HOUR,
+    Grid,
+    dashboard,
+    or_zero,
+    stat,
+    target,
+    timeseries,
+    today,
+)
 from sidecar.telemetry.thresholds import Thresholds
 
 
@@ -15,6 +27,70 @@ def build(t: Thresholds) -> Dashboard:
         f' - sum(increase(llm_request_cost_usd_bucket{{{FILTER},le="{le}"}}[$__range]))'
     )
     panels = [
+        today(
+            g,
+            "Today: spend by user",
+            "Spend since the start of the budget day by user (llm_spend_today_usd: settled, "
+            "restored from the ledger after a restart; equals the ledger's day).",
+            "currencyUSD",
+            [target(f"sort_desc(sum by (user_id) (llm_spend_today_usd{{{INST}}}))", "{{user_id}}")],
+        ),
+        today(
+            g,
+            "Today: spend by model",
+            "Spend since 00:00 UTC by model, from the cost counters (increase over today).",
+            "currencyUSD",
+            [
+                target(
+                    f"sort_desc(sum by (model) (increase(llm_cost_usd_total{{{FILTER}}}"
+                    "[$__range])))",
+                    "{{model}}",
+                )
+            ],
+        ),
+        today(
+            g,
+            "Today: requests and errors by model",
+            "Requests since 00:00 UTC by model and status code (5xx and stream_error are "
+            "errors; 429 budget or admission refusals; 499 the client left).",
+            COUNT,
+            [
+                target(
+                    f"sort_desc(sum by (model, status_code) (increase(llm_requests_total"
+                    f"{{{FILTER}}}[$__range])) > 0)",
+                    "{{model}} {{status_code}}",
+                )
+            ],
+        ),
+        today(
+            g,
+            "Today: budget left by user",
+            "What is left of each user's daily budget (llm_budget_remaining_usd) and of the "
+            "site's; empty when no budget is configured.",
+            "currencyUSD",
+            [
+                target(
+                    f"sort(max by (scope, name) (llm_budget_remaining_usd{{{INST}}}))",
+                    "{{scope}} {{name}}",
+                )
+            ],
+        ),
+        today(
+            g,
+            "Today: budget refusals by user",
+            "Requests refused with 429 by a daily budget since 00:00 UTC, by user and reason.",
+            COUNT,
+            [
+                target(
+                    or_zero(
+                        f"sort_desc(sum by (user_id, reason) (increase("
+                        f"llm_budget_refusals_total{{{INST}}}[$__range])) > 0)",
+                        "user_id",
+                    ),
+                    "{{user_id}} {{reason}}",
+                )
+            ],
+        ),
         stat(
             g,
             f"Spend, last {w24}",
@@ -63,7 +139,7 @@ def build(t: Thresholds) -> Dashboard:
             g,
             "$/hour by model",
             "Spend rate per model, from per-token prices.",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum by (model) (rate(llm_cost_usd_total{{{FILTER}}}"
@@ -105,7 +181,7 @@ def build(t: Thresholds) -> Dashboard:
             "Cost: input vs output",
             "Spend rate split by token direction (cached "
             "input is part of input, at its own price).",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum by (token_type) (rate(llm_cost_usd_total{{{FILTER}}}"
@@ -129,6 +205,7 @@ def build(t: Thresholds) -> Dashboard:
                 )
             ],
             threshold=1,
+            decimals=0,
         ),
     ]
     return dashboard(

@@ -2,7 +2,7 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, Grid, dashboard, stat, target, text, timeseries
+from dashboards.lib import FILTER, USD_PER_HOUR, Grid, dashboard, stat, target, text, timeseries
 from sidecar.telemetry.thresholds import Thresholds
 
 
@@ -100,7 +100,7 @@ def build(t: Thresholds) -> Dashboard:
             "Device cost vs token-price cost",
             "Infrastructure view (GPU-hours x "
             "gpu_hour_usd) beside the per-token price view, per hour.",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum(rate(llm_device_cost_usd_total{{{FILTER}}}[$__rate_interval])) * 3600",

@@ -190,6 +190,65 @@ def build(t: Thresholds) -> Dashboard:
                 ),
             ],
         ),
+        timeseries(
+            g,
+            "Requests by status code and model",
+            "Requests per second by model and status: 2xx served, 4xx refused (413 too large, "
+            "429 budget or admission, 499 the client left), 5xx and stream_error failed.",
+            "reqps",
+            [
+                target(
+                    f"sum by (model, status_code) (rate(llm_requests_total{{{FILTER}}}"
+                    "[$__rate_interval])) > 0",
+                    "{{model}} {{status_code}}",
+                )
+            ],
+            stack=True,
+        ),
+        timeseries(
+            g,
+            "Request duration p50 / p99 by model",
+            "Time from request received to response complete, per model.",
+            "s",
+            [
+                target(
+                    f"histogram_quantile({q}, sum by (model, le) (rate("
+                    f"llm_request_duration_seconds_bucket{{{FILTER}}}[$__rate_interval])))",
+                    f"{{{{model}}}} p{int(q * 100)}",
+                    ref,
+                )
+                for q, ref in ((0.5, "A"), (0.99, "B"))
+            ],
+        ),
+        timeseries(
+            g,
+            "Time to first token p50 / p99 by model",
+            "Upstream send to first token (streams only), per model.",
+            "s",
+            [
+                target(
+                    f"histogram_quantile({q}, sum by (model, le) (rate("
+                    f"llm_time_to_first_token_seconds_bucket{{{FILTER}}}[$__rate_interval])))",
+                    f"{{{{model}}}} p{int(q * 100)}",
+                    ref,
+                )
+                for q, ref in ((0.5, "A"), (0.99, "B"))
+            ],
+        ),
+        timeseries(
+            g,
+            "Token throughput by model",
+            "Tokens per second reported by the server, by model and direction.",
+            "short",
+            [
+                target(
+                    f"sum by (model, token_type) (rate(llm_tokens_total{{{FILTER}}}"
+                    "[$__rate_interval]))",
+                    "{{model}} {{token_type}}",
+                )
+            ],
+            stack=True,
+        ),
     ]
     return dashboard(
         t,

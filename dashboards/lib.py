@@ -35,6 +35,11 @@ ENGINE = 'job="$engine_job"'  # the inference server's own /metrics
 # the floor of every query step, so $__rate_interval always spans several scrapes.
 HEATMAP_MAX_POINTS = 120
 NOT_SCRAPED = "sidecar not scraped"
+# Units. A rate of spend is drawn per hour and says so (Grafana has no $/h unit: a custom suffix).
+USD_PER_HOUR = "suffix: $/h"
+COUNT = "short"  # a count of requests or tokens: drawn as a whole number on a stat
+# Models that went through a metered route: `other` (unmetered POSTs) carries model "unknown".
+METERED = 'job="$job",api_endpoint!="other"'
 
 
 def or_zero(expr: str, label: str | None = None) -> str:
@@ -84,6 +89,7 @@ def timeseries(
     w: int = 12,
     threshold: float | None = None,
     stack: bool = False,
+    decimals: int | None = None,
 ) -> TimeSeries:
     extra: dict[str, Any] = {}
     if threshold is not None:
@@ -101,6 +107,8 @@ def timeseries(
                 }
             }
         }
+    if decimals is not None:
+        extra.setdefault("fieldConfig", {}).setdefault("defaults", {})["decimals"] = decimals
     return TimeSeries(
         title=title,
         description=description,
@@ -138,9 +146,25 @@ def stat(
         dataSource=DS,
         thresholds=steps,
         reduceCalc="lastNotNull",
+        decimals=0 if unit == COUNT else None,
         noValue=no_value,
         mappings=mappings or [],
     )
+
+
+def today(
+    grid: Grid, title: str, description: str, unit: str, targets: list[Target], w: int = 8
+) -> Stat:
+    """One value per series (user, model...) for today so far: the panel's range is pinned to
+    the UTC day (`now/d`; the dashboards are in UTC), so `$__range` in its queries is today."""
+    panel = stat(grid, title, description, unit, targets, w=w)
+    panel.gridPos = GridPos(h=8, w=w, x=panel.gridPos.x, y=panel.gridPos.y)
+    grid.row_h = max(grid.row_h, 8)
+    panel.timeFrom = "now/d"
+    panel.orientation = "horizontal"
+    panel.textMode = "value_and_name"
+    panel.graphMode = "none"
+    return panel
 
 
 def text(grid: Grid, title: str, content: str, w: int = 24, h: int = 4) -> Text:
@@ -239,7 +263,7 @@ def variables(t: Thresholds, user: bool = False) -> Templating:
             name="engine_job", label="engine job", query=t.engine_job, type="constant", hide=2
         ),
         query("instance", 'label_values(up{job="$job"}, instance)'),
-        query("model", 'label_values(llm_requests_total{job="$job"}, model)'),
+        query("model", f"label_values(llm_requests_total{{{METERED}}}, model)"),
     ]
     if user:
         items.append(
@@ -272,7 +296,7 @@ DASHBOARD_KEYS = {
 }  # fmt: skip
 PANEL_KEYS = {
     "datasource", "description", "fieldConfig", "gridPos", "id", "maxDataPoints", "options",
-    "targets", "title", "type",
+    "targets", "timeFrom", "title", "type",
 }  # fmt: skip
 TARGET_KEYS = {"datasource", "exemplar", "expr", "format", "legendFormat", "refId"}
 VARIABLE_KEYS = {

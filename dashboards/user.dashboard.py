@@ -2,10 +2,16 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import Grid, dashboard, or_zero, stat, target, timeseries
+from dashboards.lib import COUNT, USD_PER_HOUR, Grid, dashboard, or_zero, stat, target, timeseries
 from sidecar.telemetry.thresholds import Thresholds
 
 U = 'job="$job",instance=~"$instance",model=~"$model",user_id="$user_id"'
+ME = 'job="$job",instance=~"$instance",user_id="$user_id"'
+# The user's own daily limit: an override, else the per-user default (llm_budget_limit_usd).
+MY_LIMIT = (
+    'max(llm_budget_limit_usd{job="$job",scope="user",name="$user_id"})'
+    ' or max(llm_budget_limit_usd{job="$job",scope="user",name="*"})'
+)
 
 
 def build(t: Thresholds) -> Dashboard:
@@ -46,7 +52,7 @@ def build(t: Thresholds) -> Dashboard:
             g,
             "Spend rate by model",
             "USD per hour.",
-            "currencyUSD",
+            USD_PER_HOUR,
             [
                 target(
                     f"sum by (model) (rate(llm_cost_usd_total{{{U}}}[$__rate_interval])) * 3600",
@@ -83,11 +89,54 @@ def build(t: Thresholds) -> Dashboard:
         ),
         timeseries(
             g,
-            "Spend vs per-user limit",
-            f"Rolling {w24} spend with the per-user threshold line.",
+            "Spend vs the per-user alert threshold",
+            f"Rolling {w24} spend with the LLMUserDailySpendHigh threshold line (the alert, not "
+            "the user's budget: that is on 'Budget day: spend vs this user's limit').",
             "currencyUSD",
             [target(f"sum(increase(llm_cost_usd_total{{{U}}}[{w24}]))", "spend")],
             threshold=t.user_daily_spend_usd,
+        ),
+        timeseries(
+            g,
+            "Budget day: spend vs this user's limit",
+            "Spend since the start of the budget day (llm_spend_today_usd), this user's own daily "
+            "limit (its override, else the per-user default: llm_budget_limit_usd) and what is "
+            "left (llm_budget_remaining_usd). Empty limit: no per-user budget is configured.",
+            "currencyUSD",
+            [
+                target(f"sum(llm_spend_today_usd{{{ME}}})", "spent today"),
+                target(MY_LIMIT, "daily limit", ref="B"),
+                target(
+                    'max(llm_budget_remaining_usd{job="$job",scope="user",name="$user_id"})',
+                    "left",
+                    ref="C",
+                ),
+            ],
+        ),
+        stat(
+            g,
+            "Budget refusals, selected range",
+            "Requests of this user refused with 429 by a daily budget (any scope).",
+            COUNT,
+            [target(or_zero(f"sum(increase(llm_budget_refusals_total{{{ME}}}[$__range]))"))],
+            threshold=1,
+        ),
+        timeseries(
+            g,
+            "Budget refusals by scope and reason",
+            "429s of this user per 5 minutes: the scope whose budget the request would exceed "
+            "(user, team, global) and why (budget, or capacity: the budget table was full).",
+            COUNT,
+            [
+                target(
+                    or_zero(
+                        f"sum by (scope, reason) (increase(llm_budget_refusals_total{{{ME}}}[5m]))",
+                        "scope",
+                    ),
+                    "{{scope}} {{reason}}",
+                )
+            ],
+            decimals=0,
         ),
     ]
     return dashboard(

@@ -85,9 +85,11 @@ class MeteringConfig:
     max_tracked_models: int = 100
     # Ask streaming chat/completions for usage and strip the extra chunk before the client sees it.
     inject_stream_usage: bool = True
-    # A new counter series is published at 0 for this long before its value (docs/metrics.md):
-    # keep it above the longest scrape_interval of every Prometheus scraping the sidecar.
-    new_series_hold_s: float = 90.0
+    # A counter series first exposed already carrying a value (one not published ahead: an
+    # unforeseen user, model or status) reads 0 for this long first (docs/metrics.md): keep it
+    # above the longest scrape_interval of every Prometheus scraping the sidecar (2 x 15 s here).
+    # 0 turns the hold off (a Prometheus that ingests created timestamps needs none).
+    new_series_hold_s: float = 30.0
     # Also ask vLLM for running totals on every chunk (continuous_usage_stats), cut back out of
     # each chunk, so a client that leaves mid-stream is billed the exact tokens generated so far.
     # Only sent when upstream.api is vllm (TGI has no such option). Metering cost per chunk: 3.1

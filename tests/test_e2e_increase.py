@@ -142,6 +142,8 @@ def tollbooth_config(tmp: Path, upstream: str) -> dict[str, Any]:
         "metering": {"new_series_hold_s": HOLD_S},
         "ledger": {"path": str(tmp / "ledger.db")},
         "admission": {"strategy": "token-budget", "token_budget": 4096},
+        # limits far above this run's spend: the budget-state panels have a limit to draw
+        "budgets": {"global_daily_usd": 1000.0, "user_daily_usd": 100.0},
         "logging": {"access_log": "off"},
         "audit": {"path": str(tmp / "audit.jsonl")},
     }
@@ -331,3 +333,44 @@ async def test_dashboard_variables_have_values(run: Run) -> None:
             selector, label = grafana(m.group(1), 60), m.group(2)
             values = await prom.query(f"group by ({label}) ({selector})")
             assert values, (path.name, var["name"])
+
+
+def panel_expr(dashboard: str, title: str) -> str:
+    return next(e for (d, t, _), e in dashboard_targets() if d == dashboard and t == title)
+
+
+async def test_the_today_row_equals_the_ledger(run: Run) -> None:
+    """Spend today by user (the budget-day gauge, restored across the restart) and by model (the
+    cost counters over the UTC day), as the cost dashboard's today row asks for them."""
+    with sqlite3.connect(run.ledger) as con:
+        by_model = dict(con.execute("SELECT model, SUM(cost_usd) FROM requests GROUP BY model"))
+    by_user = {u: usd for u, (usd, _) in ledger_by_user(run.ledger).items()}
+    prom = run.proms[0]
+    at = await run.aligned(prom)
+    for title, label, ledger in (
+        ("Today: spend by user", "user_id", by_user),
+        ("Today: spend by model", "model", by_model),
+    ):
+        expr = grafana(panel_expr("cost.json", title), at - run.started)
+        shown = {r["metric"][label]: float(r["value"][1]) for r in await prom.query(expr, at)}
+        assert shown == pytest.approx(ledger, rel=1e-6, abs=1e-9), title
+
+
+async def test_a_preview_of_every_dashboard_is_written(run: Run, tmp_path: Path) -> None:
+    """One HTML page of every panel against this run's Prometheus (under tmp_path, or under
+    $TOLLBOOTH_PREVIEW_DIR when set, to keep it); each panel with data or on EMPTY_HERE."""
+    from tests.preview import render
+
+    prom = run.proms[0]
+    end = await run.aligned(prom)
+
+    async def query(expr: str) -> list[Any]:
+        return await prom.query_range(grafana(expr, end - run.started), run.started, end, 1)
+
+    out_dir = Path(os.environ.get("TOLLBOOTH_PREVIEW_DIR") or tmp_path)
+    out = out_dir / "dashboards-preview.html"
+    has = await render(sorted((ROOT / "dashboards/generated").glob("*.json")), query, out)
+    print(f"dashboard preview: {out}")
+    listed = {f"{d}: {t}" for d, t, _ in EMPTY_HERE}
+    assert {p for p, ok in has.items() if not ok} <= listed
+    assert "<svg" in out.read_text()

@@ -270,9 +270,9 @@ class Budgets:
             # admission (a restart restores by ts).
             ex.started_at = max(ex.started_at, float(hold.day))
             return None
-        self._refuse(verdict, hold.amount)
+        self._refuse(verdict, hold.amount, ex.user_id)
 
-    def _refuse(self, verdict: Verdict, amount: int) -> None:
+    def _refuse(self, verdict: Verdict, amount: int, user: str) -> None:
         if verdict.reason == "unavailable":
             raise Refusal(
                 503,
@@ -283,6 +283,7 @@ class Budgets:
         scope = verdict.scope
         assert scope is not None
         self.metrics.budget_rejections.labels(scope.kind).inc()
+        self.metrics.budget_refusals.labels(self.users(user), scope.kind, verdict.reason).inc()
         if verdict.reason == "capacity":
             log.warning(
                 "budget table full (%d users): refusing new user", self.config.max_tracked_users

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
 from ..config import Config, parse_hostport
-from ..exchange import Endpoint, Exchange, Gate
+from ..exchange import Exchange, Gate
 from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.edge import ConnectionGuard, listen
@@ -33,7 +33,7 @@ from ..proxy.routes import routing_path
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
 from ..telemetry.health import UpstreamProbe, probe_context, readiness
-from ..telemetry.metrics import LabelCap, Metrics
+from ..telemetry.metrics import OTHER, LabelCap, Metrics
 
 if TYPE_CHECKING:  # set by wiring when configured; a single sidecar never loads psycopg
     from ..billing.admission import Admission
@@ -93,6 +93,8 @@ class Sidecar:
     def reload(self) -> None:
         """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
         self._reload_keys()
+        if self.identity.keys is not None:
+            _init_label_sets(self)  # the new keys' users
         if not self.pricing_path:
             log.info("SIGHUP: no --pricing file given; prices unchanged")
             return
@@ -114,13 +116,16 @@ class Sidecar:
 
 
 def _init_label_sets(sc: Sidecar) -> None:
-    """Known models get their series at 0 now, so the first request is not lost to increase()."""
-    for model in sc.prices.config.models:
-        label = sc.models(model)
-        for ep in Endpoint:
-            sc.metrics.request_cost.labels(label, ep.value)
-        for kind in ("input", "output"):
-            sc.metrics.cost.labels(label, kind, "/v1/chat/completions", "anonymous")
+    """Every series known ahead is created at 0 now (start-up, and every reload): the priced
+    models' request, error, cost and latency series, and the keys file's users' token and cost
+    series, through the label caps. Published at 0, they need no hold: a first request or a
+    first error shows on the next scrape (telemetry/exposition.py)."""
+    models = [sc.models(model) for model in sc.prices.config.models]
+    known = sc.identity.keys.users() if sc.identity.keys is not None else []
+    users = [u for u in (sc.users(user) for user in known) if u != OTHER]
+    eps = held.endpoints_for(sc.config.upstream.api)
+    n = held.publish_ahead(sc.metrics, [m for m in models if m != OTHER], eps, users)
+    log.info("%d series published ahead: %d models, %d known users", n, len(models), len(users))
 
 
 SIDECAR = web.AppKey("sidecar", Sidecar)
@@ -241,6 +246,8 @@ def create_admin_app(sc: Sidecar) -> web.Application:
 
 async def _metrics(request: web.Request) -> web.Response:
     registry = request.app[PUBLISHED]  # new series read 0 first: sidecar/telemetry/exposition.py
+    if request.query.get("hold") == "0":  # for people and scripts: the registry's true values
+        registry = request.app[SIDECAR].metrics.registry
     accept = request.headers.get("Accept", "")
     if "application/openmetrics-text" in accept:
         # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..billing.admission import Admission
 from ..billing.audit import Audit, audit_context
 from ..billing.budget import Budgets, spent_by_scope
+from ..billing.budget_state import BudgetState
 from ..billing.ledger import Ledger, ledger_context
 from ..telemetry import thresholds, tracing
 from ..telemetry.accesslog import AccessLog, access_log_context
@@ -57,6 +58,7 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = 
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
     )
+    sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics))  # limits, what is left
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":

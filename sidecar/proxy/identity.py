@@ -57,6 +57,11 @@ class KeyBook:
     def lookup(self, key: str) -> Principal | None:
         return self._by_hash.get(digest(key))
 
+    def users(self) -> list[str]:
+        """Every user the file names, once each, in file order (their series are published
+        ahead)."""
+        return list(dict.fromkeys(p.user for p in self._by_hash.values()))
+
     def reload(self) -> None:
         self._by_hash = read_keys(self.path)
 

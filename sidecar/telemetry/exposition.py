@@ -1,16 +1,20 @@
-"""What /metrics shows: the registry, with every new cumulative series published at 0 first.
+"""What /metrics shows: the registry, with every cumulative series seen at 0 before its value.
 
-Owns: the view the admin app renders, and carrying the counters across a graceful restart.
+Owns: the series published ahead (`publish_ahead`), the view the admin app renders, and carrying
+the counters across a graceful restart.
 Prometheus' increase() and rate() never count a series' first sample, so a
 series first scraped already holding its first request's cost loses that cost: the whole first
-spend of a user or model that appears mid-window, and of everything after a restart. Here each
-counter or histogram series that a panel or rule reads is shown as 0 from the first time it is
-exposed until `hold_s` seconds later, then with its real value. Every Prometheus that scrapes more
-often than `hold_s` (one server or an HA pair) so takes at least one sample of it at 0 and counts
-its first increment in full. At a graceful restart the counters go on from their values in the
-next process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
-Never: changes a value in the registry (budgets, tests and the demo read the truth), runs on the
-request path, or holds a gauge.
+spend of a user or model that appears mid-window, and of everything after a restart. So every
+series that can be known ahead (per priced model, endpoint, status the sidecar produces, known
+user) is created at 0 at start-up and on every reload: its first exposure is 0, it needs no hold,
+and its first request shows on the next scrape. Only a series a scrape would first expose already
+carrying a value (an unforeseen user, model or status) is shown as 0 from that exposure until
+`hold_s` seconds later, then with its real value. Every Prometheus that scrapes more often than
+`hold_s` (one server or an HA pair) so takes at least one sample of it at 0 and counts its first
+increment in full. At a graceful restart the counters go on from their values in the next
+process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
+Never: changes a value in the registry (budgets, tests, the demo and `/metrics?hold=0` read the
+truth), runs on the request path, or holds a gauge.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,30 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
+from ..exchange import STATUS_CLIENT_CLOSED, Endpoint
 from .metrics import OTHER, LabelCap, Metrics
 
 log = logging.getLogger("tollbooth.exposition")
+
+# The `status_code` values the sidecar itself produces (its own answers, and how it records a
+# request that ends in the stream or with the client gone): published ahead for every priced
+# model, so a first error or refusal is on the next scrape. Other upstream statuses are held.
+SIDECAR_STATUSES = (
+    "200",
+    "400",  # ambiguous path or request
+    "401",  # unknown API key
+    "413",  # body over max_request_body_bytes
+    "429",  # budget
+    str(STATUS_CLIENT_CLOSED),
+    "502",  # upstream unreachable
+    "503",  # admission queue, budget store, request memory
+    "504",  # upstream timeout
+    "stream_error",
+)
+TOKEN_TYPES = ("input", "output")
+# Known users' series published ahead (tokens and cost, per priced model, endpoint and token
+# type): at most this many, on top of the label caps; the users past it are held as unforeseen.
+MAX_USER_SERIES_AHEAD = 20_000
 
 Labels = tuple[str, ...]
 # Saved series older than this are dropped (the counters start from 0: a reset): going on from them
@@ -58,6 +83,7 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.request_cost,
         m.cost_unknown,
         m.budget_rejections,
+        m.budget_refusals,
         m.queue_wait,
         m.admission_rejections,
         m.device_seconds,
@@ -70,6 +96,60 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.holds_expired,
     )
     return {fam.name: c for c in read for fam in c.describe()}
+
+
+def endpoints_for(api: str) -> tuple[str, ...]:
+    """The metered endpoints an upstream of this kind serves (`other` is never priced)."""
+    skip = {Endpoint.OTHER, Endpoint.INVOCATIONS}
+    return tuple(
+        ep.label for ep in Endpoint if ep not in skip and (api == "tgi" or not ep.is_tgi_native)
+    )
+
+
+def publish_ahead(
+    m: Metrics, models: Iterable[str], endpoints: Iterable[str], users: Iterable[str]
+) -> int:
+    """Create at 0 every series that can be known before a request; returns how many exist.
+
+    `models` and `users` are labels already through the label caps. Per model and endpoint: the
+    request series of every status in SIDECAR_STATUSES and the histograms the alerts and the
+    latency panels read; per known user in addition: tokens and cost of each token type.
+    """
+    eps, n = tuple(endpoints), 0
+    models, users = tuple(dict.fromkeys(models)), tuple(dict.fromkeys(users))
+    for model in models:
+        for ep in eps:
+            for status in SIDECAR_STATUSES:
+                m.child(m.requests, model, ep, status)
+            for hist in (m.request_cost, m.duration, m.ttft, m.tpot):
+                m.child(hist, model, ep)
+            n += len(SIDECAR_STATUSES) + 4
+    per_user = 2 * len(models) * len(eps) * len(TOKEN_TYPES)  # and one refusal series
+    room = MAX_USER_SERIES_AHEAD // per_user if per_user else 0
+    if len(users) > room:
+        log.warning(
+            "%d known users: the series of the first %d are published ahead, the others "
+            "held when they first appear (MAX_USER_SERIES_AHEAD=%d)",
+            len(users),
+            room,
+            MAX_USER_SERIES_AHEAD,
+        )
+    for user in users[:room]:
+        for model in models:
+            for ep in eps:
+                for kind in TOKEN_TYPES:
+                    m.child(m.tokens, model, kind, ep, user)
+                    m.child(m.cost, model, kind, ep, user)
+        m.child(m.budget_refusals, user, "user", "budget")
+        n += per_user + 1
+    return n
+
+
+HELD_NOTE = (
+    " A series first exposed already carrying a value reads 0 here for its first {hold:g} s"
+    " (metering.new_series_hold_s), so rate() counts its first increment; /metrics?hold=0 shows"
+    " the true values (docs/metrics.md, Exact increases)."
+)
 
 
 class HeldView:
@@ -90,6 +170,8 @@ class HeldView:
         self._exposed: dict[str, dict[Labels, float]] = {}  # held series: first shown at
         self._seen: dict[str, set[Labels]] = {}  # only when `_created` samples are switched off
         self._shown_before: dict[str, set[Labels]] = {}  # carried series the scrapers know
+        self._note = HELD_NOTE.format(hold=hold_s)
+        self._judged: dict[str, set[Labels]] = {}  # the series new at the last render
 
     def shown_before(self, family: str, labels: dict[str, str]) -> None:
         """A series carried from the previous process that scrapers have already seen above 0:
@@ -108,9 +190,12 @@ class HeldView:
 
     def _held(self, fam: Metric, now: float) -> Metric:
         held = self._holding(fam, now)
+        # The HELP text says so on every render (a HELP that changed between scrapes would
+        # read as a changed metric).
+        out = Metric(fam.name, fam.documentation + self._note, fam.type, fam.unit)
         if not held:
-            return fam  # the usual case: every series has been shown for longer than the hold
-        out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = fam.samples  # the usual case: nothing in its hold
+            return out
         created = fam.name + "_created"
         # The exemplar stays: it is a real trace, and the link should not wait.
         out.samples = [
@@ -120,12 +205,23 @@ class HeldView:
         return out
 
     def _holding(self, fam: Metric, now: float) -> dict[Labels, float]:
-        """Note the series shown for the first time now; return those still in their hold."""
+        """Note the series shown for the first time now; return those still in their hold.
+
+        A series first shown at 0 has nothing to lose: it is not held (every series published
+        ahead is one). One first shown carrying a value is.
+        """
         exposed = self._exposed.setdefault(fam.name, {})
         shown_before = self._shown_before.pop(fam.name, set())  # only until the first render
-        for key in self._new(fam):
-            if key not in shown_before:
-                exposed.setdefault(key, now)
+        fresh = set(self._new(fam))
+        # A series created at the very instant of the last render is seen as new again now: it
+        # was judged then (`_judged`), and shown at 0 or held from then.
+        new = fresh - shown_before - self._judged.get(fam.name, set())
+        self._judged[fam.name] = fresh
+        if new:
+            carrying = _carrying(fam)
+            for key in new:
+                if key in carrying:
+                    exposed.setdefault(key, now)
         for key in [k for k, t in exposed.items() if now - t >= self._hold_s]:
             del exposed[key]
         return exposed
@@ -180,6 +276,12 @@ class HeldView:
                 yield _labels(s)
 
 
+def _carrying(fam: Metric) -> set[Labels]:
+    """The series of a family with a value above 0 (a histogram: its count or sum)."""
+    created = fam.name + "_created"
+    return {_labels(s) for s in fam.samples if s.value and s.name != created}
+
+
 def _labels(s: Sample) -> Labels:
     """The series a sample belongs to: a histogram's buckets share their child's labels."""
     return tuple(v for k, v in s.labels.items() if k != "le")
@@ -188,6 +290,13 @@ def _labels(s: Sample) -> Labels:
 def published(m: Metrics, hold_s: float) -> tuple[CollectorRegistry, HeldView]:
     """The registry /metrics renders (`m`'s own, seen through a `HeldView`), and the view."""
     view = HeldView(m.registry, read_by_increase(m), hold_s)
+    if hold_s > 0:
+        log.info(
+            "/metrics: a new series first exposed carrying a value reads 0 for %g s "
+            "(metering.new_series_hold_s; series known ahead are not held); true values at "
+            "/metrics?hold=0",
+            hold_s,
+        )
     out = CollectorRegistry()
     out.register(view)
     return out, view

@@ -34,7 +34,7 @@ class Thresholds:
     # Upstream errors (5xx, stream errors, sidecar 502/504) as a share of requests
     error_ratio: float = 0.05
     error_window: str = "5m"
-    error_for: str = "5m"
+    error_for: str = "1m"  # shorter than the window: a 30 s outage fires (then resolves)
     # GPU memory used / total
     gpu_memory_ratio: float = 0.95
     gpu_memory_for: str = "5m"
