@@ -23,6 +23,7 @@ from sidecar.exchange import Endpoint
 from sidecar.metering.counts import INVALID_USAGE, MAX_TOKEN_COUNT
 from sidecar.metering.wire import inspect_request, open_stream, tokenize_requests, usage_from_body
 from sidecar.proxy.headers import anthropic_error_body, request_headers
+from sidecar.telemetry.logs import redact_credentials
 
 EP = Endpoint.MESSAGES
 
@@ -299,3 +300,8 @@ def test_anthropic_error_types_by_status() -> None:
         502: "api_error",
         503: "overloaded_error",
     }
+
+
+def test_x_api_key_is_masked_in_log_text() -> None:
+    text = redact_credentials("bad header line 'x-api-key: sk-ant-secret-1' from peer")
+    assert "sk-ant-secret-1" not in text and "x-api-key" in text
