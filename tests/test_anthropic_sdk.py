@@ -315,3 +315,21 @@ async def _count(base: str) -> int:
         s.post(base + "/v1/messages/count_tokens", json={"model": MODEL, "messages": MSGS}) as r,
     ):
         return int((await r.json())["input_tokens"])
+
+
+async def test_a_client_leaving_a_whole_answer_has_its_prompt_counted_by_count_tokens(
+    start_sidecar: StartSidecar, aiohttp_server: Any, keys: str, tmp_path: Path
+) -> None:
+    # not streamed: nothing of the answer came, so the prompt is counted by the server's own
+    # /v1/messages/count_tokens, with the client's key
+    slow = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.02)))
+    base = str(slow.make_url("")).rstrip("/")
+    run = await start(start_sidecar, base, keys, tmp_path)
+    client = anthropic.AsyncAnthropic(base_url=run.url, api_key=ALICE, max_retries=0, timeout=0.3)
+    try:
+        with pytest.raises(anthropic.APITimeoutError):
+            await client.messages.create(model=MODEL, max_tokens=60, messages=MSGS)
+    finally:
+        await client.close()
+    (row,) = await ledger(tmp_path, 1)
+    assert row[:5] == ("alice", EP, await _count(base), None, None) and row[6] == "499"
