@@ -16,6 +16,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.billing.audit import redact
 from sidecar.credentials import ConflictingKeys, bearer, key_id
@@ -305,3 +307,43 @@ def test_anthropic_error_types_by_status() -> None:
 def test_x_api_key_is_masked_in_log_text() -> None:
     text = redact_credentials("bad header line 'x-api-key: sk-ant-secret-1' from peer")
     assert "sk-ant-secret-1" not in text and "x-api-key" in text
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    model=_JSON,
+    usage=st.dictionaries(
+        st.sampled_from(
+            [
+                "input_tokens",
+                "output_tokens",
+                "cache_read_input_tokens",
+                "cache_creation_input_tokens",
+            ]
+        ),
+        _JSON,
+    ),
+    reason=_JSON,
+)
+def test_whatever_the_upstream_sends_is_made_safe(
+    model: object, usage: object, reason: object
+) -> None:
+    start = {"type": "message_start", "message": {"model": model, "id": model, "usage": usage}}
+    delta = {"type": "message_delta", "delta": {"stop_reason": reason}, "usage": usage}
+    body = json.dumps({"model": model, "stop_reason": reason, "usage": usage}).encode()
+    for u in (
+        usage_from_body(EP, body, {}),
+        fed(sse(("message_start", start), ("message_delta", delta)), [])[1],
+    ):
+        for n in (u.input_tokens, u.output_tokens, u.cached_input_tokens):
+            assert n is None or (type(n) is int and 0 <= n <= MAX_TOKEN_COUNT)
+        for s in (u.model, u.response_id, *u.finish_reasons):
+            assert s is None or (isinstance(s, str) and s.encode("utf-8"))
