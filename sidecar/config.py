@@ -102,6 +102,7 @@ class MeteringConfig:
         "/tokenize",
         "/detokenize",
         "/chat_tokenize",
+        "/v1/messages/count_tokens",  # Anthropic's: counts the prompt, generates nothing
         "/ping",
         "/health",
         "/version",

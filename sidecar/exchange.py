@@ -30,6 +30,7 @@ class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
     EMBEDDINGS = "/v1/embeddings"
     RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"  # Anthropic Messages (metering/anthropic.py)
     TGI_GENERATE = "/generate"
     TGI_GENERATE_STREAM = "/generate_stream"
     TGI_COMPAT = "/"
@@ -51,7 +52,7 @@ class Endpoint(StrEnum):
     @property
     def operation(self) -> str:
         """The GenAI `gen_ai.operation.name` for this route."""
-        if self in (Endpoint.CHAT, Endpoint.RESPONSES):
+        if self in (Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.MESSAGES):
             return "chat"
         if self is Endpoint.EMBEDDINGS:
             return "embeddings"

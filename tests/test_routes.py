@@ -191,7 +191,9 @@ async def test_vertex_is_metered_and_its_prompt_counted(start_sidecar: StartSide
 # --- routes that are not metered ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("target,cls", [("/v1/messages", "/v1/messages"), ("/x/gen", "other")])
+@pytest.mark.parametrize(
+    "target,cls", [("/inference/v1/generate", "/inference/v1/generate"), ("/x/gen", "other")]
+)
 async def test_an_unmetered_post_is_refused_by_default(
     start_sidecar: StartSidecar, target: str, cls: str
 ) -> None:
@@ -221,16 +223,16 @@ async def test_a_forwarded_unmetered_post_is_counted_and_gated(
     )  # one hold is 4096 x $2/M = $0.0082: the second does not fit
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 5}
     async with aiohttp.ClientSession() as s:
-        async with s.post(run.url + "/v1/messages", json=body, headers=_as("bob")) as r:
+        async with s.post(run.url + "/echo", json=body, headers=_as("bob")) as r:
             assert r.status == 200  # served, its usage unknown
-        async with s.post(run.url + "/v1/messages", json=body, headers=_as("bob")) as r:
+        async with s.post(run.url + "/echo", json=body, headers=_as("bob")) as r:
             assert r.status == 429  # the budget gate applies to unmetered routes too
             assert (await r.json())["error"]["type"] == "budget_exceeded"
         async with s.post(run.url + CHAT, json=body, headers=_as("alice")) as r:
             assert r.status == 200
-    assert unmetered(run, "/v1/messages") == 2
+    assert unmetered(run, "other") == 2
     assert run.upstream is not None
-    assert [x["path"] for x in run.upstream.seen] == ["/v1/messages", CHAT]
+    assert [x["path"] for x in run.upstream.seen] == ["/echo", CHAT]
     other = {"model": "unknown", "api_endpoint": "other"}
     assert run.value("llm_requests_total", status_code="200", **other) == 1
     assert run.value("llm_usage_unknown_total", reason="unmetered_route", **other) == 1

@@ -299,7 +299,8 @@ def test_ambiguous_paths_are_refused(raw: str) -> None:
 def test_classify_new_routes() -> None:
     assert classify("POST", "/invocations") is Endpoint.INVOCATIONS
     assert classify("POST", "/vertex") is Endpoint.TGI_VERTEX
-    assert classify("POST", "/v1/messages") is None
+    assert classify("POST", "/v1/messages") is Endpoint.MESSAGES
+    assert classify("POST", "/v1/messages/count_tokens") is None  # a free route: forwarded
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ async def _load(url: str, duration: float, done: list[Exchange], sc: Sidecar) ->
 
         async def worker(i: int) -> None:
             while time.monotonic() < stop_at:
-                await _one(s, url, rng.choice(users), rng)
+                await _one(s, url, rng.choice(users), rng, messages=i == 0)
                 await asyncio.sleep(rng.expovariate(4.0))
 
         async def progress() -> None:
@@ -145,16 +145,24 @@ async def _load(url: str, duration: float, done: list[Exchange], sc: Sidecar) ->
         await asyncio.gather(progress(), *(worker(i) for i in range(6)))
 
 
-async def _one(s: aiohttp.ClientSession, url: str, user: str, rng: random.Random) -> None:
+async def _one(
+    s: aiohttp.ClientSession, url: str, user: str, rng: random.Random, *, messages: bool
+) -> None:
+    """One request; `messages`: as an Anthropic Messages client (Claude Code, the SDKs) sends."""
     words = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(20, 600)))
     stream = rng.random() < 0.6
-    chat = rng.random() < 0.7
+    kind = rng.random()
     body: dict[str, object] = {"model": MODEL, "max_tokens": rng.randint(16, 256), "stream": stream}
-    if chat:
+    if messages:
+        path = "/v1/messages"
+        body["system"] = "You summarise."
+        body["messages"] = [{"role": "user", "content": f"Summarise: {words}"}]
+    elif kind < 0.7:
+        path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": f"Summarise: {words}"}]
     else:
+        path = "/v1/completions"
         body["prompt"] = words
-    path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         async with s.post(url + path, json=body, headers={"X-Tollbooth-User": user}) as r:
             await r.read()
@@ -165,9 +173,10 @@ async def _one(s: aiohttp.ClientSession, url: str, user: str, rng: random.Random
 def summary(done: list[Exchange], sc: Sidecar, workdir: Path, listen: str, admin: str) -> str:
     by_user: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     by_model: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    by_route: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     unknown = 0
     for e in done:
-        for key, table in ((e.user_id, by_user), (e.model, by_model)):
+        for key, table in ((e.user_id, by_user), (e.model, by_model), (e.endpoint.label, by_route)):
             row = table[key]
             row[0] += 1
             row[1] += (e.usage.input_tokens or 0) + (e.usage.output_tokens or 0)
@@ -184,6 +193,11 @@ def summary(done: list[Exchange], sc: Sidecar, workdir: Path, listen: str, admin
     lines += [f"  {'model':<12} {'requests':>8} {'tokens':>10} {'USD':>12}"]
     lines += [
         f"  {k:<12} {int(v[0]):>8} {int(v[1]):>10,} {v[2]:>12.6f}" for k, v in by_model.items()
+    ]
+    lines += [f"  {'route':<20} {'requests':>8} {'tokens':>10} {'USD':>12}"]
+    lines += [
+        f"  {k:<20} {int(v[0]):>8} {int(v[1]):>10,} {v[2]:>12.6f}"
+        for k, v in sorted(by_route.items())
     ]
     if unknown:
         lines.append(f"  {unknown} requests with unknown cost (not counted as $0)")

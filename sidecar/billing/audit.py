@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..config import AuditConfig
-from ..credentials import api_key_id
+from ..credentials import KEY_HEADERS, api_key_id
 from ..exchange import Exchange, priced_model
 from ..metering.pricing import PriceBook
 from ..metering.sse import SSEParser
@@ -75,7 +75,7 @@ def redact(headers: Mapping[str, str]) -> dict[str, str]:
         name = k.lower()
         if name in RECORDED_HEADERS:
             out[k] = clean(v, 256)
-        elif name == "authorization":
+        elif name in KEY_HEADERS:  # Authorization, x-api-key: the key's id, never the key
             out[k] = f"{REDACTED} {api_key_id(v) or ''}".strip()
         else:
             out[k] = REDACTED

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from ..exchange import Endpoint, RequestInfo, Usage
+from .anthropic import AnthropicAdapter
 from .counts import INVALID_USAGE, parse
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .openai import OpenAIAdapter
@@ -107,6 +108,7 @@ def register(adapter: WireAdapter, routes: Iterable[Endpoint], api: str | None =
 register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
+register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server
 # Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
 _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 

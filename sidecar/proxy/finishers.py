@@ -61,8 +61,8 @@ class PromptCounter:
     """The prompt's exact token count, from the upstream that served the request.
 
     The calls come from the request's wire adapter (`wire.tokenize_requests`: the same template
-    inputs the generation used);
-    vLLM answers `{"count": N}`, TGI's /tokenize a list of tokens and /chat_tokenize
+    inputs the generation used); vLLM answers `{"count": N}`, /v1/messages/count_tokens
+    `{"input_tokens": N}`, TGI's /tokenize a list of tokens and /chat_tokenize
     `{"tokenize_response": [...]}`. Any failure gives None, counted as a tokenize upstream error.
     """
 
@@ -102,6 +102,8 @@ def _count(data: object) -> int | None:
     if isinstance(data, dict):
         if "count" in data:  # vLLM's: a count like any other from the upstream
             return token_count(data["count"])
+        if "input_tokens" in data:  # Anthropic's /v1/messages/count_tokens
+            return token_count(data["input_tokens"])
         tokens = data.get("tokenize_response")
         return len(tokens) if isinstance(tokens, list) else None
     if isinstance(data, list):

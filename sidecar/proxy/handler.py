@@ -24,7 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from ..credentials import api_key_id
+from ..credentials import API_KEY_HEADER, ConflictingKeys, bearer, key_id
 from ..exchange import (
     STATUS_CLIENT_CLOSED,
     Endpoint,
@@ -51,13 +51,14 @@ from .headers import (
     content_encoded,
     decoded,
     error_response,
+    in_route_shape,
     request_headers,
     request_id,
     response_headers,
 )
 from .identity import Identity, Principal, Unauthorized
 from .memory import HELD_PER_BYTE, TOTAL, RequestMemory, Reservation, parse_cost
-from .routes import AmbiguousPath, classify, endpoint_class, routing_path
+from .routes import AmbiguousPath, anthropic_route, classify, endpoint_class, routing_path
 from .upstream import Upstream, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -99,7 +100,10 @@ def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> st
     only) when there is neither."""
     if principal is not None:
         return principal.key_id or principal.user
-    return api_key_id(headers.get("Authorization"))
+    try:
+        return key_id(bearer(headers))
+    except ConflictingKeys:
+        return None
 
 
 # --- the upstream's model name for TGI's native routes -----------------------------------------
@@ -201,6 +205,9 @@ class Proxy:
             path = routing_path(request.rel_url.raw_path)
         except AmbiguousPath as exc:
             return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
+        return in_route_shape(await self._route(request, path), anthropic_route(path))
+
+    async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
         endpoint = classify(request.method, path)
         try:
             # Under verified keys the headers decide: an unknown client's body is never read.
@@ -776,8 +783,10 @@ class Proxy:
     def _tokenize_auth(self, ex: Exchange) -> dict[str, str]:
         """The sidecar's own /tokenize calls authenticate as the proxied request did: the upstream
         client adds the upstream key when one is configured, else the client's key is passed on."""
-        client = ex.request_headers.get("Authorization")
-        return {"Authorization": client} if client and not self.s.authorization else {}
+        if self.s.authorization:
+            return {}
+        got = ex.request_headers
+        return {k: v for k in ("Authorization", API_KEY_HEADER) if (v := got.get(k))}
 
     def _upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
         return request_headers(

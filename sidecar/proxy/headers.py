@@ -2,8 +2,9 @@
 
 Owns: the hop-by-hop set and what else is never forwarded (Host, Content-Length, Expect), the
 upstream's request headers (X-Forwarded-*, the upstream key in place of the client's), the
-client's response headers, the request id, whether a body is content-encoded, OpenAI-shaped error
-bodies, and the decoded copy of a compressed response body for metering.
+client's response headers, the request id, whether a body is content-encoded, the error bodies
+the sidecar answers (OpenAI's shape, Anthropic's on its routes), and the decoded copy of a
+compressed response body for metering.
 Never: does I/O, or changes the bytes the client gets.
 """
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Mapping
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
+from ..credentials import API_KEY_HEADER
 from ..telemetry.metrics import sanitize
 
 HOP_BY_HOP = frozenset(
@@ -62,6 +65,7 @@ def request_headers(
         out = _one_spelling(out)
     if authorization is not None:
         out["Authorization"] = authorization
+        out.popall(API_KEY_HEADER, None)  # the client's key (Anthropic SDKs) stays here too
     if peer:
         prior = _joined(src, "X-Forwarded-For")
         out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -101,16 +105,49 @@ def error_body(err_type: str, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": err_type, "code": err_type}}).encode()
 
 
+class SidecarError(web.Response):
+    """An error the sidecar answers itself (never an upstream's), so that the route's own error
+    shape can be chosen once the route is known (`in_route_shape`)."""
+
+    def __init__(self, status: int, err_type: str, message: str, **kwargs: Any) -> None:
+        super().__init__(status=status, body=error_body(err_type, message), **kwargs)
+        self.err_type, self.message = err_type, message
+
+
 def error_response(
     status: int, err_type: str, message: str, retry_after: float | None = None
 ) -> web.Response:
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return web.Response(
-        status=status,
-        body=error_body(err_type, message),
-        content_type="application/json",
-        headers=headers,
-    )
+    return SidecarError(status, err_type, message, content_type="application/json", headers=headers)
+
+
+# Anthropic's error types by status (its API's "Errors" page): what its SDKs and Claude Code
+# show. Our own type (budget_exceeded, ...) rides along as `code`, as in the OpenAI shape.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, err_type: str, message: str) -> bytes:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    err = {"type": kind, "message": message, "code": err_type}
+    return json.dumps({"type": "error", "error": err}).encode()
+
+
+def in_route_shape(resp: web.StreamResponse, anthropic: bool) -> web.StreamResponse:
+    """The sidecar's own error in the shape of the route it answers (`anthropic`: a route of the
+    Anthropic Messages API); an upstream's answer is never touched."""
+    if anthropic and isinstance(resp, SidecarError) and not resp.prepared:
+        resp.body = anthropic_error_body(resp.status, resp.err_type, resp.message)
+    return resp
 
 
 def request_id(headers: Mapping[str, str], uid: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from ..config import Config, ConfigError, load_yaml
-from ..credentials import bearer, digest, key_id
+from ..credentials import ConflictingKeys, bearer, digest, key_id
 from ..text import USER_CHARS, clean
 
 log = logging.getLogger("tollbooth.identity")
@@ -108,7 +108,10 @@ class Identity:
         """Keys file: the key's principal (an unknown key: 401, or the one shared "anonymous", so
         inventing keys never buys a fresh budget). Without one, first that applies: the trusted
         header, the body's `user`, the key's hash, "anonymous". Raises Unauthorized."""
-        key = bearer(headers)
+        try:
+            key = bearer(headers)
+        except ConflictingKeys as exc:
+            raise Unauthorized(f"conflicting API keys: {exc}") from None
         known = self.keys.lookup(key) if self.keys is not None and key else None
         if self.keys is not None and known is None and self.reject_unknown:
             raise Unauthorized("invalid API key" if key else "missing API key")

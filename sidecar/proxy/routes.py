@@ -74,7 +74,6 @@ def classify(method: str, path: str) -> Endpoint | None:
 # Unmetered routes that generate, named in llm_unmetered_requests_total; any other is "other".
 _UNMETERED_CLASSES = frozenset(
     {
-        "/v1/messages",
         "/v1/audio/transcriptions",
         "/v1/audio/translations",
         "/pooling",
@@ -93,3 +92,8 @@ _UNMETERED_CLASSES = frozenset(
 def endpoint_class(path: str) -> str:
     """A bounded label for an unmetered route: the known ones by name, the rest "other"."""
     return path if path in _UNMETERED_CLASSES else "other"
+
+
+def anthropic_route(path: str) -> bool:
+    """A route of the Anthropic Messages API: the sidecar's errors there take Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")

@@ -1,0 +1,208 @@
+"""The Anthropic Messages wire (`/v1/messages`), as vLLM, SGLang, llama.cpp and Ollama serve it.
+
+Owns: what a Messages request asks for (model, `max_tokens`, `stream`, `metadata.user_id`, the
+size of `system`, `messages` and `tools`), usage from a Messages body and from its SSE stream
+(`message_start`'s `message.usage`, then `message_delta`'s cumulative `usage`), and the one rule
+that turns Anthropic's usage into ours: Anthropic's `input_tokens` EXCLUDES the prompt's cache
+reads and cache writes, so our input is `input_tokens + cache_read_input_tokens +
+cache_creation_input_tokens` and our cached input is `cache_read_input_tokens` (a part of it,
+priced at the cached price; docs/metrics.md).
+Never: changes a Messages request or response (nothing is injected: the wire always carries its
+usage), counts stream events as tokens, or invents a count. A count that cannot be read is None.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import ID_CHARS, MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from . import reqsize
+from .counts import (
+    INVALID_USAGE,
+    bounded,
+    compared,
+    count,
+    error_type,
+    invalid,
+    lax_true,
+    loads,
+    number,
+)
+from .reqsize import body_size, prompt_chars
+from .sse import Event
+from .stream import SSEMeter
+
+# vLLM's AnthropicMessagesRequest: `max_tokens: int`, required and positive (protocol.py).
+_LIMIT = ("max_tokens",)
+# Anthropic's usage members; the cache ones are absent where the server has no prompt cache.
+_CACHE_READ, _CACHE_WRITE = "cache_read_input_tokens", "cache_creation_input_tokens"
+# Free (metering.free_routes): it counts a prompt and generates nothing; also how a prompt is
+# counted after a disconnect.
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+_COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
+
+
+class AnthropicAdapter:
+    """`/v1/messages` on any server: the format is Anthropic's, whoever serves it."""
+
+    def inspect(
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        text: str | None,
+        obj: Mapping[str, Any],
+        *,
+        inject_usage: bool,
+        continuous_usage: bool = False,
+    ) -> RequestInfo:
+        """Read what the request asks for; nothing is ever added to it."""
+        limit, unreadable = reqsize.read_limit(_LIMIT, obj)
+        text_chars, prompt_ids = body_size(obj)  # every string: system, messages, tools too
+        meta = obj.get("metadata")
+        return RequestInfo(
+            endpoint=endpoint,
+            body=body,
+            parsed=True,
+            # vLLM reads `stream: bool | None` with pydantic (lax: "true", 1 stream too)
+            stream=lax_true(obj.get("stream")),
+            model=clean_or_none(obj.get("model"), MODEL_CHARS),
+            user=clean_or_none(meta.get("user_id"), USER_CHARS) if isinstance(meta, dict) else None,
+            max_tokens=limit,
+            temperature=number(obj.get("temperature")),
+            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
+            messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
+            prompt_chars=prompt_chars(obj) + _system_chars(obj.get("system")),
+            choices=1,
+            utf8=text is not None,
+            text_chars=text_chars,
+            prompt_ids=prompt_ids,
+            unreadable=unreadable,
+            output_cap=reqsize.output_cap(limit, obj, obj),
+        )
+
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete Messages response (or its error body)."""
+        try:
+            obj = loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        if not isinstance(obj, dict):
+            return Usage(unknown_reason="no_usage")
+        if obj.get("type") == "error" or obj.get("error") is not None:
+            return Usage(error=error_type(obj), unknown_reason="error_response")
+        reason = clean_or_none(obj.get("stop_reason"), REASON_CHARS)
+        base = Usage(
+            model=clean_or_none(obj.get("model"), MODEL_CHARS),
+            response_id=clean_or_none(obj.get("id"), ID_CHARS),
+            finish_reasons=(reason,) if reason else (),
+        )
+        usage = obj.get("usage")
+        return counted(base, usage if isinstance(usage, dict) else None)
+
+    def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> MessagesStream:
+        """The meter for a Messages stream: the reference path (few events carry usage)."""
+        return MessagesStream(endpoint, fast=fast, **options)
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        """The server's own /v1/messages/count_tokens counts the prompt as the route renders it
+        (`{"input_tokens": N}`); the body is the request less what only generation reads."""
+        try:
+            obj = json.loads(info.body)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+            return None
+        keep = {k: obj[k] for k in _COUNTED_KEYS if k in obj}
+        return [(COUNT_TOKENS_PATH, json.dumps(keep).encode())]
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None  # a Messages prompt is never token ids
+
+
+# What /v1/messages/count_tokens reads of a Messages request (Anthropic's count_tokens params).
+_COUNTED_KEYS = ("model", "messages", "system", "tools", "tool_choice", "thinking")
+
+
+def _system_chars(system: object) -> int:
+    if isinstance(system, str):
+        return len(system)
+    if isinstance(system, list):
+        texts = (b.get("text") for b in system if isinstance(b, dict))
+        return sum(len(t) for t in texts if isinstance(t, str))
+    return 0
+
+
+def counted(base: Usage, usage: Mapping[str, Any] | None) -> Usage:
+    """`base` with the counts of one Anthropic usage object: input is its `input_tokens` plus
+    the cache reads and writes it excludes; cached input is the cache reads."""
+    if usage is None:
+        return replace(base, unknown_reason="no_usage")
+    raw = tuple(usage.get(k) for k in _COUNTS)
+    inp, out, read, write = (count(v) for v in raw)
+    if any(invalid(v, n) for v, n in zip(raw, (inp, out, read, write), strict=True)):
+        return replace(base, unknown_reason=INVALID_USAGE)
+    total = None if inp is None else inp + (read or 0) + (write or 0)
+    both = total is not None and out is not None
+    return bounded(
+        replace(
+            base,
+            input_tokens=total,
+            output_tokens=out,
+            cached_input_tokens=read,
+            unknown_reason=None if both else "no_usage",
+        )
+    )
+
+
+class MessagesStream(SSEMeter):
+    """A Messages stream: `message_start` carries the input (and cache) counts, `message_delta`
+    the output so far (cumulative: the last one wins; vLLM repeats the input counts there),
+    `content_block_delta` the generated text, `message_stop` the end (vLLM adds `[DONE]`).
+
+    The output is read from `message_delta` only: `message_start`'s `output_tokens` is a
+    placeholder (0 from vLLM, 1 from Anthropic) sent before anything was generated, so a client
+    that leaves before the first `message_delta` has its output unknown, never that placeholder.
+    """
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._usage_obj: dict[str, Any] = {}  # the latest value of each usage member read
+        self._invalid = False
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        kind = compared(obj.get("type"))
+        if kind == "content_block_delta":
+            self._s.token_events += 1
+        elif kind == "message_start" and isinstance(msg := obj.get("message"), dict):
+            self._s.model = clean_or_none(msg.get("model"), MODEL_CHARS)
+            self._s.response_id = clean_or_none(msg.get("id"), ID_CHARS)
+            self._merge(msg.get("usage"), output=False)
+        elif kind == "message_delta":
+            self._merge(obj.get("usage"), output=True)
+            delta = obj.get("delta")
+            reason = delta.get("stop_reason") if isinstance(delta, dict) else None
+            if (r := clean_or_none(reason, REASON_CHARS)) is not None:
+                self._s.finish[0] = r
+        elif kind == "message_stop":
+            self.done = True
+        return False
+
+    def _merge(self, usage: object, *, output: bool) -> None:
+        if not isinstance(usage, dict):
+            self._invalid = self._invalid or usage is not None
+            return
+        for key in _COUNTS if output else _COUNTS[:1] + _COUNTS[2:]:
+            if key in usage:  # only the counts: an event's other members are never kept
+                self._usage_obj[key] = usage[key]
+
+    def _counted_usage(self) -> Usage:
+        base = self._base()
+        if self._invalid:
+            return replace(base, unknown_reason=INVALID_USAGE)
+        return counted(base, self._usage_obj)

@@ -1,0 +1,349 @@
+"""The Anthropic Messages adapter as a pure object, and the key headers its clients send.
+
+Guards: usage from recorded streams (Anthropic's documented example, without `[DONE]`, with
+`ping` and a placeholder `output_tokens: 1` in `message_start`; vLLM's, with `[DONE]` and the
+input repeated in `message_delta`) at every chunk cut, bytes passed through unchanged; the output
+never read from `message_start`; cache reads and writes added to input once; hostile counts
+(negative, boolean, string, huge) as invalid usage, never a number; what a request asks
+(`max_tokens` as vLLM reads it, `stream`, `metadata.user_id`, every string of `system`,
+`messages` and `tools` in the hold); `x-api-key` as a key wherever `Authorization` is one
+(identity, audit redaction, the upstream's headers when the sidecar has its own key).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.billing.audit import redact
+from sidecar.credentials import ConflictingKeys, bearer, key_id
+from sidecar.exchange import Endpoint
+from sidecar.metering.counts import INVALID_USAGE, MAX_TOKEN_COUNT
+from sidecar.metering.wire import inspect_request, open_stream, tokenize_requests, usage_from_body
+from sidecar.proxy.headers import anthropic_error_body, request_headers
+from sidecar.telemetry.logs import redact_credentials
+
+EP = Endpoint.MESSAGES
+
+
+def sse(*events: tuple[str, dict[str, Any]]) -> bytes:
+    return b"".join(f"event: {k}\ndata: {json.dumps(d)}\n\n".encode() for k, d in events)
+
+
+# Anthropic's "Streaming Messages" documentation, its basic example (text shortened).
+ANTHROPIC_DOCS = sse(
+    (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_1nZdL29xx5MUA1yADyHTEsnR8uuvGzszyY",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": "claude-opus-4-6",
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 25, "output_tokens": 1},
+            },
+        },
+    ),
+    (
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    ),
+    ("ping", {"type": "ping"}),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+    ),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "!"}},
+    ),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "usage": {"output_tokens": 15},
+        },
+    ),
+    ("message_stop", {"type": "message_stop"}),
+)
+
+# vLLM's (vllm/entrypoints/anthropic/serving.py, message_stream_converter): exclude_unset, the
+# input repeated in message_delta, then `data: [DONE]`; here with a prompt cache's counts.
+VLLM = (
+    sse(
+        (
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": "chatcmpl-1",
+                    "content": [],
+                    "model": "m",
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {
+                        "input_tokens": 7,
+                        "output_tokens": 0,
+                        "cache_read_input_tokens": 30,
+                        "cache_creation_input_tokens": 3,
+                    },
+                },
+            },
+        ),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": "a"},
+            },
+        ),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "max_tokens"},
+                "usage": {"input_tokens": 7, "output_tokens": 4},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    )
+    + b"data: [DONE]\n\n"
+)
+
+
+def fed(data: bytes, cuts: list[int]) -> tuple[bytes, Any, Any]:
+    meter = open_stream(EP, api="vllm")
+    out, prev = b"", 0
+    for c in [*cuts, len(data)]:
+        out += meter.feed(data[prev:c])
+        prev = c
+    tail, usage = meter.finish()
+    return out + tail, usage, meter
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        (ANTHROPIC_DOCS, (25, 15, None, "claude-opus-4-6", ("end_turn",), 2)),
+        (VLLM, (7 + 30 + 3, 4, 30, "m", ("max_tokens",), 1)),
+    ],
+    ids=["anthropic-docs", "vllm"],
+)
+def test_a_recorded_stream_at_every_cut(data: bytes, expected: tuple[Any, ...]) -> None:
+    for cut in range(len(data) + 1):
+        out, u, meter = fed(data, [cut])
+        assert out == data  # nothing is ever changed on this route
+        got = (u.input_tokens, u.output_tokens, u.cached_input_tokens, u.model, u.finish_reasons)
+        assert (*got, meter.token_events) == expected
+        assert u.unknown_reason is None and meter.done and meter.finished
+
+
+def test_a_client_leaving_before_message_delta_has_its_output_unknown() -> None:
+    # message_start says output_tokens 1 (Anthropic) or 0 (vLLM) before anything is generated
+    upto = ANTHROPIC_DOCS.index(b"event: message_delta")
+    meter = open_stream(EP)
+    meter.feed(ANTHROPIC_DOCS[:upto])
+    u = meter.usage_so_far()
+    assert (u.input_tokens, u.output_tokens) == (25, None)
+    assert u.unknown_reason == "no_usage" and not meter.finished
+    meter.feed(ANTHROPIC_DOCS[upto:])
+    assert meter.usage_so_far().output_tokens == 15
+
+
+def test_the_last_message_delta_wins() -> None:
+    delta = {"type": "message_delta", "usage": {"output_tokens": 3}}
+    later = {"type": "message_delta", "usage": {"output_tokens": 9, "input_tokens": 5}}
+    _, u, _ = fed(sse(("message_delta", delta), ("message_delta", later)), [])
+    assert (u.input_tokens, u.output_tokens) == (5, 9)
+
+
+@pytest.mark.parametrize(
+    "bad", [-1, True, "12", 1.5, MAX_TOKEN_COUNT + 1, 10**40, None, [], {"n": 1}]
+)
+@pytest.mark.parametrize(
+    "field",
+    ["input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"],
+)
+def test_hostile_counts_are_invalid_usage(field: str, bad: object) -> None:
+    usage = {"input_tokens": 5, "output_tokens": 2, field: bad}
+    body = json.dumps({"type": "message", "usage": usage}).encode()
+    streamed = sse(("message_delta", {"type": "message_delta", "usage": usage}))
+    for u in (usage_from_body(EP, body, {}), fed(streamed, [])[1]):
+        if bad is None and field.startswith("cache"):  # an absent cache: no cache, valid
+            assert (u.input_tokens, u.output_tokens) == (5, 2)
+        elif bad is None:
+            assert u.unknown_reason == "no_usage" and None in (u.input_tokens, u.output_tokens)
+        else:
+            assert u.unknown_reason == INVALID_USAGE
+            assert (u.input_tokens, u.output_tokens, u.cached_input_tokens) == (None, None, None)
+
+
+def test_counts_that_add_up_past_the_ceiling_are_invalid() -> None:
+    usage = {"input_tokens": MAX_TOKEN_COUNT, "output_tokens": 1, "cache_read_input_tokens": 5}
+    u = usage_from_body(EP, json.dumps({"usage": usage}).encode(), {})
+    assert u.unknown_reason == INVALID_USAGE and u.input_tokens is None
+
+
+def test_a_body_with_cache_counts_input_once() -> None:
+    usage = {
+        "input_tokens": 10,
+        "output_tokens": 4,
+        "cache_read_input_tokens": 100,
+        "cache_creation_input_tokens": 20,
+    }
+    body = {"id": "msg_1", "model": "m", "stop_reason": "end_turn", "usage": usage}
+    u = usage_from_body(EP, json.dumps(body).encode(), {})
+    assert (u.input_tokens, u.cached_input_tokens, u.output_tokens) == (130, 100, 4)
+    assert (u.model, u.response_id, u.finish_reasons) == ("m", "msg_1", ("end_turn",))
+
+
+def test_errors_in_a_body_and_in_a_stream() -> None:
+    err = {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+    u = usage_from_body(EP, json.dumps(err).encode(), {})
+    assert (u.error, u.unknown_reason) == ("overloaded_error", "error_response")
+    _, s, _ = fed(sse(("error", err)), [])
+    assert s.error == "overloaded_error" and s.input_tokens is None
+
+
+def test_what_a_request_asks() -> None:
+    body = {
+        "model": "claude-x",
+        "max_tokens": "300",  # vLLM's `max_tokens: int` reads it as pydantic does
+        "stream": True,
+        "metadata": {"user_id": "end-user-7"},
+        "system": [{"type": "text", "text": "S" * 40}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "T" * 50}]}],
+        "tools": [{"name": "get", "input_schema": {"type": "object", "properties": {"q": {}}}}],
+    }
+    info = inspect_request(EP, json.dumps(body).encode(), inject_usage=True)
+    assert info.body == json.dumps(body).encode()  # never changed
+    assert (info.max_tokens, info.stream, info.model, info.user) == (
+        300,
+        True,
+        "claude-x",
+        "end-user-7",
+    )
+    assert (info.messages, info.tools, info.prompt_chars) == (1, 1, 90)
+    assert info.text_chars >= 40 + 50 + len("getobjecttypepropertiesq")
+    missing = inspect_request(EP, b'{"model": "m", "messages": []}', inject_usage=False)
+    assert missing.max_tokens is None and not missing.stream
+    bad = inspect_request(EP, b'{"max_tokens": "lots", "messages": []}', inject_usage=False)
+    assert bad.unreadable == ("max_tokens",)
+
+
+def test_the_prompt_is_counted_by_count_tokens() -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 9,
+        "stream": True,
+        "system": "s",
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    info = inspect_request(EP, json.dumps(body).encode(), inject_usage=False)
+    ((path, sent),) = tokenize_requests(info, "vllm") or []
+    assert path == "/v1/messages/count_tokens"
+    assert json.loads(sent) == {"model": "m", "system": "s", "messages": body["messages"]}
+
+
+# --- keys ----------------------------------------------------------------------------------------
+
+
+def test_a_key_in_either_header_is_the_same_key() -> None:
+    assert bearer({"x-api-key": "k1"}) == bearer({"Authorization": "Bearer k1"}) == "k1"
+    assert bearer({"Authorization": "Bearer k1", "x-api-key": "k1"}) == "k1"
+    with pytest.raises(ConflictingKeys):
+        bearer({"Authorization": "Bearer k1", "x-api-key": "k2"})
+    assert bearer({"x-api-key": "  "}) is None
+
+
+def test_x_api_key_is_redacted_in_audit_and_kept_from_the_upstream() -> None:
+    out = redact({"X-Api-Key": "sk-ant-secret", "User-Agent": "a"})
+    assert out["X-Api-Key"] == f"[redacted] {key_id('sk-ant-secret')}"
+    mine = request_headers(
+        {"x-api-key": "sk-ant-secret"}, peer=None, scheme="http", authorization="Bearer up"
+    )
+    assert "x-api-key" not in mine and mine["Authorization"] == "Bearer up"
+    theirs = request_headers({"x-api-key": "sk-ant-secret"}, peer=None, scheme="http")
+    assert theirs["x-api-key"] == "sk-ant-secret"  # no key of our own: the client's goes on
+
+
+def test_anthropic_error_types_by_status() -> None:
+    got = {
+        s: json.loads(anthropic_error_body(s, "x", "m"))["error"]["type"]
+        for s in (400, 401, 403, 413, 415, 429, 502, 503)
+    }
+    assert got == {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        413: "request_too_large",
+        415: "invalid_request_error",
+        429: "rate_limit_error",
+        502: "api_error",
+        503: "overloaded_error",
+    }
+
+
+def test_x_api_key_is_masked_in_log_text() -> None:
+    text = redact_credentials("bad header line 'x-api-key: sk-ant-secret-1' from peer")
+    assert "sk-ant-secret-1" not in text and "x-api-key" in text
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    model=_JSON,
+    usage=st.dictionaries(
+        st.sampled_from(
+            [
+                "input_tokens",
+                "output_tokens",
+                "cache_read_input_tokens",
+                "cache_creation_input_tokens",
+            ]
+        ),
+        _JSON,
+    ),
+    reason=_JSON,
+)
+def test_whatever_the_upstream_sends_is_made_safe(
+    model: object, usage: object, reason: object
+) -> None:
+    start = {"type": "message_start", "message": {"model": model, "id": model, "usage": usage}}
+    delta = {"type": "message_delta", "delta": {"stop_reason": reason}, "usage": usage}
+    body = json.dumps({"model": model, "stop_reason": reason, "usage": usage}).encode()
+    for u in (
+        usage_from_body(EP, body, {}),
+        fed(sse(("message_start", start), ("message_delta", delta)), [])[1],
+    ):
+        for n in (u.input_tokens, u.output_tokens, u.cached_input_tokens):
+            assert n is None or (type(n) is int and 0 <= n <= MAX_TOKEN_COUNT)
+        for s in (u.model, u.response_id, *u.finish_reasons):
+            assert s is None or (isinstance(s, str) and s.encode("utf-8"))
