@@ -53,9 +53,7 @@ def unmetered(t: Thresholds) -> tuple[str, str]:
     model. increase() on both sides: a restart of the engine or of the sidecar is a counter
     reset, not a gap. A model the sidecar metered nothing for counts as metered 0."""
     sel, w, by = t.selector, t.bypass_window, "job, instance, model"
-    engine = (
-        f'sum by ({by}) (increase(llm_engine_tokens_total{{{sel},token_type="output"}}[{w}]))'
-    )
+    engine = f'sum by ({by}) (increase(llm_engine_tokens_total{{{sel},token_type="output"}}[{w}]))'
     metered = f'sum by ({by}) (increase(llm_tokens_total{{{sel},token_type="output"}}[{w}]))'
     metered_or_0 = f"({metered} or 0 * {engine})"
     return f"({engine} - {metered_or_0})", metered_or_0
@@ -233,8 +231,9 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
             t.bypass_for,
             "warning",
             "The engine generated tokens the sidecar did not meter: traffic goes around it.",
-            f'The engine behind {{{{ $labels.instance }}}} counted {{{{ $value | printf "%.0f" }}}} '
-            f"more output tokens of {{{{ $labels.model }}}} in the last {t.bypass_window} than "
+            "The engine behind {{ $labels.instance }} counted "
+            '{{ $value | printf "%.0f" }} more output tokens of {{ $labels.model }} '
+            f"in the last {t.bypass_window} than "
             f"the sidecar metered (limits: {t.bypass_ratio:.0%} and {t.bypass_min_tokens:g} "
             "tokens).",
         ),
