@@ -25,13 +25,20 @@ from ..telemetry.reconcile import Reconciler, reconcile_context
 from .app import Sidecar
 
 if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
+    from opentelemetry.sdk.metrics.export import MetricExporter
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from ..billing.fleet_ledger import Shipper
     from ..billing.redis_store import RedisStore
 
 
-def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = None) -> Sidecar:
+def wire(
+    sc: Sidecar,
+    *,
+    nvml: Any = None,
+    span_exporter: SpanExporter | None = None,
+    metric_exporter: MetricExporter | None = None,
+) -> Sidecar:
     """Attach every component the config turns on. Returns `sc` for chaining.
 
     `nvml` and `span_exporter` are the two boundaries tests replace (a fake NVML module, an
@@ -53,6 +60,12 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = 
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
+    if tracing.enabled(cfg) or metric_exporter is not None:  # GenAI metrics: the same switch
+        from ..telemetry.genai_metrics import GenAiMetrics, metrics_context
+
+        genai = GenAiMetrics(cfg, metric_exporter)
+        sc.meter.add_sink("genai_metrics", genai.finish)
+        sc.extra_contexts.append(metrics_context(genai))
     if cfg.reconcile.enabled:
         _reconcile(sc)
     shipper = sc.shipper = _shipper(sc)
