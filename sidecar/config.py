@@ -212,8 +212,14 @@ class AdmissionConfig:
 class GpuConfig:
     enabled: bool = True
     poll_interval_s: float = 1.0
-    # Indices ("0") or UUIDs ("GPU-..."); empty: every visible GPU.
+    # Indices ("0") or UUIDs ("GPU-..."); empty: every visible GPU (and devices_file, if set).
     devices: tuple[str, ...] = ()
+    # A file naming the engine's GPUs (UUIDs or indices, separated by commas or white space),
+    # written by the engine's container from its own NVIDIA_VISIBLE_DEVICES (deploy/kubernetes):
+    # only those are read and attributed, not every GPU the sidecar can see. Waited for at start
+    # up to devices_file_wait_s; absent or naming no visible GPU: telemetry off, never all GPUs.
+    devices_file: str | None = None
+    devices_file_wait_s: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
