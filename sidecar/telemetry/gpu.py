@@ -297,7 +297,8 @@ class Attribution:
         m.device_seconds.labels(share.model, share.user).inc(share.device_s)
         gpu_hour = self.prices.config.gpu_hour_usd
         if gpu_hour is not None:
-            m.device_cost.labels(share.model, share.user).inc(share.device_s / 3600 * gpu_hour)
+            ex.device_cost_usd = share.device_s / 3600 * gpu_hour
+            m.device_cost.labels(share.model, share.user).inc(ex.device_cost_usd)
 
     def poll_energy(self, energy_j: float | None) -> None:
         """Called after each NVML poll with the energy read since the previous one."""
