@@ -48,6 +48,17 @@ def queue_saturated(t: Thresholds) -> str:
     )
 
 
+def unmetered(t: Thresholds) -> tuple[str, str]:
+    """(engine minus metered, metered) output tokens over the window, per job, instance and
+    model. increase() on both sides: a restart of the engine or of the sidecar is a counter
+    reset, not a gap. A model the sidecar metered nothing for counts as metered 0."""
+    sel, w, by = t.selector, t.bypass_window, "job, instance, model"
+    engine = f'sum by ({by}) (increase(llm_engine_tokens_total{{{sel},token_type="output"}}[{w}]))'
+    metered = f'sum by ({by}) (increase(llm_tokens_total{{{sel},token_type="output"}}[{w}]))'
+    metered_or_0 = f"({metered} or 0 * {engine})"
+    return f"({engine} - {metered_or_0})", metered_or_0
+
+
 def recording(t: Thresholds) -> list[dict[str, Any]]:
     s = t.selector
     return [
@@ -211,6 +222,20 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
             "Ledger rows were refused even cleaned and set aside, not written.",
             '{{ $value | printf "%.0f" }} ledger row(s) of {{ $labels.instance }} '
             "are set aside in {{ $labels.where }}; every other row was written.",
+        ),
+        _alert(
+            t,
+            "LLMMeterBypassed",
+            f"{unmetered(t)[0]} > {t.bypass_min_tokens:g}\n"
+            f"and {unmetered(t)[0]} > {t.bypass_ratio} * {unmetered(t)[1]}",
+            t.bypass_for,
+            "warning",
+            "The engine generated tokens the sidecar did not meter: traffic goes around it.",
+            "The engine behind {{ $labels.instance }} counted "
+            '{{ $value | printf "%.0f" }} more output tokens of {{ $labels.model }} '
+            f"in the last {t.bypass_window} than "
+            f"the sidecar metered (limits: {t.bypass_ratio:.0%} and {t.bypass_min_tokens:g} "
+            "tokens).",
         ),
         _alert(
             t,

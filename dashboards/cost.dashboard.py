@@ -1,6 +1,6 @@
 """Cost overview: what finance asks for."""
 
-from grafanalib.core import Dashboard
+from grafanalib.core import Dashboard, TimeSeries
 
 from dashboards.lib import (
     COUNT,
@@ -16,6 +16,25 @@ from dashboards.lib import (
     today,
 )
 from sidecar.telemetry.thresholds import Thresholds
+
+
+def metered_share(g: Grid, t: Thresholds) -> TimeSeries:
+    """The sidecar's output tokens over the engine's own count (reconciliation): below 1, the
+    engine served traffic around the sidecar (LLMMeterBypassed, same window)."""
+    w, out = t.bypass_window, 'token_type="output"'
+    metered = f"sum by (model) (increase(llm_tokens_total{{{FILTER},{out}}}[{w}]))"
+    engine = f"sum by (model) (increase(llm_engine_tokens_total{{{FILTER},{out}}}[{w}]))"
+    return timeseries(
+        g,
+        f"Metered share of the engine's output tokens, {w}",
+        "Output tokens the sidecar metered over those the engine counted itself "
+        "(llm_engine_tokens_total), by model. Below 1: traffic reached the engine around the "
+        f"sidecar (LLMMeterBypassed below {1 - t.bypass_ratio:.0%}). Empty when the engine's "
+        "metrics are not readable (llm_engine_metrics_up 0).",
+        "percentunit",
+        # a model the engine served and the sidecar never metered: share 0, as the alert reads it
+        [target(f"({metered} or 0 * {engine}) / ({engine} > 0)", "{{model}}")],
+    )
 
 
 def build(t: Thresholds) -> Dashboard:
@@ -207,6 +226,7 @@ def build(t: Thresholds) -> Dashboard:
             threshold=1,
             decimals=0,
         ),
+        metered_share(g, t),
     ]
     return dashboard(
         t,

@@ -46,6 +46,9 @@ class UpstreamConfig:
     probe_path: str = "/health"
     probe_interval_s: float = 5.0
     probe_timeout_s: float = 2.0
+    # The engine's Prometheus endpoint, read for its own token counters (reconcile.*).
+    # TensorRT-LLM serves it at /prometheus/metrics.
+    metrics_path: str = "/metrics"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,8 +215,25 @@ class AdmissionConfig:
 class GpuConfig:
     enabled: bool = True
     poll_interval_s: float = 1.0
-    # Indices ("0") or UUIDs ("GPU-..."); empty: every visible GPU.
+    # Indices ("0") or UUIDs ("GPU-..."); empty: every visible GPU (and devices_file, if set).
     devices: tuple[str, ...] = ()
+    # A file naming the engine's GPUs (UUIDs or indices, separated by commas or white space),
+    # written by the engine's container from its own NVIDIA_VISIBLE_DEVICES (deploy/kubernetes):
+    # only those are read and attributed, not every GPU the sidecar can see. Waited for at start
+    # up to devices_file_wait_s; absent or naming no visible GPU: telemetry off, never all GPUs.
+    devices_file: str | None = None
+    devices_file_wait_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReconcileConfig:
+    # Read the engine's own token counters (vLLM, SGLang, TGI, llama.cpp, TensorRT-LLM) from
+    # upstream.metrics_path and export them as llm_engine_tokens_total: traffic that reaches the
+    # engine around the sidecar shows as the difference from llm_tokens_total. An engine that
+    # does not answer leaves llm_engine_metrics_up at 0 and the counts absent, quietly.
+    enabled: bool = True
+    interval_s: float = 15.0
+    timeout_s: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -257,6 +277,7 @@ class Config:
     budgets: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
+    reconcile: ReconcileConfig = dataclasses.field(default_factory=ReconcileConfig)
     tracing: TracingConfig = dataclasses.field(default_factory=TracingConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     audit: AuditConfig = dataclasses.field(default_factory=AuditConfig)
@@ -441,11 +462,15 @@ def validate(config: Config) -> Config:
         ("server.body_timeout_s", config.server.body_timeout_s),
         ("upstream.probe_interval_s", config.upstream.probe_interval_s),
         ("upstream.probe_timeout_s", config.upstream.probe_timeout_s),
+        ("reconcile.interval_s", config.reconcile.interval_s),
+        ("reconcile.timeout_s", config.reconcile.timeout_s),
     ):
         if seconds <= 0:
             _fail(key, seconds, "must be > 0")
     if not config.upstream.probe_path.startswith("/"):
         _fail("upstream.probe_path", config.upstream.probe_path, "must start with /")
+    if not config.upstream.metrics_path.startswith("/"):
+        _fail("upstream.metrics_path", config.upstream.metrics_path, "must start with /")
     srv = config.server
     if srv.max_buffered_request_bytes_per_key > (srv.max_buffered_request_bytes or 1 << 62):
         _fail(

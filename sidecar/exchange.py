@@ -191,6 +191,7 @@ class Exchange:
     trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent for the upstream
     upstream: str = ""
     device_seconds: float | None = None
+    device_cost_usd: float | None = None  # device_seconds at pricing.gpu_hour_usd, when priced
     energy_j: float | None = None
     audited: bool = False
     response_sample: bytes | bytearray | None = None  # audit text capture only; bounded

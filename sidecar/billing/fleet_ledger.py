@@ -65,6 +65,9 @@ REQUEST_COLUMNS = {
     "error": "TEXT",
     "team": "TEXT",
     "end_user": "TEXT",
+    "device_seconds": "DOUBLE PRECISION",
+    "energy_j": "DOUBLE PRECISION",
+    "device_cost_usd": "DOUBLE PRECISION",
 }
 AUDIT_COLUMNS = {
     "ts": "DOUBLE PRECISION NOT NULL",

@@ -57,7 +57,10 @@ CREATE TABLE IF NOT EXISTS requests (
     duration_s REAL,
     error TEXT,
     team TEXT,                        -- the billed principal's team (keys file)
-    end_user TEXT                     -- the body's `user`: recorded, not billed when keys verify
+    end_user TEXT,                    -- the body's `user`: recorded, not billed when keys verify
+    device_seconds REAL,              -- the engine's GPUs' time attributed (NULL: no telemetry)
+    energy_j REAL,                    -- NULL unless final when the row was written (docs)
+    device_cost_usd REAL              -- device_seconds at pricing.gpu_hour_usd
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -83,7 +86,8 @@ Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error, team, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "error, team, end_user, device_seconds, energy_j, device_cost_usd) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 INSERT_AUDIT = (
     "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
@@ -112,6 +116,9 @@ class Row(NamedTuple):
     error: str | None
     team: str | None
     end_user: str | None
+    device_seconds: float | None
+    energy_j: float | None
+    device_cost_usd: float | None
 
 
 def row_of(ex: Exchange) -> Row:
@@ -139,6 +146,9 @@ def row_of(ex: Exchange) -> Row:
         ex.error,
         ex.team,
         ex.end_user,
+        ex.device_seconds,
+        ex.energy_j,
+        ex.device_cost_usd,
     )
 
 
@@ -155,9 +165,11 @@ def connect(path: str | Path) -> sqlite3.Connection:
 def _add_missing_columns(conn: sqlite3.Connection) -> None:
     """Ledgers written before a column existed get it (NULL in their old rows)."""
     have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-    for column in ("team", "end_user"):
+    added = {"team": "TEXT", "end_user": "TEXT"}
+    added |= {"device_seconds": "REAL", "energy_j": "REAL", "device_cost_usd": "REAL"}
+    for column, kind in added.items():
         if column not in have:
-            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
+            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
 
 
 class Ledger:

@@ -22,16 +22,24 @@ from ..telemetry import thresholds, tracing
 from ..telemetry.accesslog import AccessLog, access_log_context
 from ..telemetry.gpu import Attribution, GpuCollector, gpu_context
 from ..telemetry.health import Writer
+from ..telemetry.reconcile import Reconciler, reconcile_context
 from .app import Sidecar
 
 if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
+    from opentelemetry.sdk.metrics.export import MetricExporter
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from ..billing.fleet_ledger import Shipper
     from ..billing.redis_store import RedisStore
 
 
-def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = None) -> Sidecar:
+def wire(
+    sc: Sidecar,
+    *,
+    nvml: Any = None,
+    span_exporter: SpanExporter | None = None,
+    metric_exporter: MetricExporter | None = None,
+) -> Sidecar:
     """Attach every component the config turns on. Returns `sc` for chaining.
 
     `nvml` and `span_exporter` are the two boundaries tests replace (a fake NVML module, an
@@ -53,6 +61,14 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = 
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(tracing.tracing_context(t))
+    if tracing.enabled(cfg) or metric_exporter is not None:  # GenAI metrics: the same switch
+        from ..telemetry.genai_metrics import GenAiMetrics, metrics_context
+
+        genai = GenAiMetrics(cfg, metric_exporter)
+        sc.meter.add_sink("genai_metrics", genai.finish)
+        sc.extra_contexts.append(metrics_context(genai))
+    if cfg.reconcile.enabled:
+        _reconcile(sc)
     shipper = sc.shipper = _shipper(sc)
     store = _shared_store(sc, shipper)
     budgets = sc.budgets = Budgets(
@@ -97,6 +113,22 @@ def wire(sc: Sidecar, *, nvml: Any = None, span_exporter: SpanExporter | None = 
         sc.gates.append(sc.attribution.admitted)
     _watch_writers(sc)
     return sc
+
+
+def _reconcile(sc: Sidecar) -> None:
+    """The engine's own token counters, scraped through the one upstream client; exported on
+    the sidecar's registry under the same model labels (its LabelCap) as llm_tokens_total."""
+    cfg = sc.config
+    reconciler = Reconciler(
+        lambda: sc.proxy.upstream if sc.proxy else None,
+        path=cfg.upstream.metrics_path,
+        interval_s=cfg.reconcile.interval_s,
+        timeout_s=cfg.reconcile.timeout_s,
+        default_model=cfg.upstream.model_name or "unknown",
+        label=sc.models,
+    )
+    sc.metrics.registry.register(reconciler)
+    sc.extra_contexts.append(reconcile_context(reconciler))
 
 
 def _watch_writers(sc: Sidecar) -> None:

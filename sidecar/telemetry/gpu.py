@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -93,7 +94,11 @@ class GpuCollector:
             self.metrics.gpu_up.set(0)
             return False
         if not self.devices:
-            log.warning("GPU telemetry off: no GPU matches gpu.devices=%s", self.config.devices)
+            log.warning(
+                "GPU telemetry off: no GPU matches gpu.devices=%s (gpu.devices_file: %s)",
+                self.config.devices,
+                self.config.devices_file,
+            )
             self.metrics.gpu_up.set(0)
             return False
         self.up = True
@@ -121,6 +126,8 @@ class GpuCollector:
 
     def _select(self, nvml: Any) -> list[Device]:
         wanted = set(self.config.devices)
+        if self.config.devices_file:
+            wanted |= engine_devices(self.config.devices_file, self.config.devices_file_wait_s)
         out = []
         for i in range(nvml.nvmlDeviceGetCount()):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
@@ -184,6 +191,24 @@ class GpuCollector:
             else:
                 log.warning("NVML read of %s on GPU %d failed: %s", name, d.index, _describe(exc))
             return None
+
+
+def engine_devices(path: str, wait_s: float, poll_s: float = 0.1) -> set[str]:
+    """The engine's GPUs from `path` (its NVIDIA_VISIBLE_DEVICES as its container saw it), read
+    once it exists, within `wait_s`. Raises when it never names one: attributing every visible
+    GPU in its place is what this file exists to prevent."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")[:65536]
+        except FileNotFoundError:
+            text = ""
+        names = {n for n in text.replace(",", " ").split() if n}
+        if names and not names & {"all", "none", "void"}:
+            return names
+        if names or time.monotonic() >= end:
+            raise RuntimeError(f"gpu.devices_file {path} names no GPU of the engine: {text[:80]!r}")
+        time.sleep(poll_s)
 
 
 def _text(v: Any) -> str:
@@ -272,7 +297,8 @@ class Attribution:
         m.device_seconds.labels(share.model, share.user).inc(share.device_s)
         gpu_hour = self.prices.config.gpu_hour_usd
         if gpu_hour is not None:
-            m.device_cost.labels(share.model, share.user).inc(share.device_s / 3600 * gpu_hour)
+            ex.device_cost_usd = share.device_s / 3600 * gpu_hour
+            m.device_cost.labels(share.model, share.user).inc(ex.device_cost_usd)
 
     def poll_energy(self, energy_j: float | None) -> None:
         """Called after each NVML poll with the energy read since the previous one."""

@@ -42,6 +42,13 @@ class Thresholds:
     unmeasured_ratio: float = 0.01
     unmeasured_window: str = "15m"
     unmeasured_for: str = "15m"
+    # Traffic around the sidecar (LLMMeterBypassed): the engine's own output-token count
+    # (llm_engine_tokens_total) above what the sidecar metered, over the window, by more than
+    # this share of the metered count and more than this many tokens, for this long.
+    bypass_ratio: float = 0.02
+    bypass_min_tokens: float = 1000.0
+    bypass_window: str = "1h"
+    bypass_for: str = "15m"
     # Sidecar scrape target down
     down_for: str = "2m"
     # A writer (ledger, shipper, access log, audit) that cannot write, for this long
