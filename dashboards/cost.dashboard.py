@@ -2,7 +2,17 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, INST, Grid, dashboard, or_zero, stat, target, timeseries
+from dashboards.lib import (
+    FILTER,
+    INST,
+    NOT_REASONING,
+    Grid,
+    dashboard,
+    or_zero,
+    stat,
+    target,
+    timeseries,
+)
 from sidecar.telemetry.thresholds import Thresholds
 
 
@@ -95,7 +105,7 @@ def build(t: Thresholds) -> Dashboard:
                 target(
                     f"sum by (model) (rate(llm_cost_usd_total{{{FILTER}}}"
                     f"[$__rate_interval])) / sum by (model) (rate(llm_tokens_total"
-                    f"{{{FILTER}}}[$__rate_interval])) * 1000",
+                    f"{{{FILTER},{NOT_REASONING}}}[$__rate_interval])) * 1000",
                     "{{model}}",
                 )
             ],

@@ -2,7 +2,7 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, Grid, dashboard, stat, target, text, timeseries
+from dashboards.lib import FILTER, NOT_REASONING, Grid, dashboard, stat, target, text, timeseries
 from sidecar.telemetry.thresholds import Thresholds
 
 
@@ -88,7 +88,8 @@ def build(t: Thresholds) -> Dashboard:
             "short",
             [
                 target(
-                    f"sum by (model) (rate(llm_tokens_total{{{FILTER}}}[$__rate_interval]))"
+                    f"sum by (model) (rate(llm_tokens_total{{{FILTER},{NOT_REASONING}}}"
+                    "[$__rate_interval]))"
                     f" / sum by (model) (rate(llm_device_seconds_total{{{FILTER}}}"
                     "[$__rate_interval]))",
                     "{{model}}",
@@ -122,7 +123,7 @@ def build(t: Thresholds) -> Dashboard:
                 target(
                     f"sum by (model) (rate(llm_energy_joules_total{{{FILTER}}}"
                     f"[$__rate_interval])) / sum by (model) (rate(llm_tokens_total"
-                    f"{{{FILTER}}}[$__rate_interval])) * 1000",
+                    f"{{{FILTER},{NOT_REASONING}}}[$__rate_interval])) * 1000",
                     "{{model}}",
                 )
             ],

@@ -70,6 +70,8 @@ class Usage:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_input_tokens: int | None = None
+    # Reasoning ("thinking") tokens: a part of output_tokens, never added to it (docs/metrics.md).
+    reasoning_tokens: int | None = None
     model: str | None = None
     response_id: str | None = None
     finish_reasons: tuple[str, ...] = ()

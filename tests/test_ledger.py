@@ -290,11 +290,11 @@ def test_rows_go_in_many_per_statement_all_of_them_in_order(tmp_path: Path, limi
 
     conn = connect(tmp_path / "l.db")
     if limit is not None:
-        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)  # 4 rows of 18 columns
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)  # 4 rows of 19 columns
     sent = []
     for n in (1, 5, sum(ROWS_PER_STATEMENT) + 300):
         rows = [(float(i), f"r{len(sent) + i}", None, "m", "/e", "u", i, None, 1, 0.5, "200", 1,
-                 None, None, 0.1, None, None, None) for i in range(n)]  # fmt: skip
+                 None, None, 0.1, None, None, None, None) for i in range(n)]  # fmt: skip
         with conn:
             Ledger._insert(conn, INSERT, rows)
         sent += [r[1] for r in rows]

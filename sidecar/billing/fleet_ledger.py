@@ -65,6 +65,9 @@ REQUEST_COLUMNS = {
     "error": "TEXT",
     "team": "TEXT",
     "end_user": "TEXT",
+    # --- reasoning columns (h-pooling) ---
+    "reasoning_tokens": "BIGINT",  # a part of output_tokens
+    # --- end reasoning columns ---
 }
 AUDIT_COLUMNS = {
     "ts": "DOUBLE PRECISION NOT NULL",

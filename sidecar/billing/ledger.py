@@ -57,7 +57,10 @@ CREATE TABLE IF NOT EXISTS requests (
     duration_s REAL,
     error TEXT,
     team TEXT,                        -- the billed principal's team (keys file)
-    end_user TEXT                     -- the body's `user`: recorded, not billed when keys verify
+    end_user TEXT,                    -- the body's `user`: recorded, not billed when keys verify
+    -- reasoning columns (h-pooling) --
+    reasoning_tokens INTEGER          -- a part of output_tokens, never added; NULL: not reported
+    -- end reasoning columns --
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -83,7 +86,11 @@ Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error, team, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "error, team, end_user"
+    ", reasoning_tokens"  # reasoning columns (h-pooling)
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+    ", ?"  # reasoning columns (h-pooling)
+    ")"
 )
 INSERT_AUDIT = (
     "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
@@ -112,6 +119,9 @@ class Row(NamedTuple):
     error: str | None
     team: str | None
     end_user: str | None
+    # --- reasoning columns (h-pooling) ---
+    reasoning_tokens: int | None
+    # --- end reasoning columns ---
 
 
 def row_of(ex: Exchange) -> Row:
@@ -139,6 +149,7 @@ def row_of(ex: Exchange) -> Row:
         ex.error,
         ex.team,
         ex.end_user,
+        u.reasoning_tokens,  # reasoning columns (h-pooling)
     )
 
 
@@ -158,6 +169,10 @@ def _add_missing_columns(conn: sqlite3.Connection) -> None:
     for column in ("team", "end_user"):
         if column not in have:
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
+    # --- reasoning columns (h-pooling) ---
+    if "reasoning_tokens" not in have:
+        conn.execute("ALTER TABLE requests ADD COLUMN reasoning_tokens INTEGER")
+    # --- end reasoning columns ---
 
 
 class Ledger:

@@ -36,6 +36,9 @@ ENGINE = web.AppKey("engine", Engine)
 class SimSettings:
     api: Api = "vllm"
     model: str = "sim-llama-3-8b"
+    # A reasoning model: every answer reports `completion_tokens_details.reasoning_tokens`
+    # (half the output, rounded down). A request with `reasoning_effort` asks for it too.
+    reasoning: bool = False
 
 
 SETTINGS = web.AppKey("settings", SimSettings)
@@ -55,6 +58,7 @@ class Gen:
     model: str
     details: bool = False
     continuous_usage: bool = False  # vLLM: running totals on every chunk (with include_usage)
+    reasoning: bool = False  # report reasoning tokens in the final usage
 
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -110,6 +114,7 @@ def openai_gen(body: dict[str, Any], chat: bool, model: str, api: Api = "vllm") 
         continuous_usage=include_usage
         and api == "vllm"
         and flag((opts or {}).get("continuous_usage_stats")),
+        reasoning=body.get("reasoning_effort") is not None,
     )
 
 
@@ -167,6 +172,7 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         gen = openai_gen(await _json(request), chat, s.model, s.api)
         n_prompt = _check_len(engine, gen)
+        gen.reasoning = gen.reasoning or s.reasoning
     except BadRequest as exc:
         return (
             tgi_error(422, str(exc), "validation")
@@ -199,7 +205,7 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
                 "created": created,
                 "model": gen.model,
                 "choices": [choice],
-                "usage": _usage(n_prompt, seq.generated),
+                "usage": _usage(n_prompt, seq.generated, gen.reasoning),
             }
         )
     resp = _sse_response()
@@ -263,7 +269,7 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
                 "created": created,
                 "model": gen.model,
                 "choices": [],
-                "usage": _usage(n_prompt, seq.generated),
+                "usage": _usage(n_prompt, seq.generated, gen.reasoning),
             }
             await resp.write(f"data{sep}{json.dumps(final)}\n\n".encode())
     except OutOfMemory as exc:
@@ -284,13 +290,16 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
     return resp
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {
+def _usage(prompt: int, completion: int, reasoning: bool = False) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": None,
     }
+    if reasoning:  # a part of completion_tokens, as OpenAI's CompletionTokensDetails
+        usage["completion_tokens_details"] = {"reasoning_tokens": completion // 2}
+    return usage
 
 
 def _sse_response() -> web.StreamResponse:
@@ -500,10 +509,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_simulator(
-    api: Api = "vllm", params: EngineParams | None = None, model: str = "sim-llama-3-8b"
+    api: Api = "vllm",
+    params: EngineParams | None = None,
+    model: str = "sim-llama-3-8b",
+    reasoning: bool = False,
 ) -> web.Application:
     app = web.Application()
-    app[SETTINGS] = SimSettings(api=api, model=model)
+    app[SETTINGS] = SimSettings(api=api, model=model, reasoning=reasoning)
     engine = app[ENGINE] = Engine(params or EngineParams())
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
