@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from ..exchange import Endpoint, RequestInfo, Usage
+from ..exchange import POOLING_ROUTES, Endpoint, RequestInfo, Usage
 from .counts import parse
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .openai import OpenAIAdapter
+from .pooling import PoolingAdapter
 from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
 from .tgi import TGIAdapter, TGIOpenAIAdapter
@@ -103,6 +104,7 @@ def register(adapter: WireAdapter, routes: Iterable[Endpoint], api: str | None =
 register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
+register(PoolingAdapter(), POOLING_ROUTES)  # vLLM's; on any server (none other serves them)
 # Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
 _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 

@@ -26,6 +26,7 @@ from sidecar.telemetry.metrics import (
     VLLM_WAITING,
 )
 
+from . import pooling
 from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
 
 Api = Literal["vllm", "tgi"]
@@ -533,6 +534,7 @@ def create_simulator(
         r.add_post("/invocations", vllm_invocations)
         r.add_post("/tokenize", vllm_tokenize)
         r.add_get("/v1/models", vllm_models)
+        pooling.add_routes(app, model)  # /pooling, /classify, /score, /rerank ...
     else:
         r.add_post("/generate", tgi_generate)
         r.add_post("/generate_stream", tgi_stream_route)
