@@ -6,6 +6,7 @@ from dashboards.lib import (
     COUNT,
     FILTER,
     INST,
+    NOT_REASONING,
     USD_PER_HOUR,
     Grid,
     dashboard,
@@ -190,7 +191,7 @@ def build(t: Thresholds) -> Dashboard:
                 target(
                     f"sum by (model) (rate(llm_cost_usd_total{{{FILTER}}}"
                     f"[$__rate_interval])) / sum by (model) (rate(llm_tokens_total"
-                    f"{{{FILTER}}}[$__rate_interval])) * 1000",
+                    f"{{{FILTER},{NOT_REASONING}}}[$__rate_interval])) * 1000",
                     "{{model}}",
                 )
             ],

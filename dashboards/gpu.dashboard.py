@@ -2,7 +2,17 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import FILTER, USD_PER_HOUR, Grid, dashboard, stat, target, text, timeseries
+from dashboards.lib import (
+    FILTER,
+    NOT_REASONING,
+    USD_PER_HOUR,
+    Grid,
+    dashboard,
+    stat,
+    target,
+    text,
+    timeseries,
+)
 from sidecar.telemetry.thresholds import Thresholds
 
 
@@ -88,7 +98,8 @@ def build(t: Thresholds) -> Dashboard:
             "short",
             [
                 target(
-                    f"sum by (model) (rate(llm_tokens_total{{{FILTER}}}[$__rate_interval]))"
+                    f"sum by (model) (rate(llm_tokens_total{{{FILTER},{NOT_REASONING}}}"
+                    "[$__rate_interval]))"
                     f" / sum by (model) (rate(llm_device_seconds_total{{{FILTER}}}"
                     "[$__rate_interval]))",
                     "{{model}}",
@@ -122,7 +133,7 @@ def build(t: Thresholds) -> Dashboard:
                 target(
                     f"sum by (model) (rate(llm_energy_joules_total{{{FILTER}}}"
                     f"[$__rate_interval])) / sum by (model) (rate(llm_tokens_total"
-                    f"{{{FILTER}}}[$__rate_interval])) * 1000",
+                    f"{{{FILTER},{NOT_REASONING}}}[$__rate_interval])) * 1000",
                     "{{model}}",
                 )
             ],

@@ -28,6 +28,9 @@ from sidecar.telemetry.thresholds import Thresholds
 SCHEMA_VERSION = 40
 DS = "${datasource}"
 FILTER = 'job="$job",instance=~"$instance",model=~"$model"'
+# Reasoning tokens are a part of output (llm_tokens_total{token_type="reasoning"}): a sum over
+# token_type leaves them out, or it counts them twice (docs/metrics.md).
+NOT_REASONING = 'token_type!="reasoning"'
 INST = 'job="$job",instance=~"$instance"'
 ENGINE = 'job="$engine_job"'  # the inference server's own /metrics
 # Heatmap columns: at the usual panel width this keeps a cell a few pixels wide. Other panels use

@@ -2,7 +2,17 @@
 
 from grafanalib.core import Dashboard
 
-from dashboards.lib import COUNT, USD_PER_HOUR, Grid, dashboard, or_zero, stat, target, timeseries
+from dashboards.lib import (
+    COUNT,
+    NOT_REASONING,
+    USD_PER_HOUR,
+    Grid,
+    dashboard,
+    or_zero,
+    stat,
+    target,
+    timeseries,
+)
 from sidecar.telemetry.thresholds import Thresholds
 
 U = 'job="$job",instance=~"$instance",model=~"$model",user_id="$user_id"'
@@ -38,7 +48,7 @@ def build(t: Thresholds) -> Dashboard:
             "Tokens, selected range",
             "Input and output tokens reported by the server.",
             "short",
-            [target(or_zero(f"sum(increase(llm_tokens_total{{{U}}}[$__range]))"))],
+            [target(or_zero(f"sum(increase(llm_tokens_total{{{U},{NOT_REASONING}}}[$__range]))"))],
         ),
         stat(
             g,

@@ -132,6 +132,8 @@ class ModelPrice:
     input_per_1m: float
     output_per_1m: float
     cached_input_per_1m: float | None = None
+    # Reasoning tokens are a part of the output; null prices them as the rest of it.
+    reasoning_per_1m: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,14 @@ class Endpoint(StrEnum):
     TGI_GENERATE_STREAM = "/generate_stream"
     TGI_COMPAT = "/"
     TGI_VERTEX = "/vertex"
+    # vLLM's pooling and scoring routes (metering/pooling.py): input tokens only, nothing generated.
+    POOLING = "/pooling"
+    CLASSIFY = "/classify"
+    SCORE = "/score"
+    SCORE_V1 = "/v1/score"
+    RERANK = "/rerank"
+    RERANK_V1 = "/v1/rerank"
+    RERANK_V2 = "/v2/rerank"
     # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
     INVOCATIONS = "/invocations"
     # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
@@ -49,12 +57,17 @@ class Endpoint(StrEnum):
         """The value as a plain str (an Enum's `.value` is a property, read on every request)."""
         return str(self.value)
 
+    @functools.cached_property
+    def is_pooling(self) -> bool:
+        """A route that reads its input and generates nothing (vLLM's pooling and scoring)."""
+        return self in POOLING_ROUTES
+
     @property
     def operation(self) -> str:
         """The GenAI `gen_ai.operation.name` for this route."""
         if self in (Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.MESSAGES):
             return "chat"
-        if self is Endpoint.EMBEDDINGS:
+        if self is Endpoint.EMBEDDINGS or self.is_pooling:
             return "embeddings"
         if self is Endpoint.OTHER:
             return "other"
@@ -64,6 +77,9 @@ class Endpoint(StrEnum):
 _TGI_NATIVE = frozenset(
     {Endpoint.TGI_GENERATE, Endpoint.TGI_GENERATE_STREAM, Endpoint.TGI_COMPAT, Endpoint.TGI_VERTEX}
 )
+RERANK_ROUTES = frozenset({Endpoint.RERANK, Endpoint.RERANK_V1, Endpoint.RERANK_V2})
+SCORE_ROUTES = frozenset({Endpoint.SCORE, Endpoint.SCORE_V1})
+POOLING_ROUTES = frozenset({Endpoint.POOLING, Endpoint.CLASSIFY, *SCORE_ROUTES, *RERANK_ROUTES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +87,8 @@ class Usage:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_input_tokens: int | None = None
+    # Reasoning ("thinking") tokens: a part of output_tokens, never added to it (docs/metrics.md).
+    reasoning_tokens: int | None = None
     model: str | None = None
     response_id: str | None = None
     finish_reasons: tuple[str, ...] = ()

@@ -100,8 +100,9 @@ def test_cli_prints_the_defaults_and_a_files_effective_config(tmp_path: Path) ->
     out = subprocess.run(
         [*cli, "--config", str(path)], capture_output=True, text=True, timeout=60, check=True
     )
-    assert "  models: {m: {input_per_1m: 1.0, output_per_1m: 2.0, cached_input_per_1m: null}}" in (
-        out.stdout
+    assert (
+        "  models: {m: {input_per_1m: 1.0, output_per_1m: 2.0, cached_input_per_1m: null,"
+        " reasoning_per_1m: null}}" in (out.stdout)
     )
     assert load(write(tmp_path, out.stdout)) == load(path)
 

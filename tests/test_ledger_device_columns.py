@@ -125,7 +125,8 @@ def test_the_fleet_ledger_ships_the_device_columns(postgres: Any, tmp_path: Path
             sqlite_ledger.INSERT,
             (time.time(), "new", None, "m", "/e", "u", 1, 0, 1, 0.5, "200", 0)
             + (None,) * 6
-            + (2.5, 700.0, 0.0025),
+            + (2.5, 700.0, 0.0025)
+            + (None,) * (len(sqlite_ledger.Row._fields) - 21),  # later columns (reasoning)
         )
     conn.close()
     url = postgres.database()

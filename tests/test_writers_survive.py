@@ -33,7 +33,7 @@ def audit_row(rid: str, model: str = "m", user: str = "u") -> tuple[Any, ...]:
 def request_row(rid: str, model: str = "m", tokens: int | None = 1, stream: int = 0) -> Row:
     t = time.time()
     return Row(t, rid, None, model, "/v1/chat/completions", "u", tokens, None, 1, 0.1, "200",
-               stream, None, None, 0.1, None, None, None, None, None, None)  # fmt: skip
+               stream, None, None, 0.1, None, None, None, None, None, None, None)  # fmt: skip
 
 
 def stage(metrics: Metrics, name: str) -> float:

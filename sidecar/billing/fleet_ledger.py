@@ -68,6 +68,9 @@ REQUEST_COLUMNS = {
     "device_seconds": "DOUBLE PRECISION",
     "energy_j": "DOUBLE PRECISION",
     "device_cost_usd": "DOUBLE PRECISION",
+    # --- reasoning columns (h-pooling) ---
+    "reasoning_tokens": "BIGINT",  # a part of output_tokens
+    # --- end reasoning columns ---
 }
 AUDIT_COLUMNS = {
     "ts": "DOUBLE PRECISION NOT NULL",

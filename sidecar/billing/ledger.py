@@ -60,7 +60,10 @@ CREATE TABLE IF NOT EXISTS requests (
     end_user TEXT,                    -- the body's `user`: recorded, not billed when keys verify
     device_seconds REAL,              -- the engine's GPUs' time attributed (NULL: no telemetry)
     energy_j REAL,                    -- NULL unless final when the row was written (docs)
-    device_cost_usd REAL              -- device_seconds at pricing.gpu_hour_usd
+    device_cost_usd REAL,             -- device_seconds at pricing.gpu_hour_usd
+    -- reasoning columns (h-pooling) --
+    reasoning_tokens INTEGER          -- a part of output_tokens, never added; NULL: not reported
+    -- end reasoning columns --
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -86,8 +89,11 @@ Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error, team, end_user, device_seconds, energy_j, device_cost_usd) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "error, team, end_user, device_seconds, energy_j, device_cost_usd"
+    ", reasoning_tokens"  # reasoning columns
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+    ", ?"  # reasoning columns
+    ")"
 )
 INSERT_AUDIT = (
     "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
@@ -119,6 +125,9 @@ class Row(NamedTuple):
     device_seconds: float | None
     energy_j: float | None
     device_cost_usd: float | None
+    # --- reasoning columns (h-pooling) ---
+    reasoning_tokens: int | None
+    # --- end reasoning columns ---
 
 
 def row_of(ex: Exchange) -> Row:
@@ -149,6 +158,7 @@ def row_of(ex: Exchange) -> Row:
         ex.device_seconds,
         ex.energy_j,
         ex.device_cost_usd,
+        u.reasoning_tokens,  # reasoning columns (h-pooling)
     )
 
 
@@ -170,6 +180,10 @@ def _add_missing_columns(conn: sqlite3.Connection) -> None:
     for column, kind in added.items():
         if column not in have:
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
+    # --- reasoning columns (h-pooling) ---
+    if "reasoning_tokens" not in have:
+        conn.execute("ALTER TABLE requests ADD COLUMN reasoning_tokens INTEGER")
+    # --- end reasoning columns ---
 
 
 class Ledger:

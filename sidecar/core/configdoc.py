@@ -36,7 +36,9 @@ NOTES = {
     "metering.max_tracked_users": 'later users share user_id="__other__"; totals stay exact',
     "metering.inject_stream_usage": "see docs/traffic.md",
     "pricing": "USD per million tokens (or: tollbooth serve --pricing FILE)",
-    "pricing.models": "{model: {input_per_1m, output_per_1m, cached_input_per_1m}}",
+    "pricing.models": (
+        "{model: {input_per_1m, output_per_1m, cached_input_per_1m, reasoning_per_1m}}"
+    ),
     "pricing.default": "for unlisted models; null: their cost is unknown, never $0",
     "pricing.gpu_hour_usd": "device-time cost (needs GPU telemetry); null: none",
     "ledger.path": "SQLite file (or --ledger); null: no ledger",

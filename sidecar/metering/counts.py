@@ -119,7 +119,7 @@ def invalid(raw: object, read: int | None) -> bool:
 
 def bounded(u: Usage) -> Usage:
     """A stream's totals (the sum of several usage objects) under the same ceiling."""
-    counts = (u.input_tokens, u.output_tokens, u.cached_input_tokens)
+    counts = (u.input_tokens, u.output_tokens, u.cached_input_tokens, u.reasoning_tokens)
     if all(n is None or n <= MAX_TOKEN_COUNT for n in counts):
         return u
     return replace(
@@ -127,6 +127,7 @@ def bounded(u: Usage) -> Usage:
         input_tokens=None,
         output_tokens=None,
         cached_input_tokens=None,
+        reasoning_tokens=None,
         unknown_reason=INVALID_USAGE,
     )
 

@@ -57,6 +57,8 @@ class Meter:
             c(m.tokens, ex.model, "input", ep, ex.user).inc(u.input_tokens)
         if u.output_tokens is not None:
             c(m.tokens, ex.model, "output", ep, ex.user).inc(u.output_tokens)
+        if u.reasoning_tokens is not None:  # a part of output: sums of token_type exclude it
+            c(m.tokens, ex.model, "reasoning", ep, ex.user).inc(u.reasoning_tokens)
         if u.cached_input_tokens is not None:
             c(m.cached_tokens, ex.model, ep, ex.user).inc(u.cached_input_tokens)
         if u.input_tokens is None or u.output_tokens is None:

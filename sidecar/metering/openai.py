@@ -234,13 +234,26 @@ def read_usage(
     if endpoint is Endpoint.RESPONSES:
         raw_in, raw_out = usage.get("input_tokens"), usage.get("output_tokens")
         details = usage.get("input_tokens_details")
+        out_details = usage.get("output_tokens_details")
     else:
         raw_in, raw_out = usage.get("prompt_tokens"), usage.get("completion_tokens")
         details = usage.get("prompt_tokens_details")
+        out_details = usage.get("completion_tokens_details")
     raw_cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    raw_reasoning = out_details.get("reasoning_tokens") if isinstance(out_details, dict) else None
     inp, out, cached = count(raw_in), count(raw_out), count(raw_cached)
+    reasoning = count(raw_reasoning)
     more_cached = cached is not None and inp is not None and cached > inp  # than there was
-    if invalid(raw_in, inp) or invalid(raw_out, out) or invalid(raw_cached, cached) or more_cached:
+    # Reasoning tokens are a part of the output: more of them than output is a broken count.
+    more_reasoning = reasoning is not None and (out is None or reasoning > out)
+    if (
+        invalid(raw_in, inp)
+        or invalid(raw_out, out)
+        or invalid(raw_cached, cached)
+        or invalid(raw_reasoning, reasoning)
+        or more_cached
+        or more_reasoning
+    ):
         return Usage(
             model=model,
             response_id=response_id,
@@ -254,6 +267,7 @@ def read_usage(
         input_tokens=inp,
         output_tokens=out,
         cached_input_tokens=cached,
+        reasoning_tokens=reasoning,
         model=model,
         response_id=response_id,
         finish_reasons=finish_reasons,
@@ -331,6 +345,7 @@ class ChatStream(SSEMeter):
                 input_tokens=inp,
                 output_tokens=total(p.output_tokens for p in parts.values()),
                 cached_input_tokens=None,
+                reasoning_tokens=None,
                 unknown_reason=None if inp is not None else reason or "incomplete_usage",
             )
         )
@@ -405,6 +420,7 @@ def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endp
             input_tokens=total(p.input_tokens for p in parts),
             output_tokens=total(p.output_tokens for p in parts),
             cached_input_tokens=total_present(p.cached_input_tokens for p in parts),
+            reasoning_tokens=total_present(p.reasoning_tokens for p in parts),
             unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
         )
     )

@@ -40,7 +40,11 @@ class PriceBook:
         if usage.input_tokens is None or usage.output_tokens is None:
             return None, "usage_unknown"
         return compute(
-            price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens
+            price,
+            usage.input_tokens,
+            usage.cached_input_tokens,
+            usage.output_tokens,
+            usage.reasoning_tokens,
         ), None
 
     def input_cost(self, model: str | None, usage: Usage) -> float | None:
@@ -51,8 +55,15 @@ class PriceBook:
         return compute(price, usage.input_tokens, usage.cached_input_tokens, 0).input_usd
 
 
-def compute(price: ModelPrice, input_tokens: int, cached: int | None, output_tokens: int) -> Cost:
-    """Cached input is part of input, billed at its own price (the input price if none is set).
+def compute(
+    price: ModelPrice,
+    input_tokens: int,
+    cached: int | None,
+    output_tokens: int,
+    reasoning: int | None = None,
+) -> Cost:
+    """Cached input is part of input, billed at its own price (the input price if none is set);
+    reasoning tokens are part of output, likewise (the output price if none is set).
     More cached tokens than input (a buggy upstream) is all of the input, never a negative rest,
     and no count is below zero: a cost is never negative (a negative charge credits a budget)."""
     input_tokens, output_tokens = max(input_tokens, 0), max(output_tokens, 0)
@@ -61,7 +72,11 @@ def compute(price: ModelPrice, input_tokens: int, cached: int | None, output_tok
     if cached_price is None:
         cached_price = price.input_per_1m
     inp = ((input_tokens - cached) * price.input_per_1m + cached * cached_price) / 1e6
-    return Cost(input_usd=inp, output_usd=output_tokens * price.output_per_1m / 1e6)
+    out = output_tokens * price.output_per_1m
+    if price.reasoning_per_1m is not None and reasoning:
+        reasoning = min(max(reasoning, 0), output_tokens)
+        out = (output_tokens - reasoning) * price.output_per_1m + reasoning * price.reasoning_per_1m
+    return Cost(input_usd=inp, output_usd=out / 1e6)
 
 
 def load_pricing_file(path: str | Path) -> PricingConfig:

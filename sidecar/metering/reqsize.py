@@ -236,3 +236,36 @@ def _text_len(value: object) -> int:
     if isinstance(value, list):
         return sum(_text_len(v.get("text") if isinstance(v, dict) else v) for v in value)
     return 0
+
+
+# --- pairs: rerank and score ----------------------------------------------------------------------
+
+# vLLM's rerank and score routes run the model on every (query, document) pair, so a query is
+# tokenized once per document (vllm/entrypoints/pooling/score/serving.py; the request models in
+# vllm/entrypoints/pooling/scoring/protocol.py). The score route's body is one of these shapes,
+# tried in this order; rerank's is (query, documents).
+RERANK_PAIR = ("query", "documents")
+SCORE_PAIRS = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
+
+
+def repeated_chars(obj: Mapping[str, Any], pairs: tuple[tuple[str, str], ...]) -> int:
+    """Characters the server tokenizes beyond each string once (what `body_size` counts): a
+    single first input (a rerank query, a score's one `text_1`) is paired with each of the second
+    inputs, so it is counted again for each pair after the first. Lists of equal length are
+    scored pairwise: each already counted once."""
+    for first, second in pairs:
+        a, b = obj.get(first), obj.get(second)
+        if a is None or b is None:
+            continue
+        if isinstance(a, list):
+            if len(a) != 1:
+                return 0
+            a = a[0]
+        n = len(b) if isinstance(b, list) else 1
+        return (n - 1) * body_size({"input": a})[0] if n > 1 else 0
+    return 0

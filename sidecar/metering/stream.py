@@ -152,6 +152,7 @@ class SSEMeter:
                 input_tokens=None,
                 output_tokens=None,
                 cached_input_tokens=None,
+                reasoning_tokens=None,
                 unknown_reason="event_too_large",
             )
         return self._counted_usage()

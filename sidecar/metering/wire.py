@@ -17,11 +17,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..exchange import Endpoint, RequestInfo, Usage
+from ..exchange import POOLING_ROUTES, Endpoint, RequestInfo, Usage
 from .anthropic import AnthropicAdapter
 from .counts import INVALID_USAGE, parse
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .openai import OpenAIAdapter
+from .pooling import PoolingAdapter
 from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
 from .tgi import TGIAdapter, TGIOpenAIAdapter
@@ -109,6 +110,7 @@ register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
 register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server
+register(PoolingAdapter(), POOLING_ROUTES)  # vLLM's; on any server (none other serves them)
 # Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
 _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 

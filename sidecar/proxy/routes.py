@@ -76,13 +76,6 @@ _UNMETERED_CLASSES = frozenset(
     {
         "/v1/audio/transcriptions",
         "/v1/audio/translations",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
         "/inference/v1/generate",
         "/invocations",
     }

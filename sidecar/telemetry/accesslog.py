@@ -71,6 +71,7 @@ def fields_of(s: Snapshot) -> dict[str, Any]:
         "input_tokens": u.input_tokens,
         "cached_input_tokens": u.cached_input_tokens,
         "output_tokens": u.output_tokens,
+        "reasoning_tokens": u.reasoning_tokens,
         "cost_usd": cost.total_usd if cost is not None else None,
         "queue_wait_s": _round(queue),
         "ttft_s": _round(ttft),

@@ -288,7 +288,7 @@ class Metrics:
         )
         self.tokens = LoopCounter(
             "llm_tokens",
-            "Tokens reported by the server, by direction.",
+            "Tokens reported by the server, by direction (reasoning: a part of output).",
             ["model", "token_type", "api_endpoint", "user_id"],
             registry=r,
         )

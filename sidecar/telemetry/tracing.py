@@ -147,6 +147,7 @@ def attributes(ex: Exchange, provider: str, address: str, port: int) -> dict[str
         ga.GEN_AI_USAGE_INPUT_TOKENS: u.input_tokens,
         ga.GEN_AI_USAGE_OUTPUT_TOKENS: u.output_tokens,
         ga.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: u.cached_input_tokens,
+        "tollbooth.usage.reasoning_tokens": u.reasoning_tokens,
         ga.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK: ex.ttft_s,
         "tollbooth.cost_usd": ex.cost.total_usd if ex.cost is not None else None,
         "tollbooth.queue_wait_s": ex.queue_s,

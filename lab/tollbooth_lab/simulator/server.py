@@ -26,7 +26,7 @@ from sidecar.telemetry.metrics import (
     VLLM_WAITING,
 )
 
-from . import anthropic
+from . import anthropic, pooling
 from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
 
 Api = Literal["vllm", "tgi"]
@@ -37,9 +37,18 @@ ENGINE = web.AppKey("engine", Engine)
 class SimSettings:
     api: Api = "vllm"
     model: str = "sim-llama-3-8b"
+    # A reasoning model: every answer reports `completion_tokens_details.reasoning_tokens`
+    # (half the output, rounded down). A request with `reasoning_effort` asks for it too.
+    reasoning: bool = False
+    # vLLM's --enable-prompt-tokens-details: usage carries `prompt_tokens_details.cached_tokens`,
+    # the prompt's full 16-token blocks already in the prefix cache (a prompt seen before).
+    prompt_tokens_details: bool = False
 
 
 SETTINGS = web.AppKey("settings", SimSettings)
+PREFIX_CACHE = web.AppKey("prefix_cache", dict)  # prompt -> None, oldest first (bounded)
+PREFIX_CACHE_PROMPTS = 4096
+BLOCK_TOKENS = 16
 
 
 class BadRequest(Exception):
@@ -56,6 +65,7 @@ class Gen:
     model: str
     details: bool = False
     continuous_usage: bool = False  # vLLM: running totals on every chunk (with include_usage)
+    reasoning: bool = False  # report reasoning tokens in the final usage
 
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -111,6 +121,7 @@ def openai_gen(body: dict[str, Any], chat: bool, model: str, api: Api = "vllm") 
         continuous_usage=include_usage
         and api == "vllm"
         and flag((opts or {}).get("continuous_usage_stats")),
+        reasoning=body.get("reasoning_effort") is not None,
     )
 
 
@@ -168,6 +179,8 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         gen = openai_gen(await _json(request), chat, s.model, s.api)
         n_prompt = _check_len(engine, gen)
+        gen.reasoning = gen.reasoning or s.reasoning
+        cached = _cached_tokens(request.app, gen.prompt, n_prompt)
     except BadRequest as exc:
         return (
             tgi_error(422, str(exc), "validation")
@@ -200,7 +213,7 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
                 "created": created,
                 "model": gen.model,
                 "choices": [choice],
-                "usage": _usage(n_prompt, seq.generated),
+                "usage": _usage(n_prompt, seq.generated, gen.reasoning, cached),
             }
         )
     resp = _sse_response()
@@ -264,7 +277,7 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
                 "created": created,
                 "model": gen.model,
                 "choices": [],
-                "usage": _usage(n_prompt, seq.generated),
+                "usage": _usage(n_prompt, seq.generated, gen.reasoning, cached),
             }
             await resp.write(f"data{sep}{json.dumps(final)}\n\n".encode())
     except OutOfMemory as exc:
@@ -285,13 +298,32 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
     return resp
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {
+def _cached_tokens(app: web.Application, prompt: str, n_prompt: int) -> int | None:
+    """The prompt's tokens served from the simulated prefix cache (None: not reported). vLLM
+    caches full blocks, and never the prompt's last token."""
+    if not app[SETTINGS].prompt_tokens_details:
+        return None
+    seen = app[PREFIX_CACHE]
+    hit = prompt in seen
+    seen.pop(prompt, None)
+    seen[prompt] = None
+    while len(seen) > PREFIX_CACHE_PROMPTS:
+        del seen[next(iter(seen))]
+    return max(n_prompt - 1, 0) // BLOCK_TOKENS * BLOCK_TOKENS if hit else 0
+
+
+def _usage(
+    prompt: int, completion: int, reasoning: bool = False, cached: int | None = None
+) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
     }
+    if reasoning:  # a part of completion_tokens, as OpenAI's CompletionTokensDetails
+        usage["completion_tokens_details"] = {"reasoning_tokens": completion // 2}
+    return usage
 
 
 def _sse_response() -> web.StreamResponse:
@@ -501,10 +533,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_simulator(
-    api: Api = "vllm", params: EngineParams | None = None, model: str = "sim-llama-3-8b"
+    api: Api = "vllm",
+    params: EngineParams | None = None,
+    model: str = "sim-llama-3-8b",
+    reasoning: bool = False,
+    prompt_tokens_details: bool = False,
 ) -> web.Application:
     app = web.Application()
-    app[SETTINGS] = SimSettings(api=api, model=model)
+    app[SETTINGS] = SimSettings(
+        api=api, model=model, reasoning=reasoning, prompt_tokens_details=prompt_tokens_details
+    )
+    app[PREFIX_CACHE] = {}
     engine = app[ENGINE] = Engine(params or EngineParams())
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -523,6 +562,7 @@ def create_simulator(
         r.add_post("/tokenize", vllm_tokenize)
         r.add_get("/v1/models", vllm_models)
         anthropic.add_routes(app, engine)  # vllm/entrypoints/anthropic/
+        pooling.add_routes(app, model)  # /pooling, /classify, /score, /rerank ...
     else:
         r.add_post("/generate", tgi_generate)
         r.add_post("/generate_stream", tgi_stream_route)
