@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.billing.ledger import Ledger, connect
+from sidecar.billing.ledger import Ledger, Row, connect
 from sidecar.telemetry.metrics import Metrics
 from tests.fakes import MODEL
 from tests.procs import Tollbooth, start_tollbooth
@@ -292,9 +292,10 @@ def test_rows_go_in_many_per_statement_all_of_them_in_order(tmp_path: Path, limi
     if limit is not None:
         conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)  # 4 rows of 18 columns
     sent = []
+    PAD = (None,) * (len(Row._fields) - 18)  # columns added since (chargeback: project, tags)
     for n in (1, 5, sum(ROWS_PER_STATEMENT) + 300):
         rows = [(float(i), f"r{len(sent) + i}", None, "m", "/e", "u", i, None, 1, 0.5, "200", 1,
-                 None, None, 0.1, None, None, None) for i in range(n)]  # fmt: skip
+                 None, None, 0.1, None, None, None, *PAD) for i in range(n)]  # fmt: skip
         with conn:
             Ledger._insert(conn, INSERT, rows)
         sent += [r[1] for r in rows]

@@ -65,6 +65,10 @@ REQUEST_COLUMNS = {
     "error": "TEXT",
     "team": "TEXT",
     "end_user": "TEXT",
+    # chargeback (issue 25) begin: ADD COLUMN IF NOT EXISTS upgrades an existing fleet ledger
+    "project": "TEXT",
+    "tags": "TEXT",
+    # chargeback (issue 25) end
 }
 AUDIT_COLUMNS = {
     "ts": "DOUBLE PRECISION NOT NULL",

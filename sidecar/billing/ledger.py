@@ -57,7 +57,11 @@ CREATE TABLE IF NOT EXISTS requests (
     duration_s REAL,
     error TEXT,
     team TEXT,                        -- the billed principal's team (keys file)
-    end_user TEXT                     -- the body's `user`: recorded, not billed when keys verify
+    end_user TEXT,                    -- the body's `user`: recorded, not billed when keys verify
+    -- chargeback (issue 25) begin
+    project TEXT,                     -- the principal's project (keys file, trusted header)
+    tags TEXT                         -- its tags, sorted, comma-joined (a tag has no comma)
+    -- chargeback (issue 25) end
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -83,7 +87,11 @@ Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 INSERT = (
     "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error, team, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "error, team, end_user"
+    ", project, tags"  # chargeback (issue 25)
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+    ", ?, ?"  # chargeback (issue 25)
+    ")"
 )
 INSERT_AUDIT = (
     "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
@@ -112,6 +120,10 @@ class Row(NamedTuple):
     error: str | None
     team: str | None
     end_user: str | None
+    # chargeback (issue 25) begin
+    project: str | None
+    tags: str | None  # sorted, comma-joined; NULL: none
+    # chargeback (issue 25) end
 
 
 def row_of(ex: Exchange) -> Row:
@@ -139,6 +151,8 @@ def row_of(ex: Exchange) -> Row:
         ex.error,
         ex.team,
         ex.end_user,
+        ex.project,  # chargeback (issue 25)
+        ",".join(ex.tags) if ex.tags else None,
     )
 
 
@@ -155,7 +169,9 @@ def connect(path: str | Path) -> sqlite3.Connection:
 def _add_missing_columns(conn: sqlite3.Connection) -> None:
     """Ledgers written before a column existed get it (NULL in their old rows)."""
     have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-    for column in ("team", "end_user"):
+    added: tuple[str, ...] = ("team", "end_user")
+    added += ("project", "tags")  # chargeback (issue 25)
+    for column in added:
         if column not in have:
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
 

@@ -344,7 +344,7 @@ def add_audit(sub: Sub) -> None:
 def cmd_keys_add(args: argparse.Namespace) -> int:
     from ..proxy.identity import add_key
 
-    key = add_key(args.file, args.user, args.team)
+    key = add_key(args.file, args.user, args.team, args.project, args.tag or [])
     print(key)  # the only time the key exists outside the client: the file keeps its hash
     return 0
 
@@ -356,6 +356,8 @@ def add_keys(sub: Sub) -> None:
     a.add_argument("--file", required=True, help="the keys file (created if missing)")
     a.add_argument("--user", required=True, help="the principal billed for this key")
     a.add_argument("--team", help="the principal's team (team budgets)")
+    a.add_argument("--project", help="the principal's project or cost centre (chargeback)")
+    a.add_argument("--tag", action="append", help="a chargeback tag (repeatable)")
     a.set_defaults(func=cmd_keys_add)
 
 
