@@ -72,8 +72,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..billing import report
 
     try:
-        since = report.parse_since(args.since)
-        rows = report.summarize(args.ledger, since, args.by, args.day_start_hour_utc)
+        hour = args.day_start_hour_utc
+        if args.month:
+            since, until = report.month_bounds(args.month, hour)
+        else:
+            since, until = report.parse_since(args.since), None
+        rows = report.chargeback(args.ledger, since, args.by, hour, until)
     except ValueError as exc:
         raise SystemExit(f"tollbooth report: {exc}") from None
     print(report.render(rows, args.format))
@@ -86,12 +90,15 @@ def add_report(sub: Sub) -> None:
         "--ledger", required=True, help="ledger SQLite file, or the fleet's postgresql:// URL"
     )
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
-    p.add_argument("--by", default="user", choices=["user", "model", "day"])
+    p.add_argument(
+        "--by", default="user", choices=["user", "team", "project", "tag", "model", "day", "month"]
+    )
+    p.add_argument("--month", help="YYYY-MM: that budget month instead of --since")
     option(
         p,
         BudgetConfig,
         "day_start_hour_utc",
-        help="with --by day: the budget day's start (budgets.day_start_hour_utc)",
+        help="days and months start at this hour (budgets.day_start_hour_utc)",
     )
     p.add_argument("--format", default="table", choices=["table", "csv", "json"])
     p.set_defaults(func=cmd_report)
