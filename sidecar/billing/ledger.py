@@ -121,8 +121,8 @@ class Row(NamedTuple):
     team: str | None
     end_user: str | None
     # chargeback (issue 25) begin
-    project: str | None
-    tags: str | None  # sorted, comma-joined; NULL: none
+    project: str | None = None  # defaults: rows built before these columns still make a Row
+    tags: str | None = None  # sorted, comma-joined; NULL: none
     # chargeback (issue 25) end
 
 
