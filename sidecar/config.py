@@ -167,6 +167,10 @@ class IdentityConfig:
     # Bill the user named in metering.user_header. Null: trusted only without a keys file (then a
     # gateway in front must set or strip that header).
     trust_user_header: bool | None = None
+    # Chargeback, trusted-header mode only: headers a gateway sets to the principal's project and
+    # its comma-separated tags (null: not read). Cleaned and bounded like the user header.
+    project_header: str | None = None
+    tags_header: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -215,6 +215,8 @@ class Exchange:
     response_sample: bytes | bytearray | None = None  # audit text capture only; bounded
     request_headers: Mapping[str, str] = field(default_factory=dict)  # the client's, read-only
     team: str | None = None  # the billed principal's team (keys file)
+    project: str | None = None  # chargeback: the principal's project (keys file, trusted header)
+    tags: tuple[str, ...] = ()  # chargeback: the principal's tags, sorted
     end_user: str | None = None  # the body's `user`: recorded, never billed when keys are verified
     key_id: str | None = None  # "key-" + 12 hex of the key's sha256; never the key
     prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize

@@ -158,12 +158,8 @@ def test_a_batch_sent_twice_counts_once_and_reused_row_ids_never_collide(
     assert shipper.ship() == 3
     assert count(url) == 3
     db = sqlite3.connect(path)
-    rows = db.execute(
-        "SELECT id, ts, request_id, trace_id, model, endpoint, user, input_tokens, "
-        "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, "
-        "ttft_s, duration_s, error, team, end_user, device_seconds, energy_j, device_cost_usd, "
-        "reasoning_tokens FROM requests"
-    ).fetchall()
+    shipped_columns = ", ".join(f'"{c}"' for c in shipper._columns["requests"])
+    rows = db.execute(f"SELECT id, {shipped_columns} FROM requests").fetchall()
     source = db.execute("SELECT source FROM outbox WHERE tbl = 'requests'").fetchone()[0]
     shipper._send("requests", source, shipper._columns["requests"], rows)  # sent again
     assert count(url) == 3

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.billing.ledger import Ledger, connect
+from sidecar.billing.ledger import Ledger, Row, connect
 from sidecar.telemetry.metrics import Metrics
 from tests.fakes import MODEL
 from tests.procs import Tollbooth, start_tollbooth
@@ -284,18 +284,18 @@ def test_rows_are_made_in_the_writer_and_a_bad_one_loses_only_itself(tmp_path: P
     )
 
 
-@pytest.mark.parametrize("limit", [None, 88])  # SQLite's limit on variables per statement
+@pytest.mark.parametrize("limit", [None, 96])  # SQLite's limit on variables per statement
 def test_rows_go_in_many_per_statement_all_of_them_in_order(tmp_path: Path, limit: Any) -> None:
     from sidecar.billing.ledger import INSERT, ROWS_PER_STATEMENT
 
     conn = connect(tmp_path / "l.db")
     if limit is not None:
-        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)  # 4 rows of 22 columns
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)  # 4 rows of 24 columns
     sent = []
+    PAD = (None,) * (len(Row._fields) - 18)  # columns added since (device, reasoning, chargeback)
     for n in (1, 5, sum(ROWS_PER_STATEMENT) + 300):
         rows = [(float(i), f"r{len(sent) + i}", None, "m", "/e", "u", i, None, 1, 0.5, "200", 1,
-                 None, None, 0.1, None, None, None, None, None, None, None)
-                for i in range(n)]  # fmt: skip
+                 None, None, 0.1, None, None, None, *PAD) for i in range(n)]  # fmt: skip
         with conn:
             Ledger._insert(conn, INSERT, rows)
         sent += [r[1] for r in rows]

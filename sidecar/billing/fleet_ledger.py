@@ -21,6 +21,7 @@ libpq's configuration, for speed that a once-a-second batch does not need.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -71,6 +72,10 @@ REQUEST_COLUMNS = {
     # --- reasoning columns (h-pooling) ---
     "reasoning_tokens": "BIGINT",  # a part of output_tokens
     # --- end reasoning columns ---
+    # chargeback (issue 25) begin: ADD COLUMN IF NOT EXISTS upgrades an existing fleet ledger
+    "project": "TEXT",
+    "tags": "TEXT",
+    # chargeback (issue 25) end
 }
 AUDIT_COLUMNS = {
     "ts": "DOUBLE PRECISION NOT NULL",
@@ -561,6 +566,16 @@ def report_rows(url: str, since: float, by: str, day_offset_s: int = 0) -> list[
         "WHERE ts >= %s ORDER BY ts",
         (since,),
     )
+
+
+def request_rows(url: str, since: float, until: float) -> list[Any]:
+    """Chargeback (issue 25): the report's columns of each request in [since, until)."""
+    cols = (
+        'ts, "user", team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s'
+    )
+    end = until if math.isfinite(until) else 1e300
+    sql = f"SELECT {cols} FROM requests WHERE ts >= %s AND ts < %s ORDER BY ts"
+    return _read(url, sql, (since, end))
 
 
 def audit_records(url: str, since: float) -> list[str]:

@@ -62,8 +62,12 @@ CREATE TABLE IF NOT EXISTS requests (
     energy_j REAL,                    -- NULL unless final when the row was written (docs)
     device_cost_usd REAL,             -- device_seconds at pricing.gpu_hour_usd
     -- reasoning columns (h-pooling) --
-    reasoning_tokens INTEGER          -- a part of output_tokens, never added; NULL: not reported
+    reasoning_tokens INTEGER,         -- a part of output_tokens, never added; NULL: not reported
     -- end reasoning columns --
+    -- chargeback (issue 25) begin
+    project TEXT,                     -- the principal's project (keys file, trusted header)
+    tags TEXT                         -- its tags, sorted, comma-joined (a tag has no comma)
+    -- chargeback (issue 25) end
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -91,8 +95,10 @@ INSERT = (
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
     "error, team, end_user, device_seconds, energy_j, device_cost_usd"
     ", reasoning_tokens"  # reasoning columns
+    ", project, tags"  # chargeback (issue 25)
     ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
     ", ?"  # reasoning columns
+    ", ?, ?"  # chargeback (issue 25)
     ")"
 )
 INSERT_AUDIT = (
@@ -122,12 +128,16 @@ class Row(NamedTuple):
     error: str | None
     team: str | None
     end_user: str | None
-    device_seconds: float | None
-    energy_j: float | None
-    device_cost_usd: float | None
+    device_seconds: float | None = None  # the columns after team and end_user default to NULL
+    energy_j: float | None = None
+    device_cost_usd: float | None = None
     # --- reasoning columns (h-pooling) ---
-    reasoning_tokens: int | None
+    reasoning_tokens: int | None = None
     # --- end reasoning columns ---
+    # chargeback (issue 25) begin
+    project: str | None = None  # defaults: rows built before these columns still make a Row
+    tags: str | None = None  # sorted, comma-joined; NULL: none
+    # chargeback (issue 25) end
 
 
 def row_of(ex: Exchange) -> Row:
@@ -159,6 +169,8 @@ def row_of(ex: Exchange) -> Row:
         ex.energy_j,
         ex.device_cost_usd,
         u.reasoning_tokens,  # reasoning columns (h-pooling)
+        ex.project,  # chargeback (issue 25)
+        ",".join(ex.tags) if ex.tags else None,
     )
 
 
@@ -177,13 +189,11 @@ def _add_missing_columns(conn: sqlite3.Connection) -> None:
     have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
     added = {"team": "TEXT", "end_user": "TEXT"}
     added |= {"device_seconds": "REAL", "energy_j": "REAL", "device_cost_usd": "REAL"}
+    added |= {"reasoning_tokens": "INTEGER"}
+    added |= {"project": "TEXT", "tags": "TEXT"}  # chargeback (issue 25)
     for column, kind in added.items():
         if column not in have:
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
-    # --- reasoning columns (h-pooling) ---
-    if "reasoning_tokens" not in have:
-        conn.execute("ALTER TABLE requests ADD COLUMN reasoning_tokens INTEGER")
-    # --- end reasoning columns ---
 
 
 class Ledger:

@@ -1,6 +1,7 @@
 """`tollbooth report`: spend, tokens, requests and latency from the ledger, grouped.
 
-Owns: reading the ledger (read-only), grouping by user, model or day, and the table/csv/json
+Owns: reading the ledger (read-only), grouping by user, model or day (`summarize`), and by any
+chargeback dimension over a period or a budget month (`chargeback`), and the table/csv/json
 formats. Never: shows an unknown cost as 0; a group with any unknown cost has `cost_usd` null and
 says how many requests were unknown.
 """
@@ -21,6 +22,11 @@ from typing import Any
 _SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 GROUPS = {"user": "user", "model": "model", "day": "day"}
+# Chargeback (issue 25): dimensions read from every request's columns, grouped here.
+DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
+NONE = "(none)"  # the group of requests without a team, a project or a tag
+_MONTH = re.compile(r"^(\d{4})-(\d{2})$")
+_COLUMNS = "ts, user, team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s"
 
 
 def parse_since(value: str, now: float | None = None) -> float:
@@ -35,6 +41,81 @@ def parse_since(value: str, now: float | None = None) -> float:
         except ValueError:
             continue
     raise ValueError(f"--since '{value}': expected e.g. 24h, 7d, 30m or 2026-11-01")
+
+
+def month_bounds(value: str, day_start_hour_utc: int = 0) -> tuple[float, float]:
+    """--month YYYY-MM: [start, end) in unix seconds. A budget month starts at the budget day's
+    start hour on its first day, UTC."""
+    m = _MONTH.match(value.strip())
+    if not m or not 1 <= int(m.group(2)) <= 12:
+        raise ValueError(f"--month '{value}': expected YYYY-MM, e.g. 2026-11")
+    year, month = int(m.group(1)), int(m.group(2))
+    nxt = (year + month // 12, month % 12 + 1)
+    offset = day_start_hour_utc * 3600
+    start = calendar.timegm((year, month, 1, 0, 0, 0)) + offset
+    return float(start), float(calendar.timegm((*nxt, 1, 0, 0, 0)) + offset)
+
+
+def _keys(row: Any, by: str, offset: int) -> list[str]:
+    """The groups one request belongs to: one, or by tag one per tag (a request with two tags is
+    in both groups, so tag totals add up to more than the ledger; none: NONE)."""
+    ts, user, team, project, tags, model = row[:6]
+    if by == "day":
+        return [time.strftime("%Y-%m-%d", time.gmtime(ts - offset))]
+    if by == "month":
+        return [time.strftime("%Y-%m", time.gmtime(ts - offset))]
+    if by == "tag":
+        return tags.split(",") if tags else [NONE]
+    value = {"user": user, "team": team, "project": project, "model": model}[by]
+    return [value if value is not None else NONE]
+
+
+def chargeback(
+    path: str, since: float, by: str, day_start_hour_utc: int = 0, until: float | None = None
+) -> list[dict[str, Any]]:
+    """Rows in [since, until), grouped by any of DIMENSIONS; days and months are budget days and
+    months (`budgets.day_start_hour_utc`), named by the date they start on."""
+    if by not in DIMENSIONS:
+        raise ValueError(f"--by '{by}': expected one of {', '.join(DIMENSIONS)}")
+    if not 0 <= day_start_hour_utc <= 23:
+        raise ValueError(f"--day-start-hour-utc '{day_start_hour_utc}': expected 0 to 23")
+    end = math.inf if until is None else until
+    if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
+        from .fleet_ledger import request_rows
+
+        rows = request_rows(path, since, end)
+    elif "://" in path:  # never echoed: a URL may carry a password
+        raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
+    else:
+        rows = _sqlite_rows(path, since, end)
+    offset = day_start_hour_utc * 3600
+    groups: dict[str, Group] = {}
+    for row in rows:
+        for k in _keys(row, by, offset):
+            groups.setdefault(k, Group(k)).add(*row[6:])
+    result = [g.as_dict(by) for g in groups.values()]
+    if by in ("day", "month"):
+        return sorted(result, key=lambda r: r[by])
+    return sorted(result, key=lambda r: (r["cost_usd"] is None, -(r["cost_usd"] or 0), r[by]))
+
+
+def _sqlite_rows(path: str, since: float, until: float) -> list[Any]:
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise ValueError(f"ledger '{path}' cannot be opened: {exc}") from exc
+    try:
+        with conn:  # read-only: a ledger older than a column reads it as NULL, not upgraded here
+            have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
+            cols = ", ".join(c if c in have else "NULL" for c in _COLUMNS.split(", "))
+            return conn.execute(
+                f"SELECT {cols} FROM requests WHERE ts >= ? AND ts < ? ORDER BY ts",
+                (since, until),
+            ).fetchall()
+    except sqlite3.Error as exc:
+        raise ValueError(f"ledger '{path}' cannot be read: {exc}") from exc
+    finally:
+        conn.close()
 
 
 @dataclass

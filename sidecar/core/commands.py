@@ -72,8 +72,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..billing import report
 
     try:
-        since = report.parse_since(args.since)
-        rows = report.summarize(args.ledger, since, args.by, args.day_start_hour_utc)
+        hour = args.day_start_hour_utc
+        if args.month:
+            since, until = report.month_bounds(args.month, hour)
+        else:
+            since, until = report.parse_since(args.since), None
+        rows = report.chargeback(args.ledger, since, args.by, hour, until)
     except ValueError as exc:
         raise SystemExit(f"tollbooth report: {exc}") from None
     print(report.render(rows, args.format))
@@ -86,12 +90,15 @@ def add_report(sub: Sub) -> None:
         "--ledger", required=True, help="ledger SQLite file, or the fleet's postgresql:// URL"
     )
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
-    p.add_argument("--by", default="user", choices=["user", "model", "day"])
+    p.add_argument(
+        "--by", default="user", choices=["user", "team", "project", "tag", "model", "day", "month"]
+    )
+    p.add_argument("--month", help="YYYY-MM: that budget month instead of --since")
     option(
         p,
         BudgetConfig,
         "day_start_hour_utc",
-        help="with --by day: the budget day's start (budgets.day_start_hour_utc)",
+        help="days and months start at this hour (budgets.day_start_hour_utc)",
     )
     p.add_argument("--format", default="table", choices=["table", "csv", "json"])
     p.set_defaults(func=cmd_report)
@@ -344,7 +351,7 @@ def add_audit(sub: Sub) -> None:
 def cmd_keys_add(args: argparse.Namespace) -> int:
     from ..proxy.identity import add_key
 
-    key = add_key(args.file, args.user, args.team)
+    key = add_key(args.file, args.user, args.team, args.project, args.tag or [])
     print(key)  # the only time the key exists outside the client: the file keeps its hash
     return 0
 
@@ -356,6 +363,8 @@ def add_keys(sub: Sub) -> None:
     a.add_argument("--file", required=True, help="the keys file (created if missing)")
     a.add_argument("--user", required=True, help="the principal billed for this key")
     a.add_argument("--team", help="the principal's team (team budgets)")
+    a.add_argument("--project", help="the principal's project or cost centre (chargeback)")
+    a.add_argument("--tag", action="append", help="a chargeback tag (repeatable)")
     a.set_defaults(func=cmd_keys_add)
 
 

@@ -349,6 +349,8 @@ class Proxy:
             upstream=self.s.upstream,
             request_headers=request.headers,
             team=principal.team,
+            project=principal.project,
+            tags=principal.tags,
             end_user=sanitize(info.user, 128) if info.user else None,
             key_id=principal.key_id,
             path=path,
