@@ -34,6 +34,9 @@ class Endpoint(StrEnum):
     TGI_GENERATE_STREAM = "/generate_stream"
     TGI_COMPAT = "/"
     TGI_VERTEX = "/vertex"
+    # llama.cpp's native routes (metering/llamacpp.py)
+    LLAMA_COMPLETION = "/completion"
+    LLAMA_INFILL = "/infill"
     # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
     INVOCATIONS = "/invocations"
     # A POST that no metered route matches: forwarded (or refused) with its usage unknown.

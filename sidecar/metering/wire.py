@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from ..exchange import Endpoint, RequestInfo, Usage
 from .counts import INVALID_USAGE, parse
 from .dispatch import AmbiguousBody, invocation_endpoint
+from .llamacpp import LlamaCppAdapter
 from .openai import OpenAIAdapter
 from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
@@ -107,6 +108,7 @@ def register(adapter: WireAdapter, routes: Iterable[Endpoint], api: str | None =
 register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
+register(LlamaCppAdapter(), (Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL))
 # Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
 _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 

@@ -102,6 +102,11 @@ def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> st
     return api_key_id(headers.get("Authorization"))
 
 
+# Routes whose request names no model and whose server has no /info: llama.cpp's (the served
+# alias comes back in the response only), held at `upstream.model_name`'s price when it is set.
+_NAMED_BY_CONFIG = frozenset({Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL})
+
+
 # --- the upstream's model name for TGI's native routes -----------------------------------------
 
 
@@ -113,6 +118,7 @@ class TgiModelName:
     def __init__(self, upstream: Upstream, configured: str | None):
         self._upstream = upstream
         self._name = configured
+        self.configured = configured  # upstream.model_name, as the operator set it
         self._lock = asyncio.Lock()
         self._failed_at = -1e9
 
@@ -246,6 +252,8 @@ class Proxy:
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
         model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
+        if model is None and info.endpoint in _NAMED_BY_CONFIG:
+            model = self.tgi_name.configured  # priced (held) before the response names it
         ex = self._new_exchange(request, info, path, model, len(body), principal)
         return await self._metered(request, ex, held)
 

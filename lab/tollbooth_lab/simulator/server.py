@@ -457,6 +457,111 @@ async def tgi_info(request: web.Request) -> web.Response:
     )
 
 
+# --- llama.cpp ------------------------------------------------------------------------------------
+# The shapes of tools/server/server-task.cpp (`to_json_non_oaicompat` of the partial and final
+# results): running counts on every event, totals on the `stop: true` one, no [DONE]; a slot's
+# prompt cache is simulated as one remembered prompt (the common prefix is `timings.cache_n`).
+
+LLAMA_CACHE = web.AppKey("llama_cache", list)
+
+
+def _llama_prompt(body: dict[str, Any], infill: bool) -> str:
+    parts = [body.get("input_prefix", ""), body.get("prompt", ""), body.get("input_suffix", "")]
+    parts = parts if infill else [body.get("prompt")]
+    if not all(isinstance(p, str) for p in parts):
+        raise BadRequest("the simulator takes one string prompt")
+    return " ".join(p for p in parts if p)
+
+
+async def llama_completion(request: web.Request, *, infill: bool = False) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    try:
+        body = await _json(request)
+        prompt = _llama_prompt(body, infill)
+        n_predict = body.get("n_predict", body.get("max_tokens", -1))
+        if isinstance(n_predict, bool) or not isinstance(n_predict, int):
+            raise BadRequest("'n_predict' must be an integer")
+        gen = Gen(
+            prompt,
+            n_predict if n_predict > 0 else 16,
+            0,
+            body.get("stream") is True,
+            False,
+            s.model,
+        )
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return web.json_response(
+            {"error": {"code": 400, "message": str(exc), "type": "invalid_request_error"}},
+            status=400,
+        )
+    toks, cache = tokenize(gen.prompt), request.app[LLAMA_CACHE]
+    cache_n = next(
+        (i for i, (a, b) in enumerate(zip(toks, cache, strict=False)) if a != b),
+        min(len(toks), len(cache)),
+    )
+    cache[:] = toks
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+
+    def final(content: str) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "content": content,
+            "tokens": [],
+            "id_slot": 0,
+            "stop": True,
+            "model": s.model,
+            "tokens_predicted": seq.generated,
+            "tokens_evaluated": n_prompt,
+            "generation_settings": {"n_predict": n_predict},
+            "prompt": gen.prompt,
+            "has_new_line": False,
+            "truncated": False,
+            "stop_type": "limit" if seq.finish_reason == "length" else "eos",
+            "stopping_word": "",
+            "tokens_cached": n_prompt + seq.generated,
+            "timings": {
+                "cache_n": cache_n,
+                "prompt_n": n_prompt - cache_n,
+                "predicted_n": seq.generated,
+            },
+        }
+
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in engine.generate(seq)])
+        except OutOfMemory as exc:
+            return web.json_response(
+                {"error": {"code": 500, "message": str(exc), "type": "server_error"}}, status=500
+            )
+        return web.json_response(final(text))
+    resp = _sse_response()
+    await resp.prepare(request)
+    await resp.write(b": keep-alive\n\n")
+    try:
+        async for t in engine.generate(seq):
+            ev = {
+                "index": 0,
+                "content": t,
+                "tokens": [seq.generated],
+                "stop": False,
+                "id_slot": 0,
+                "tokens_predicted": seq.generated,
+                "tokens_evaluated": n_prompt,
+            }
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+    except OutOfMemory as exc:
+        err = {"error": {"code": 500, "message": str(exc), "type": "server_error"}}
+        await resp.write(f"error: {json.dumps(err)}\n\n".encode())
+        return resp
+    await resp.write(f"data: {json.dumps(final(''))}\n\n".encode())
+    return resp
+
+
+async def llama_infill(request: web.Request) -> web.StreamResponse:
+    return await llama_completion(request, infill=True)
+
+
 # --- shared ---------------------------------------------------------------------------------------
 
 
@@ -517,6 +622,9 @@ def create_simulator(
     r.add_post("/v1/completions", openai_route)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
+    app[LLAMA_CACHE] = []
+    r.add_post("/completion", llama_completion)  # llama.cpp's native routes, on every api
+    r.add_post("/infill", llama_infill)
     if api == "vllm":
         r.add_post("/invocations", vllm_invocations)
         r.add_post("/tokenize", vllm_tokenize)
