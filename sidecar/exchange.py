@@ -37,6 +37,10 @@ class Endpoint(StrEnum):
     # llama.cpp's native routes (metering/llamacpp.py)
     LLAMA_COMPLETION = "/completion"
     LLAMA_INFILL = "/infill"
+    # Ollama's native routes (metering/ollama.py)
+    OLLAMA_CHAT = "/api/chat"
+    OLLAMA_GENERATE = "/api/generate"
+    OLLAMA_EMBED = "/api/embed"
     # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
     INVOCATIONS = "/invocations"
     # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
@@ -54,9 +58,9 @@ class Endpoint(StrEnum):
     @property
     def operation(self) -> str:
         """The GenAI `gen_ai.operation.name` for this route."""
-        if self in (Endpoint.CHAT, Endpoint.RESPONSES):
+        if self in (Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.OLLAMA_CHAT):
             return "chat"
-        if self is Endpoint.EMBEDDINGS:
+        if self in (Endpoint.EMBEDDINGS, Endpoint.OLLAMA_EMBED):
             return "embeddings"
         if self is Endpoint.OTHER:
             return "other"

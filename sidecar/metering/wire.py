@@ -21,6 +21,7 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from .counts import INVALID_USAGE, parse
 from .dispatch import AmbiguousBody, invocation_endpoint
 from .llamacpp import LlamaCppAdapter
+from .ollama import OLLAMA_ROUTES, OllamaAdapter
 from .openai import OpenAIAdapter
 from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
@@ -109,6 +110,7 @@ register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
 register(LlamaCppAdapter(), (Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL))
+register(OllamaAdapter(), OLLAMA_ROUTES)
 # Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
 _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 

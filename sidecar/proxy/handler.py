@@ -105,6 +105,8 @@ def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> st
 # Routes whose request names no model and whose server has no /info: llama.cpp's (the served
 # alias comes back in the response only), held at `upstream.model_name`'s price when it is set.
 _NAMED_BY_CONFIG = frozenset({Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL})
+# Routes whose stream is NDJSON (Ollama's), metered by their adapter's line meter.
+NDJSON_ROUTES = frozenset({Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE})
 
 
 # --- the upstream's model name for TGI's native routes -----------------------------------------
@@ -457,7 +459,9 @@ class Proxy:
             if ex.endpoint is Endpoint.OTHER:
                 ex.usage = Usage(unknown_reason="unmetered_route")
                 return await self._relay(request, up, ex)
-            if up.content_type == "text/event-stream":
+            if up.content_type == "text/event-stream" or (
+                up.content_type == "application/x-ndjson" and ex.endpoint in NDJSON_ROUTES
+            ):
                 return await self._stream(request, ex, up)
             return await self._buffered(request, ex, up)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:

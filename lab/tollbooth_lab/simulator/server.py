@@ -562,6 +562,101 @@ async def llama_infill(request: web.Request) -> web.StreamResponse:
     return await llama_completion(request, infill=True)
 
 
+# --- Ollama ---------------------------------------------------------------------------------------
+# The shapes of ollama's api/types.go (ChatResponse, GenerateResponse, Metrics with `omitempty`
+# counts, EmbedResponse) and server/routes.go: NDJSON unless `"stream": false`, the counts only on
+# the `done: true` object, errors as `{"error": "..."}` (a line, inside a stream).
+
+
+def _ollama_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _ollama_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000000000Z", time.gmtime())
+
+
+async def ollama_generate(request: web.Request, *, chat: bool = False) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        body = await _json(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("model is required")
+        given = body.get("messages") if chat else body.get("prompt")
+        if chat and isinstance(given, list) and given:
+            prompt = chat_prompt(given)
+        elif not chat and isinstance(given, str) and given:
+            prompt = given
+        else:
+            raise BadRequest("the simulator takes non-empty 'messages' or a string 'prompt'")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest("json: cannot unmarshal into Go struct field .stream of type bool")
+        opts: dict[str, Any] = body["options"] if isinstance(body.get("options"), dict) else {}
+        limit = opts.get("num_predict", -1)
+        if isinstance(limit, bool) or not isinstance(limit, int | float):
+            raise BadRequest("invalid int option 'num_predict'")
+        gen = Gen(prompt, int(limit) if limit > 0 else 16, 0, stream is not False, False, model)
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return _ollama_error(400, str(exc))
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+
+    def line(text: str, done: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": model, "created_at": _ollama_now()}
+        if chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out["done"] = done
+        if done:
+            out["done_reason"] = "length" if seq.finish_reason == "length" else "stop"
+            out["total_duration"] = 1000
+            for key, n in (("prompt_eval_count", n_prompt), ("eval_count", seq.generated)):
+                if n:  # Go's omitempty
+                    out[key] = n
+        return out
+
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in engine.generate(seq)])
+        except OutOfMemory as exc:
+            return _ollama_error(500, str(exc))
+        return web.json_response(line(text, True))
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    try:
+        async for t in engine.generate(seq):
+            await resp.write(json.dumps(line(t, False)).encode() + b"\n")
+    except OutOfMemory as exc:
+        await resp.write(json.dumps({"error": str(exc)}).encode() + b"\n")
+        return resp
+    await resp.write(json.dumps(line("", True)).encode() + b"\n")
+    return resp
+
+
+async def ollama_chat(request: web.Request) -> web.StreamResponse:
+    return await ollama_generate(request, chat=True)
+
+
+async def ollama_embed(request: web.Request) -> web.Response:
+    try:
+        body = await _json(request)
+        given = body.get("input")
+        inputs = [given] if isinstance(given, str) else given
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+            raise BadRequest("invalid input type")
+    except BadRequest as exc:
+        return _ollama_error(400, str(exc))
+    n = sum(len(tokenize(i)) for i in inputs)
+    out: dict[str, Any] = {"model": body.get("model"), "embeddings": [[0.1, 0.2] for _ in inputs]}
+    out["total_duration"] = 1000
+    if n:
+        out["prompt_eval_count"] = n
+    return web.json_response(out)
+
+
 # --- shared ---------------------------------------------------------------------------------------
 
 
@@ -625,6 +720,9 @@ def create_simulator(
     app[LLAMA_CACHE] = []
     r.add_post("/completion", llama_completion)  # llama.cpp's native routes, on every api
     r.add_post("/infill", llama_infill)
+    r.add_post("/api/chat", ollama_chat)  # Ollama's native routes, on every api
+    r.add_post("/api/generate", ollama_generate)
+    r.add_post("/api/embed", ollama_embed)
     if api == "vllm":
         r.add_post("/invocations", vllm_invocations)
         r.add_post("/tokenize", vllm_tokenize)
