@@ -118,6 +118,9 @@ class RequestInfo:
     # is absent or any limit field is no positive integer (`reqsize.output_cap`).
     output_cap: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
+    # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
+    # adapter reads the response. None: the configured `upstream.api`'s.
+    api: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

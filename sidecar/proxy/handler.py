@@ -253,8 +253,9 @@ class Proxy:
             return self._unauthorized(exc)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
-        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
-        if model is None and info.endpoint in _NAMED_BY_CONFIG:
+        tgi = info.endpoint.is_tgi_native and info.api is None
+        model = info.model or (await self.tgi_name.get() if tgi else None)
+        if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
             model = self.tgi_name.configured  # priced (held) before the response names it
         ex = self._new_exchange(request, info, path, model, len(body), principal)
         return await self._metered(request, ex, held)
@@ -509,7 +510,11 @@ class Proxy:
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
             usage = usage_from_body(
-                ex.endpoint, plain, up.headers, api=self.s.api, sequences=ex.info.choices
+                ex.endpoint,
+                plain,
+                up.headers,
+                api=ex.info.api or self.s.api,
+                sequences=ex.info.choices,
             )
             self._set_usage(ex, usage)
         except Exception:
@@ -535,7 +540,7 @@ class Proxy:
             choices=info.choices,
             per_prompt=info.n or 1,
             max_event_bytes=self.s.max_event_bytes,
-            api=self.s.api,
+            api=info.api or self.s.api,
         )
         resp = web.StreamResponse(
             status=up.status,

@@ -657,6 +657,84 @@ async def ollama_embed(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
+# --- SGLang ---------------------------------------------------------------------------------------
+# The shapes of sglang's srt/entrypoints/http_server.py (`generate_request`) and
+# srt/managers/tokenizer_manager.py (`meta_info`): counts so far on every streamed chunk (text
+# cumulative), then `data: [DONE]`; its radix cache simulated as one remembered prompt.
+
+SGLANG_CACHE = web.AppKey("sglang_cache", list)
+
+
+async def sglang_generate(request: web.Request) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    try:
+        body = await _json(request)
+        prompt = body.get("text")
+        if not isinstance(prompt, str):
+            raise BadRequest("the simulator takes one string 'text'")
+        params = body.get("sampling_params")
+        params = params if isinstance(params, dict) else {}
+        gen = Gen(
+            prompt,
+            _int(params, "max_new_tokens", 128),
+            0,
+            lax_true(body.get("stream")),
+            False,
+            s.model,
+        )
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return web.json_response({"error": {"message": str(exc)}}, status=400)
+    toks, cache = tokenize(gen.prompt), request.app[SGLANG_CACHE]
+    cached = next(
+        (i for i, (a, b) in enumerate(zip(toks, cache, strict=False)) if a != b),
+        min(len(toks), len(cache)),
+    )
+    cache[:] = toks
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+    rid = uuid.uuid4().hex
+
+    def chunk(text: str, n: int, last: bool) -> dict[str, Any]:
+        finish = None
+        if last:
+            finish = {"type": "length", "length": n}
+            if seq.finish_reason != "length":
+                finish = {"type": "stop", "matched": 2}
+        return {
+            "text": text,
+            "output_ids": list(range(n)),
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n,
+                "cached_tokens": cached,
+                "e2e_latency": 0.01,
+            },
+            "index": 0,
+        }
+
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in engine.generate(seq)])
+        except OutOfMemory as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=500)
+        return web.json_response(chunk(text, seq.generated, True))
+    resp = _sse_response()
+    await resp.prepare(request)
+    text, n = "", 0
+    try:
+        async for t in engine.generate(seq):
+            text, n = text + t, n + 1
+            last = n >= seq.stop_at  # the engine decided the length at submit
+            await resp.write(f"data: {json.dumps(chunk(text, n, last))}\n\n".encode())
+    except OutOfMemory as exc:
+        err = {"error": {"message": str(exc)}}
+        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
 # --- shared ---------------------------------------------------------------------------------------
 
 
@@ -727,6 +805,8 @@ def create_simulator(
         r.add_post("/invocations", vllm_invocations)
         r.add_post("/tokenize", vllm_tokenize)
         r.add_get("/v1/models", vllm_models)
+        app[SGLANG_CACHE] = []
+        r.add_post("/generate", sglang_generate)  # SGLang's (vLLM serves no /generate)
     else:
         r.add_post("/generate", tgi_generate)
         r.add_post("/generate_stream", tgi_stream_route)
