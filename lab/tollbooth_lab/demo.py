@@ -155,6 +155,9 @@ async def _one(s: aiohttp.ClientSession, url: str, user: str, rng: random.Random
     else:
         body["prompt"] = words
     path = "/v1/chat/completions" if chat else "/v1/completions"
+    if chat and rng.random() < 0.2:  # an Ollama client: its own /api/chat wire (NDJSON streams)
+        limit = body.pop("max_tokens")
+        body["options"], path = {"num_predict": limit}, "/api/chat"
     try:
         async with s.post(url + path, json=body, headers={"X-Tollbooth-User": user}) as r:
             await r.read()
