@@ -28,8 +28,10 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UpstreamConfig:
     url: str = "http://127.0.0.1:8000"
-    # "vllm" or "tgi": the provider name on spans; metering recognises both wire formats anyway.
-    api: Literal["vllm", "tgi"] = "vllm"
+    # "vllm", "tgi" or "sglang": the provider name on spans; metering recognises every wire format
+    # anyway, but /generate (TGI's and SGLang's path) is read as this server's when it is tgi or
+    # sglang, and told from the body otherwise (docs/traffic.md).
+    api: Literal["vllm", "tgi", "sglang"] = "vllm"
     # Name for TGI's native routes when /info cannot be read.
     model_name: str | None = None
     connect_timeout_s: float = 5.0

@@ -43,6 +43,13 @@ class Endpoint(StrEnum):
     RERANK = "/rerank"
     RERANK_V1 = "/v1/rerank"
     RERANK_V2 = "/v2/rerank"
+    # llama.cpp's native routes (metering/llamacpp.py)
+    LLAMA_COMPLETION = "/completion"
+    LLAMA_INFILL = "/infill"
+    # Ollama's native routes (metering/ollama.py)
+    OLLAMA_CHAT = "/api/chat"
+    OLLAMA_GENERATE = "/api/generate"
+    OLLAMA_EMBED = "/api/embed"
     # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
     INVOCATIONS = "/invocations"
     # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
@@ -65,9 +72,9 @@ class Endpoint(StrEnum):
     @property
     def operation(self) -> str:
         """The GenAI `gen_ai.operation.name` for this route."""
-        if self in (Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.MESSAGES):
+        if self in (Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.MESSAGES, Endpoint.OLLAMA_CHAT):
             return "chat"
-        if self is Endpoint.EMBEDDINGS or self.is_pooling:
+        if self in (Endpoint.EMBEDDINGS, Endpoint.OLLAMA_EMBED) or self.is_pooling:
             return "embeddings"
         if self is Endpoint.OTHER:
             return "other"
@@ -130,6 +137,9 @@ class RequestInfo:
     # is absent or any limit field is no positive integer (`reqsize.output_cap`).
     output_cap: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
+    # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
+    # adapter reads the response. None: the configured `upstream.api`'s.
+    api: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,9 @@ async def _one(
     else:
         path = "/v1/completions"
         body["prompt"] = words
+    if path == "/v1/chat/completions" and rng.random() < 0.2:  # an Ollama client (NDJSON)
+        limit = body.pop("max_tokens")
+        body["options"], path = {"num_predict": limit}, "/api/chat"
     try:
         async with s.post(url + path, json=body, headers={"X-Tollbooth-User": user}) as r:
             await r.read()

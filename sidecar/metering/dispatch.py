@@ -39,6 +39,25 @@ def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
     return Endpoint.OTHER
 
 
+def generate_api(obj: Mapping[str, Any], api: str) -> str:
+    """The server a `/generate` body is for: the configured one when it is TGI or SGLang, else
+    told from the body as each reads it. TGI's is `inputs` (+ `parameters`), SGLang's `text` or
+    `input_ids` (+ `sampling_params`); a body naming both is refused."""
+    if api in ("tgi", "sglang"):
+        return api
+    tgi = "inputs" in obj or "parameters" in obj
+    sglang = any(k in obj for k in _SGLANG_KEYS)
+    if tgi and sglang:
+        raise AmbiguousBody(
+            "a /generate body names both TGI's 'inputs'/'parameters' and SGLang's "
+            "'text'/'input_ids'/'sampling_params'"
+        )
+    return "sglang" if sglang else "tgi"
+
+
+_SGLANG_KEYS = ("text", "input_ids", "sampling_params", "input_embeds")
+
+
 _VLLM_INVOCATIONS: tuple[tuple[str, type | tuple[type, ...], Endpoint], ...] = (
     ("messages", list, Endpoint.CHAT),
     ("prompt", (str, list), Endpoint.COMPLETIONS),

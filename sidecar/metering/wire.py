@@ -20,9 +20,12 @@ from typing import Any, Protocol
 from ..exchange import POOLING_ROUTES, Endpoint, RequestInfo, Usage
 from .anthropic import AnthropicAdapter
 from .counts import INVALID_USAGE, parse
-from .dispatch import AmbiguousBody, invocation_endpoint
+from .dispatch import AmbiguousBody, generate_api, invocation_endpoint
+from .llamacpp import LlamaCppAdapter
+from .ollama import OLLAMA_ROUTES, OllamaAdapter
 from .openai import OpenAIAdapter
 from .pooling import PoolingAdapter
+from .sglang import SGLangAdapter
 from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
 from .tgi import TGIAdapter, TGIOpenAIAdapter
@@ -111,6 +114,9 @@ register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
 register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server
 register(PoolingAdapter(), POOLING_ROUTES)  # vLLM's; on any server (none other serves them)
+register(LlamaCppAdapter(), (Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL))
+register(OllamaAdapter(), OLLAMA_ROUTES)
+register(SGLangAdapter(), [Endpoint.TGI_GENERATE], "sglang")
 # Any other route (OTHER, a server not named) is read as vLLM's OpenAI routes are, as before.
 _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 
@@ -142,9 +148,17 @@ def inspect_request(
             return RequestInfo(endpoint=Endpoint.OTHER, body=body, parsed=False, ambiguous=str(exc))
     if not isinstance(obj, dict):
         return RequestInfo(endpoint=endpoint, body=body, parsed=False, utf8=text is not None)
-    return adapter_for(endpoint, api).inspect(
+    if endpoint is Endpoint.TGI_GENERATE:
+        try:
+            api = generate_api(obj, api)
+        except AmbiguousBody as exc:
+            return RequestInfo(endpoint=Endpoint.OTHER, body=body, parsed=False, ambiguous=str(exc))
+    info = adapter_for(endpoint, api).inspect(
         endpoint, body, text, obj, inject_usage=inject_usage, continuous_usage=continuous_usage
     )
+    if api == "sglang" and endpoint is Endpoint.TGI_GENERATE:
+        info.api = api  # the response is SGLang's too, whatever upstream.api says
+    return info
 
 
 def usage_from_body(

@@ -72,9 +72,10 @@ class PromptCounter:
         self.upstream, self.api, self.metrics = upstream, api, metrics
 
     async def count(self, info: RequestInfo, headers: dict[str, str] | None = None) -> int | None:
-        if (ids := prompt_token_ids(info, self.api)) is not None:
+        api = info.api or self.api
+        if (ids := prompt_token_ids(info, api)) is not None:
             return ids
-        calls = tokenize_requests(info, self.api)
+        calls = tokenize_requests(info, api)
         if not calls:
             return None
         total = 0

@@ -106,6 +106,13 @@ def memory_bucket(headers: Mapping[str, str], principal: Principal | None) -> st
         return None
 
 
+# Routes whose request names no model and whose server has no /info: llama.cpp's (the served
+# alias comes back in the response only), held at `upstream.model_name`'s price when it is set.
+_NAMED_BY_CONFIG = frozenset({Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL})
+# Routes whose stream is NDJSON (Ollama's), metered by their adapter's line meter.
+NDJSON_ROUTES = frozenset({Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE})
+
+
 # --- the upstream's model name for TGI's native routes -----------------------------------------
 
 
@@ -117,6 +124,7 @@ class TgiModelName:
     def __init__(self, upstream: Upstream, configured: str | None):
         self._upstream = upstream
         self._name = configured
+        self.configured = configured  # upstream.model_name, as the operator set it
         self._lock = asyncio.Lock()
         self._failed_at = -1e9
 
@@ -252,7 +260,10 @@ class Proxy:
             return self._unauthorized(exc)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
-        model = info.model or (await self.tgi_name.get() if info.endpoint.is_tgi_native else None)
+        tgi = info.endpoint.is_tgi_native and info.api is None
+        model = info.model or (await self.tgi_name.get() if tgi else None)
+        if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
+            model = self.tgi_name.configured  # priced (held) before the response names it
         ex = self._new_exchange(request, info, path, model, len(body), principal)
         return await self._metered(request, ex, held)
 
@@ -458,7 +469,9 @@ class Proxy:
             if ex.endpoint is Endpoint.OTHER:
                 ex.usage = Usage(unknown_reason="unmetered_route")
                 return await self._relay(request, up, ex)
-            if up.content_type == "text/event-stream":
+            if up.content_type == "text/event-stream" or (
+                up.content_type == "application/x-ndjson" and ex.endpoint in NDJSON_ROUTES
+            ):
                 return await self._stream(request, ex, up)
             return await self._buffered(request, ex, up)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -506,7 +519,11 @@ class Proxy:
         try:
             plain = decoded(body, up.headers.get("Content-Encoding"))
             usage = usage_from_body(
-                ex.endpoint, plain, up.headers, api=self.s.api, sequences=ex.info.choices
+                ex.endpoint,
+                plain,
+                up.headers,
+                api=ex.info.api or self.s.api,
+                sequences=ex.info.choices,
             )
             self._set_usage(ex, usage)
         except Exception:
@@ -532,7 +549,7 @@ class Proxy:
             choices=info.choices,
             per_prompt=info.n or 1,
             max_event_bytes=self.s.max_event_bytes,
-            api=self.s.api,
+            api=info.api or self.s.api,
         )
         resp = web.StreamResponse(
             status=up.status,

@@ -490,6 +490,284 @@ async def tgi_info(request: web.Request) -> web.Response:
     )
 
 
+# --- llama.cpp ------------------------------------------------------------------------------------
+# The shapes of tools/server/server-task.cpp (`to_json_non_oaicompat` of the partial and final
+# results): running counts on every event, totals on the `stop: true` one, no [DONE]; a slot's
+# prompt cache is simulated as one remembered prompt (the common prefix is `timings.cache_n`).
+
+LLAMA_CACHE = web.AppKey("llama_cache", list)
+
+
+def _llama_prompt(body: dict[str, Any], infill: bool) -> str:
+    parts = [body.get("input_prefix", ""), body.get("prompt", ""), body.get("input_suffix", "")]
+    parts = parts if infill else [body.get("prompt")]
+    if not all(isinstance(p, str) for p in parts):
+        raise BadRequest("the simulator takes one string prompt")
+    return " ".join(p for p in parts if p)
+
+
+async def llama_completion(request: web.Request, *, infill: bool = False) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    try:
+        body = await _json(request)
+        prompt = _llama_prompt(body, infill)
+        n_predict = body.get("n_predict", body.get("max_tokens", -1))
+        if isinstance(n_predict, bool) or not isinstance(n_predict, int):
+            raise BadRequest("'n_predict' must be an integer")
+        gen = Gen(
+            prompt,
+            n_predict if n_predict > 0 else 16,
+            0,
+            body.get("stream") is True,
+            False,
+            s.model,
+        )
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return web.json_response(
+            {"error": {"code": 400, "message": str(exc), "type": "invalid_request_error"}},
+            status=400,
+        )
+    toks, cache = tokenize(gen.prompt), request.app[LLAMA_CACHE]
+    cache_n = next(
+        (i for i, (a, b) in enumerate(zip(toks, cache, strict=False)) if a != b),
+        min(len(toks), len(cache)),
+    )
+    cache[:] = toks
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+
+    def final(content: str) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "content": content,
+            "tokens": [],
+            "id_slot": 0,
+            "stop": True,
+            "model": s.model,
+            "tokens_predicted": seq.generated,
+            "tokens_evaluated": n_prompt,
+            "generation_settings": {"n_predict": n_predict},
+            "prompt": gen.prompt,
+            "has_new_line": False,
+            "truncated": False,
+            "stop_type": "limit" if seq.finish_reason == "length" else "eos",
+            "stopping_word": "",
+            "tokens_cached": n_prompt + seq.generated,
+            "timings": {
+                "cache_n": cache_n,
+                "prompt_n": n_prompt - cache_n,
+                "predicted_n": seq.generated,
+            },
+        }
+
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in engine.generate(seq)])
+        except OutOfMemory as exc:
+            return web.json_response(
+                {"error": {"code": 500, "message": str(exc), "type": "server_error"}}, status=500
+            )
+        return web.json_response(final(text))
+    resp = _sse_response()
+    await resp.prepare(request)
+    await resp.write(b": keep-alive\n\n")
+    try:
+        async for t in engine.generate(seq):
+            ev = {
+                "index": 0,
+                "content": t,
+                "tokens": [seq.generated],
+                "stop": False,
+                "id_slot": 0,
+                "tokens_predicted": seq.generated,
+                "tokens_evaluated": n_prompt,
+            }
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+    except OutOfMemory as exc:
+        err = {"error": {"code": 500, "message": str(exc), "type": "server_error"}}
+        await resp.write(f"error: {json.dumps(err)}\n\n".encode())
+        return resp
+    await resp.write(f"data: {json.dumps(final(''))}\n\n".encode())
+    return resp
+
+
+async def llama_infill(request: web.Request) -> web.StreamResponse:
+    return await llama_completion(request, infill=True)
+
+
+# --- Ollama ---------------------------------------------------------------------------------------
+# The shapes of ollama's api/types.go (ChatResponse, GenerateResponse, Metrics with `omitempty`
+# counts, EmbedResponse) and server/routes.go: NDJSON unless `"stream": false`, the counts only on
+# the `done: true` object, errors as `{"error": "..."}` (a line, inside a stream).
+
+
+def _ollama_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _ollama_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000000000Z", time.gmtime())
+
+
+async def ollama_generate(request: web.Request, *, chat: bool = False) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        body = await _json(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("model is required")
+        given = body.get("messages") if chat else body.get("prompt")
+        if chat and isinstance(given, list) and given:
+            prompt = chat_prompt(given)
+        elif not chat and isinstance(given, str) and given:
+            prompt = given
+        else:
+            raise BadRequest("the simulator takes non-empty 'messages' or a string 'prompt'")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest("json: cannot unmarshal into Go struct field .stream of type bool")
+        opts: dict[str, Any] = body["options"] if isinstance(body.get("options"), dict) else {}
+        limit = opts.get("num_predict", -1)
+        if isinstance(limit, bool) or not isinstance(limit, int | float):
+            raise BadRequest("invalid int option 'num_predict'")
+        gen = Gen(prompt, int(limit) if limit > 0 else 16, 0, stream is not False, False, model)
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return _ollama_error(400, str(exc))
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+
+    def line(text: str, done: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": model, "created_at": _ollama_now()}
+        if chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out["done"] = done
+        if done:
+            out["done_reason"] = "length" if seq.finish_reason == "length" else "stop"
+            out["total_duration"] = 1000
+            for key, n in (("prompt_eval_count", n_prompt), ("eval_count", seq.generated)):
+                if n:  # Go's omitempty
+                    out[key] = n
+        return out
+
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in engine.generate(seq)])
+        except OutOfMemory as exc:
+            return _ollama_error(500, str(exc))
+        return web.json_response(line(text, True))
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    try:
+        async for t in engine.generate(seq):
+            await resp.write(json.dumps(line(t, False)).encode() + b"\n")
+    except OutOfMemory as exc:
+        await resp.write(json.dumps({"error": str(exc)}).encode() + b"\n")
+        return resp
+    await resp.write(json.dumps(line("", True)).encode() + b"\n")
+    return resp
+
+
+async def ollama_chat(request: web.Request) -> web.StreamResponse:
+    return await ollama_generate(request, chat=True)
+
+
+async def ollama_embed(request: web.Request) -> web.Response:
+    try:
+        body = await _json(request)
+        given = body.get("input")
+        inputs = [given] if isinstance(given, str) else given
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+            raise BadRequest("invalid input type")
+    except BadRequest as exc:
+        return _ollama_error(400, str(exc))
+    n = sum(len(tokenize(i)) for i in inputs)
+    out: dict[str, Any] = {"model": body.get("model"), "embeddings": [[0.1, 0.2] for _ in inputs]}
+    out["total_duration"] = 1000
+    if n:
+        out["prompt_eval_count"] = n
+    return web.json_response(out)
+
+
+# --- SGLang ---------------------------------------------------------------------------------------
+# The shapes of sglang's srt/entrypoints/http_server.py (`generate_request`) and
+# srt/managers/tokenizer_manager.py (`meta_info`): counts so far on every streamed chunk (text
+# cumulative), then `data: [DONE]`; its radix cache simulated as one remembered prompt.
+
+SGLANG_CACHE = web.AppKey("sglang_cache", list)
+
+
+async def sglang_generate(request: web.Request) -> web.StreamResponse:
+    engine, s = request.app[ENGINE], request.app[SETTINGS]
+    try:
+        body = await _json(request)
+        prompt = body.get("text")
+        if not isinstance(prompt, str):
+            raise BadRequest("the simulator takes one string 'text'")
+        params = body.get("sampling_params")
+        params = params if isinstance(params, dict) else {}
+        gen = Gen(
+            prompt,
+            _int(params, "max_new_tokens", 128),
+            0,
+            lax_true(body.get("stream")),
+            False,
+            s.model,
+        )
+        n_prompt = _check_len(engine, gen)
+    except BadRequest as exc:
+        return web.json_response({"error": {"message": str(exc)}}, status=400)
+    toks, cache = tokenize(gen.prompt), request.app[SGLANG_CACHE]
+    cached = next(
+        (i for i, (a, b) in enumerate(zip(toks, cache, strict=False)) if a != b),
+        min(len(toks), len(cache)),
+    )
+    cache[:] = toks
+    seq = engine.submit(gen.prompt, gen.max_tokens, gen.seed)
+    rid = uuid.uuid4().hex
+
+    def chunk(text: str, n: int, last: bool) -> dict[str, Any]:
+        finish = None
+        if last:
+            finish = {"type": "length", "length": n}
+            if seq.finish_reason != "length":
+                finish = {"type": "stop", "matched": 2}
+        return {
+            "text": text,
+            "output_ids": list(range(n)),
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n,
+                "cached_tokens": cached,
+                "e2e_latency": 0.01,
+            },
+            "index": 0,
+        }
+
+    if not gen.stream:
+        try:
+            text = "".join([t async for t in engine.generate(seq)])
+        except OutOfMemory as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=500)
+        return web.json_response(chunk(text, seq.generated, True))
+    resp = _sse_response()
+    await resp.prepare(request)
+    text, n = "", 0
+    try:
+        async for t in engine.generate(seq):
+            text, n = text + t, n + 1
+            last = n >= seq.stop_at  # the engine decided the length at submit
+            await resp.write(f"data: {json.dumps(chunk(text, n, last))}\n\n".encode())
+    except OutOfMemory as exc:
+        err = {"error": {"message": str(exc)}}
+        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
 # --- shared ---------------------------------------------------------------------------------------
 
 
@@ -557,12 +835,20 @@ def create_simulator(
     r.add_post("/v1/completions", openai_route)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
+    app[LLAMA_CACHE] = []
+    r.add_post("/completion", llama_completion)  # llama.cpp's native routes, on every api
+    r.add_post("/infill", llama_infill)
+    r.add_post("/api/chat", ollama_chat)  # Ollama's native routes, on every api
+    r.add_post("/api/generate", ollama_generate)
+    r.add_post("/api/embed", ollama_embed)
     if api == "vllm":
         r.add_post("/invocations", vllm_invocations)
         r.add_post("/tokenize", vllm_tokenize)
         r.add_get("/v1/models", vllm_models)
         anthropic.add_routes(app, engine)  # vllm/entrypoints/anthropic/
         pooling.add_routes(app, model)  # /pooling, /classify, /score, /rerank ...
+        app[SGLANG_CACHE] = []
+        r.add_post("/generate", sglang_generate)  # SGLang's (vLLM serves no /generate)
     else:
         r.add_post("/generate", tgi_generate)
         r.add_post("/generate_stream", tgi_stream_route)

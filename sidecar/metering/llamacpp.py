@@ -1,0 +1,187 @@
+"""The llama.cpp server's native wire: `/completion` and `/infill`.
+
+Owns: what such a request asks for (`n_predict`, else `max_tokens`; `stream` a JSON boolean;
+several prompts in one `prompt` list), usage from a complete body (one result, or a list of them
+for several prompts) and from its SSE stream, whose `data:` events carry running counts and end,
+per prompt, with a `stop: true` event holding the totals (no `[DONE]`).
+Never: reads `tokens_cached` as cached input: llama.cpp sets it to the tokens in the slot's cache
+after the request (`n_past`: prompt plus output), so the cached prefix is `timings.cache_n`
+(tools/server/server-task.cpp, `to_json_non_oaicompat`, `result_timings::to_json`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from . import reqsize
+from .counts import INVALID_USAGE, count, error_type, invalid, loads, number, total
+from .reqsize import body_size, prompt_chars
+from .sse import Event
+from .stream import SSEMeter
+
+# A `stop: true` result's counts: tokens_evaluated is the whole prompt (cache included),
+# tokens_predicted the output; timings.cache_n the prompt tokens reused from the cache.
+_Counts = tuple[int | None, int | None, int | None]
+
+
+class LlamaCppAdapter:
+    """llama.cpp's /completion and /infill (tools/server/server.cpp, server-task.cpp)."""
+
+    api = "llamacpp"
+
+    def inspect(
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        text: str | None,
+        obj: Mapping[str, Any],
+        *,
+        inject_usage: bool,
+        continuous_usage: bool = False,
+    ) -> RequestInfo:
+        """Read what the request asks for; nothing is ever added to it."""
+        limit, unreadable = _limit(obj)
+        text_chars, prompt_ids = body_size(obj)
+        return RequestInfo(
+            endpoint=endpoint,
+            body=body,
+            parsed=True,
+            stream=obj.get("stream") is True,  # nlohmann's get<bool>: only a JSON boolean
+            model=clean_or_none(obj.get("model"), MODEL_CHARS),
+            user=clean_or_none(obj.get("user"), USER_CHARS),
+            max_tokens=limit,
+            temperature=number(obj.get("temperature")),
+            prompt_chars=prompt_chars(obj),
+            n=_prompts(obj),
+            choices=_prompts(obj),
+            utf8=text is not None,
+            text_chars=text_chars,
+            prompt_ids=prompt_ids,
+            unreadable=unreadable,
+            output_cap=reqsize.output_cap(limit, obj, {}),
+        )
+
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete response: one result object, or a list (one per prompt)."""
+        try:
+            obj = loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        given = obj if isinstance(obj, list) else [obj]
+        results = [r for r in given if isinstance(r, dict)]
+        if not results or len(results) != len(given):
+            return Usage(unknown_reason="no_usage")
+        first = results[0]
+        if "error" in first and "content" not in first:
+            return Usage(error=error_type(first), unknown_reason="error_response")
+        counts = [c for c in (_final_counts(r) for r in results) if c is not None]
+        if len(counts) != len(results):
+            return Usage(unknown_reason=INVALID_USAGE)
+        reasons = tuple(r for r in (_reason(x) for x in results) if r)
+        return _usage(counts, clean_or_none(first.get("model"), MODEL_CHARS), reasons)
+
+    def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> LlamaCppStream:
+        """The meter for a streamed response (the reference SSE path: no fast path yet)."""
+        return LlamaCppStream(endpoint, **options)
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        return None  # every event carries the prompt's count (`tokens_evaluated`)
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None
+
+
+def _limit(obj: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """llama.cpp reads `n_predict`, else `max_tokens` (`params_from_json_cmpl`: json_value of
+    n_predict defaulting to max_tokens); -1 (the default) and any other value below 1 mean no
+    limit of the request's own, so the default worst case applies."""
+    key = "n_predict" if obj.get("n_predict") is not None else "max_tokens"
+    value = obj.get(key)
+    if value is None:
+        return None, ()
+    if type(value) is not int:
+        return None, (key,)
+    return (value if value > 0 else None), ()
+
+
+def _prompts(obj: Mapping[str, Any]) -> int:
+    """Results one request makes: a `prompt` list holding strings or token lists is several
+    prompts (one result each); a list of token ids is one prompt."""
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(type(p) is int for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def _reason(obj: Mapping[str, Any]) -> str | None:
+    return clean_or_none(obj.get("stop_type"), REASON_CHARS)
+
+
+def _final_counts(obj: Mapping[str, Any]) -> _Counts | None:
+    """(prompt, output, cached prompt) of one result; None when one was sent but is no count."""
+    timings = obj.get("timings")
+    raw = (
+        obj.get("tokens_evaluated"),
+        obj.get("tokens_predicted"),
+        timings.get("cache_n") if isinstance(timings, dict) else None,
+    )
+    read = (count(raw[0]), count(raw[1]), count(raw[2]))
+    if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
+        return None
+    return read
+
+
+def _usage(counts: list[_Counts], model: str | None, reasons: tuple[str, ...]) -> Usage:
+    inp, out = total(c[0] for c in counts), total(c[1] for c in counts)
+    cached = total(c[2] for c in counts)
+    return Usage(
+        input_tokens=inp,
+        output_tokens=out,
+        cached_input_tokens=cached,
+        model=model,
+        finish_reasons=reasons,
+        unknown_reason=None if inp is not None and out is not None else "no_usage",
+    )
+
+
+class LlamaCppStream(SSEMeter):
+    """A streamed /completion or /infill: one `data:` event per step of output, each with the
+    running `tokens_predicted` and `tokens_evaluated` of its prompt (`index`); the prompt's last,
+    `stop: true`, holds its totals. `:` lines (keep-alive) are SSE comments."""
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._counts: dict[int, _Counts] = {}  # per prompt: the latest counts read
+        self._invalid = False
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        index = obj.get("index", 0)
+        index = index if type(index) is int and 0 <= index < self._choices else 0
+        read = _final_counts(obj)
+        if read is None:
+            self._invalid = True
+            return False
+        if read[0] is not None or read[1] is not None:
+            self._counts[index] = read
+        if obj.get("stop") is True:
+            self._s.finish[index] = _reason(obj) or "stop"
+            if self._s.model is None:
+                self._s.model = clean_or_none(obj.get("model"), MODEL_CHARS)
+            self.done = len(self._s.finish) >= self._choices
+        elif obj.get("content"):
+            self._s.token_events += 1
+        return False
+
+    def _counted_usage(self) -> Usage:
+        base = self._base()
+        if self._invalid:
+            return replace(base, unknown_reason=INVALID_USAGE)
+        counts = [self._counts.get(i, (None, None, None)) for i in range(self._choices)]
+        got = _usage(counts, base.model, base.finish_reasons)
+        return replace(got, error=base.error)

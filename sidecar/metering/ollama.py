@@ -1,0 +1,240 @@
+"""Ollama's native wire: `/api/chat`, `/api/generate` (NDJSON streams) and `/api/embed`.
+
+Owns: what such a request asks for (`stream` true unless a JSON `false`; the limit
+`options.num_predict`, none or below 1 meaning unbounded), usage from a complete body and from
+an NDJSON stream (`OllamaStream`: one JSON object a line, the last `done: true` one holding
+`prompt_eval_count` and `eval_count`), and the line buffering that stream needs (bounded).
+Never: changes a byte, or counts lines as tokens: Ollama's partial lines carry no counts and a
+line may hold several tokens, so a stream cut before its `done` line has no measured usage.
+Formats: ollama `api/types.go` (`ChatResponse`, `GenerateResponse`, `Metrics`, `EmbedResponse`,
+`Options.NumPredict`) and `server/routes.go` (`ChatHandler`, `GenerateHandler`, `EmbedHandler`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from .counts import INVALID_USAGE, count, loads, number
+from .reqsize import body_size, prompt_chars
+from .sse import DEFAULT_MAX_EVENT_BYTES
+
+OLLAMA_ROUTES = (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE, Endpoint.OLLAMA_EMBED)
+
+
+class OllamaAdapter:
+    """Ollama's /api/chat, /api/generate and /api/embed."""
+
+    api = "ollama"
+
+    def inspect(
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        text: str | None,
+        obj: Mapping[str, Any],
+        *,
+        inject_usage: bool,
+        continuous_usage: bool = False,
+    ) -> RequestInfo:
+        """Read what the request asks for; nothing is ever added to it."""
+        options = obj.get("options")
+        options = options if isinstance(options, dict) else {}
+        limit, unreadable = _num_predict(options)
+        text_chars, prompt_ids = body_size(obj)
+        messages = obj.get("messages")
+        return RequestInfo(
+            endpoint=endpoint,
+            body=body,
+            parsed=True,
+            # `Stream *bool`: absent or null is a stream; Go refuses a non-boolean
+            stream=endpoint is not Endpoint.OLLAMA_EMBED and obj.get("stream") is not False,
+            model=clean_or_none(obj.get("model"), MODEL_CHARS),
+            user=clean_or_none(obj.get("user"), USER_CHARS),
+            max_tokens=limit,
+            temperature=number(options.get("temperature")),
+            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
+            messages=len(messages) if isinstance(messages, list) else 0,
+            prompt_chars=prompt_chars(obj),
+            utf8=text is not None,
+            text_chars=text_chars,
+            prompt_ids=prompt_ids,
+            unreadable=unreadable,
+            output_cap=limit,  # Ollama reads no other limit field
+        )
+
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete response: the one `done: true` object (or the embed response)."""
+        try:
+            obj = loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        if not isinstance(obj, dict):
+            return Usage(unknown_reason="no_usage")
+        if isinstance(obj.get("error"), str):
+            return Usage(error=_error(obj), unknown_reason="error_response")
+        if endpoint is Endpoint.OLLAMA_EMBED:
+            return _embed_usage(obj)
+        if obj.get("done") is not True:
+            return Usage(unknown_reason="no_usage")
+        return _final_usage(obj)
+
+    def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> OllamaStream:
+        """The NDJSON line meter (one path: there is no fast one)."""
+        return OllamaStream(endpoint, max_event_bytes=options.get("max_event_bytes"))
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        return None  # Ollama has no tokenizer route
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None
+
+
+def _num_predict(options: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """`options.num_predict` as Ollama's `Options.FromMap` reads an int field: a JSON number,
+    truncated (a string or a boolean is refused); -1 (infinite), -2 (fill the context) and 0 are
+    no limit of the request's own, so the default worst case applies."""
+    value = options.get("num_predict")
+    if value is None:
+        return None, ()
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        return None, ("num_predict",)
+    if isinstance(value, float) and abs(value) >= 2**62:
+        return None, ("num_predict",)
+    limit = int(value)
+    return (limit if limit > 0 else None), ()
+
+
+def _error(obj: Mapping[str, Any]) -> str:
+    return "error"  # Ollama's error is a free-text message: never a label
+
+
+def _counted(obj: Mapping[str, Any], key: str) -> tuple[int | None, bool]:
+    """(the count, whether it is invalid). Go's `omitempty` leaves a 0 out of the final object,
+    so an absent count there is a zero that was measured."""
+    raw = obj.get(key)
+    if raw is None:
+        return 0, False
+    read = count(raw)
+    return read, read is None
+
+
+def _final_usage(obj: Mapping[str, Any]) -> Usage:
+    inp, bad_in = _counted(obj, "prompt_eval_count")
+    out, bad_out = _counted(obj, "eval_count")
+    model = clean_or_none(obj.get("model"), MODEL_CHARS)
+    reason = clean_or_none(obj.get("done_reason"), REASON_CHARS)
+    reasons = (reason,) if reason else ()
+    if bad_in or bad_out:
+        return Usage(model=model, finish_reasons=reasons, unknown_reason=INVALID_USAGE)
+    return Usage(input_tokens=inp, output_tokens=out, model=model, finish_reasons=reasons)
+
+
+def _embed_usage(obj: Mapping[str, Any]) -> Usage:
+    """/api/embed: `prompt_eval_count` (omitempty) beside the embeddings; nothing generated."""
+    model = clean_or_none(obj.get("model"), MODEL_CHARS)
+    if not isinstance(obj.get("embeddings"), list):
+        return Usage(model=model, unknown_reason="no_usage")
+    inp, bad = _counted(obj, "prompt_eval_count")
+    if bad:
+        return Usage(model=model, unknown_reason=INVALID_USAGE)
+    return Usage(input_tokens=inp, output_tokens=0, model=model)
+
+
+class OllamaStream:
+    """An NDJSON stream: each line one object; `done: true` ends it with the counts. Bytes pass
+    through unchanged; at most `max_event_bytes` of one line are held, a longer line is not read
+    and makes the usage unknown (it may have been the final one)."""
+
+    def __init__(self, endpoint: Endpoint, *, max_event_bytes: int | None = None) -> None:
+        self.endpoint = endpoint
+        self.done = False
+        self.passthrough = False
+        self._max = max_event_bytes or DEFAULT_MAX_EVENT_BYTES
+        self._line = bytearray()
+        self._skipping = False  # inside a line over the limit: dropped up to its newline
+        self._oversized = False
+        self._events = 0
+        self._final: Usage | None = None
+        self._model: str | None = None
+        self._error: str | None = None
+
+    @property
+    def token_events(self) -> int:
+        return self._events
+
+    @property
+    def finished(self) -> bool:
+        return self.done
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.passthrough:
+            return chunk
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self._take(chunk[start:end])
+            self._end_line()
+            start = end + 1
+        self._take(chunk[start:])
+        return chunk
+
+    def _take(self, piece: bytes) -> None:
+        if self._skipping or not piece:
+            return
+        if len(self._line) + len(piece) > self._max:
+            self._line.clear()
+            self._skipping = self._oversized = True
+            return
+        self._line += piece
+
+    def _end_line(self) -> None:
+        line, self._skipping = bytes(self._line), False
+        self._line.clear()
+        if line.strip():
+            self._read(line)
+
+    def _read(self, line: bytes) -> None:
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if not isinstance(obj, dict):
+            return
+        if self._model is None:
+            self._model = clean_or_none(obj.get("model"), MODEL_CHARS)
+        if isinstance(obj.get("error"), str):
+            self._error = _error(obj)
+            return
+        if obj.get("done") is True:
+            self._final = _final_usage(obj)
+            self.done = True
+            return
+        message = obj.get("message")
+        text = message.get("content") if isinstance(message, dict) else obj.get("response")
+        if text or (
+            isinstance(message, dict) and (message.get("tool_calls") or message.get("thinking"))
+        ):
+            self._events += 1
+
+    def finish(self) -> tuple[bytes, Usage]:
+        """The stream ended: a last line without its newline is read too (nothing is held back
+        from the client: every byte was passed on as it came)."""
+        if self._line and not self._skipping:
+            self._end_line()
+        return b"", self.usage_so_far()
+
+    def usage_so_far(self) -> Usage:
+        if self._oversized:
+            return Usage(model=self._model, error=self._error, unknown_reason="event_too_large")
+        if self._final is not None:
+            return (
+                self._final
+                if self._error is None
+                else Usage(error=self._error, model=self._model, unknown_reason="error_response")
+            )
+        return Usage(model=self._model, error=self._error, unknown_reason="no_usage")

@@ -1,0 +1,190 @@
+"""SGLang's native `/generate` (TGI's path: `wire.inspect_request` tells the two apart).
+
+Owns: what an SGLang generate request asks for (`text` or `input_ids`, one or a batch;
+`sampling_params.max_new_tokens`, SGLang's default 128 when absent; `sampling_params.n`; `stream`
+as FastAPI's pydantic reads a bool), usage from a complete body (`meta_info.{prompt_tokens,
+completion_tokens, cached_tokens}`, one object or a list for a batch) and from its SSE stream,
+where every chunk carries its prompt's counts so far, then `data: [DONE]`.
+Never: changes a byte. Formats: sglang `python/sglang/srt/entrypoints/http_server.py`
+(`generate_request`), `srt/managers/io_struct.py` (`GenerateReqInput`), `srt/managers/
+tokenizer_manager.py` (`meta_info`), `srt/sampling/sampling_params.py` (`max_new_tokens=128`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from .counts import INVALID_USAGE, count, error_type, invalid, lax_true, loads, number, total
+from .reqsize import body_size, lax_int, prompt_chars
+from .sse import Event
+from .stream import SSEMeter
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit is this one
+_Counts = tuple[int | None, int | None, int | None]
+
+
+class SGLangAdapter:
+    """SGLang's /generate."""
+
+    api = "sglang"
+
+    def inspect(
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        text: str | None,
+        obj: Mapping[str, Any],
+        *,
+        inject_usage: bool,
+        continuous_usage: bool = False,
+    ) -> RequestInfo:
+        """Read what the request asks for; nothing is ever added to it."""
+        params = obj.get("sampling_params")
+        # a batch may give one sampling_params per prompt: the largest limit holds for all
+        given = params if isinstance(params, list) else [params]
+        read = [_limit(p if isinstance(p, dict) else {}) for p in given] or [_limit({})]
+        limits = [lim for lim, _ in read]
+        limit = None if None in limits else max(limits)  # type: ignore[type-var]
+        first = given[0] if given and isinstance(given[0], dict) else {}
+        n = lax_int(first.get("n")) or 1
+        prompts = _prompts(obj)
+        text_chars, prompt_ids = body_size(obj)
+        return RequestInfo(
+            endpoint=endpoint,
+            body=body,
+            parsed=True,
+            stream=lax_true(obj.get("stream")),
+            model=clean_or_none(obj.get("model"), MODEL_CHARS),
+            user=clean_or_none(obj.get("user"), USER_CHARS),
+            max_tokens=limit,
+            temperature=number(first.get("temperature")),
+            prompt_chars=prompt_chars(obj),
+            n=max(1, n),
+            choices=prompts * max(1, n),
+            utf8=text is not None,
+            text_chars=text_chars,
+            prompt_ids=prompt_ids,
+            unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
+            output_cap=limit,
+        )
+
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        """Usage of a complete response: one object with `meta_info`, or a list (a batch)."""
+        try:
+            obj = loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        given = obj if isinstance(obj, list) else [obj]
+        results = [r for r in given if isinstance(r, dict)]
+        if not results or len(results) != len(given):
+            return Usage(unknown_reason="no_usage")
+        if "error" in results[0] or results[0].get("object") == "error":
+            return Usage(error=error_type(results[0]), unknown_reason="error_response")
+        counts = [c for c in (_counts(r) for r in results) if c is not None]
+        if len(counts) != len(results):
+            return Usage(unknown_reason=INVALID_USAGE)
+        reasons = tuple(r for r in (_reason(x) for x in results) if r)
+        return _usage(counts, reasons)
+
+    def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> SGLangStream:
+        """The meter for a streamed /generate (the reference SSE path)."""
+        return SGLangStream(endpoint, **options)
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        return None  # every chunk carries the prompt's count
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None
+
+
+def _limit(params: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """`max_new_tokens`: absent is SGLang's default (128); null or below 1 no limit of its own."""
+    if "max_new_tokens" not in params:
+        return DEFAULT_MAX_NEW_TOKENS, ()
+    value = params["max_new_tokens"]
+    if value is None:
+        return None, ()
+    read = value if type(value) is int else lax_int(value)
+    if read is None:
+        return None, ("max_new_tokens",)
+    return (read if read > 0 else None), ()
+
+
+def _prompts(obj: Mapping[str, Any]) -> int:
+    """Prompts in the request: a `text` list, or an `input_ids` list of lists, is a batch."""
+    text, ids = obj.get("text"), obj.get("input_ids")
+    if isinstance(text, list) and text:
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return 1
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj.get("meta_info")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _reason(obj: Mapping[str, Any]) -> str | None:
+    finish = _meta(obj).get("finish_reason")  # {"type": "length", "length": 8} or null
+    return clean_or_none(finish.get("type"), REASON_CHARS) if isinstance(finish, dict) else None
+
+
+def _counts(obj: Mapping[str, Any]) -> _Counts | None:
+    meta = _meta(obj)
+    raw = (meta.get("prompt_tokens"), meta.get("completion_tokens"), meta.get("cached_tokens"))
+    read = (count(raw[0]), count(raw[1]), count(raw[2]))
+    if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
+        return None
+    return read
+
+
+def _usage(counts: list[_Counts], reasons: tuple[str, ...]) -> Usage:
+    inp, out = total(c[0] for c in counts), total(c[1] for c in counts)
+    cached = total(c[2] for c in counts)
+    return Usage(
+        input_tokens=inp,
+        output_tokens=out,
+        cached_input_tokens=cached,
+        finish_reasons=reasons,
+        unknown_reason=None if inp is not None and out is not None else "no_usage",
+    )
+
+
+class SGLangStream(SSEMeter):
+    """A streamed /generate: `data:` chunks, each with its prompt's (`index`) `meta_info` so far
+    (cumulative), then `data: [DONE]`."""
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._counts: dict[int, _Counts] = {}
+        self._invalid = False
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        index = obj.get("index", 0)
+        index = index if type(index) is int and 0 <= index < self._choices else 0
+        read = _counts(obj)
+        if read is None:
+            self._invalid = True
+            return False
+        before = self._counts.get(index, (None, None, None))[1] or 0
+        if read[0] is not None or read[1] is not None:
+            self._counts[index] = read
+        if (read[1] or 0) > before:
+            self._s.token_events += 1
+        if (reason := _reason(obj)) is not None:
+            self._s.finish[index] = reason
+        return False
+
+    def _counted_usage(self) -> Usage:
+        base = self._base()
+        if self._invalid:
+            return replace(base, unknown_reason=INVALID_USAGE)
+        counts = [self._counts.get(i, (None, None, None)) for i in range(self._choices)]
+        return replace(_usage(counts, base.finish_reasons), error=base.error)

@@ -1,0 +1,281 @@
+"""Ollama's native /api/chat, /api/generate and /api/embed metered (issue 23), through the real
+`ollama` Python client in front of the simulator speaking Ollama's wire.
+
+The shapes are Ollama's api/types.go (`ChatResponse`, `GenerateResponse`, `Metrics`, whose counts
+are `omitempty`, `EmbedResponse`) and server/routes.go; the fixtures are the response examples
+of Ollama's docs/api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import ollama
+import pytest
+from tollbooth_lab.simulator import EngineParams, create_simulator
+
+from sidecar.billing.budget import to_micros
+from sidecar.exchange import Endpoint
+from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
+from sidecar.proxy.routes import classify
+from tests.conftest import Running, StartSidecar
+from tests.waiting import wait_for
+
+MODEL = "sim-llama-3-8b"  # the simulator's tokenizer: one token a word
+PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 2000.0}}}
+
+# docs/api.md, "Generate a completion", the final streamed response
+DOCS_GENERATE_FINAL = {
+    "model": "llama3.2",
+    "created_at": "2023-08-04T19:22:45.499127Z",
+    "response": "",
+    "done": True,
+    "context": [1, 2, 3],
+    "total_duration": 10706818083,
+    "load_duration": 6338219291,
+    "prompt_eval_count": 26,
+    "prompt_eval_duration": 130079000,
+    "eval_count": 259,
+    "eval_duration": 4232710000,
+}
+# docs/api.md, "Generate a chat completion", the final streamed response
+DOCS_CHAT_FINAL = {
+    "model": "llama3.2",
+    "created_at": "2023-08-04T19:22:45.499127Z",
+    "message": {"role": "assistant", "content": ""},
+    "done": True,
+    "total_duration": 4883583458,
+    "load_duration": 1334875,
+    "prompt_eval_count": 26,
+    "prompt_eval_duration": 342546000,
+    "eval_count": 282,
+    "eval_duration": 4535599000,
+}
+# docs/api.md, "Generate Embeddings" (/api/embed), embeddings shortened
+DOCS_EMBED = {
+    "model": "all-minilm",
+    "embeddings": [[0.010071029, -0.0017594862, 0.05007221]],
+    "total_duration": 14143917,
+    "load_duration": 1019500,
+    "prompt_eval_count": 8,
+}
+
+
+def test_the_routes_are_metered() -> None:
+    assert classify("POST", "/api/chat") is Endpoint.OLLAMA_CHAT
+    assert classify("POST", "/api/generate") is Endpoint.OLLAMA_GENERATE
+    assert classify("POST", "/api/embed") is Endpoint.OLLAMA_EMBED
+
+
+@pytest.mark.parametrize(
+    ("body", "stream", "limit"),
+    [
+        ({"model": "m", "prompt": "a"}, True, None),  # streaming by default, no limit
+        ({"model": "m", "prompt": "a", "stream": False}, False, None),
+        ({"model": "m", "prompt": "a", "stream": None}, True, None),
+        ({"model": "m", "prompt": "a", "options": {"num_predict": 7}}, True, 7),
+        ({"model": "m", "prompt": "a", "options": {"num_predict": 7.9}}, True, 7),
+        ({"model": "m", "prompt": "a", "options": {"num_predict": -1}}, True, None),
+        ({"model": "m", "prompt": "a", "options": {"num_predict": -2}}, True, None),
+        ({"model": "m", "prompt": "a", "max_tokens": 5}, True, None),  # not Ollama's field
+    ],
+)
+def test_the_request_is_read_as_ollama_reads_it(
+    body: dict[str, Any], stream: bool, limit: int | None
+) -> None:
+    raw = json.dumps(body).encode()
+    info = inspect_request(Endpoint.OLLAMA_GENERATE, raw, inject_usage=True)
+    assert (info.stream, info.max_tokens, info.output_cap) == (stream, limit, limit)
+    assert info.body == raw  # never changed
+    embed = inspect_request(
+        Endpoint.OLLAMA_EMBED, json.dumps({"input": "a"}).encode(), inject_usage=True
+    )
+    assert embed.stream is False
+
+
+def test_the_docs_examples_are_read() -> None:
+    g = usage_from_body(Endpoint.OLLAMA_GENERATE, json.dumps(DOCS_GENERATE_FINAL).encode(), {})
+    assert (g.input_tokens, g.output_tokens, g.model) == (26, 259, "llama3.2")
+    c = usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(DOCS_CHAT_FINAL).encode(), {})
+    assert (c.input_tokens, c.output_tokens, c.unknown_reason) == (26, 282, None)
+    e = usage_from_body(Endpoint.OLLAMA_EMBED, json.dumps(DOCS_EMBED).encode(), {})
+    assert (e.input_tokens, e.output_tokens) == (8, 0)
+    # omitempty: a count of 0 is left out of the final object
+    z = {k: v for k, v in DOCS_CHAT_FINAL.items() if k != "eval_count"}
+    assert usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(z).encode(), {}).output_tokens == 0
+    bad = {**DOCS_CHAT_FINAL, "eval_count": -3}
+    assert (
+        usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(bad).encode(), {}).unknown_reason
+        == "invalid_usage"
+    )
+    err = usage_from_body(Endpoint.OLLAMA_CHAT, b'{"error":"model \\"x\\" not found"}', {})
+    assert (err.error, err.input_tokens) == ("error", None)
+
+
+def _lines(n: int) -> bytes:
+    part = {
+        "model": "llama3.2",
+        "created_at": "t",
+        "message": {"role": "assistant", "content": "x"},
+        "done": False,
+    }
+    return b"".join(json.dumps(part).encode() + b"\n" for _ in range(n))
+
+
+WIRE = _lines(5) + json.dumps(DOCS_CHAT_FINAL).encode() + b"\n"
+
+
+@pytest.mark.parametrize("cut", [1, 3, 64, len(WIRE)])
+def test_a_stream_is_read_at_every_cut_and_passes_unchanged(cut: int) -> None:
+    meter = open_stream(Endpoint.OLLAMA_CHAT)
+    out = b"".join(meter.feed(WIRE[i : i + cut]) for i in range(0, len(WIRE), cut))
+    tail, u = meter.finish()
+    assert out + tail == WIRE and meter.done and meter.token_events == 5
+    assert (u.input_tokens, u.output_tokens) == (26, 282)
+
+
+def test_a_line_over_the_limit_makes_the_usage_unknown() -> None:
+    meter = open_stream(Endpoint.OLLAMA_CHAT, max_event_bytes=100)
+    big = json.dumps({**DOCS_CHAT_FINAL, "pad": "p" * 200}).encode() + b"\n"
+    assert meter.feed(big) == big
+    assert meter.finish()[1].unknown_reason == "event_too_large"
+
+
+def test_a_stream_cut_before_its_done_line_has_no_measured_usage() -> None:
+    meter = open_stream(Endpoint.OLLAMA_GENERATE)
+    meter.feed(_lines(3))
+    u = meter.usage_so_far()
+    assert (u.input_tokens, u.output_tokens) == (None, None) and not meter.done
+
+
+# --- the real client, through the sidecar, in front of the simulator ------------------------------
+
+
+async def _start(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
+) -> tuple[Running, Path]:
+    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {"pricing": PRICES, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
+        upstream_url=str(sim.make_url("")).rstrip("/"),
+    )
+    return run, db
+
+
+def _rows(db: Path) -> list[tuple[Any, ...]]:
+    if not db.exists():
+        return []
+    with sqlite3.connect(db) as conn:
+        return conn.execute(
+            "SELECT user, endpoint, input_tokens, output_tokens, stream, status FROM requests "
+            "ORDER BY id"
+        ).fetchall()
+
+
+def _tokens(run: Running, kind: str, route: str, user: str) -> Any:
+    return run.value(
+        "llm_tokens_total", model=MODEL, token_type=kind, api_endpoint=route, user_id=user
+    )
+
+
+MSGS = [{"role": "user", "content": "one two three four five"}]
+
+
+async def _traffic(ann: ollama.AsyncClient, bob: ollama.AsyncClient, stream: bool) -> Any:
+    opts = {"num_predict": 6}
+    if stream:
+        parts = [p async for p in await ann.chat(MODEL, MSGS, stream=True, options=opts)]
+        gparts = [p async for p in await bob.generate(MODEL, "a b c", stream=True, options=opts)]
+        assert len(parts) > 1 and "".join(p.message.content or "" for p in parts)
+        chat, gen = parts[-1], gparts[-1]
+    else:
+        chat = await ann.chat(MODEL, MSGS, options=opts)
+        gen = await bob.generate(MODEL, "a b c", options=opts)
+    return chat, gen, await bob.embed(MODEL, ["one two", "three"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_client_is_metered_exactly_per_user(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool
+) -> None:
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path)
+    async with (
+        ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "ann"}) as ann,
+        ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "bob"}) as bob,
+    ):
+        chat, gen, emb = await _traffic(ann, bob, stream)
+    assert chat.done and gen.done and len(emb.embeddings) == 2
+    await wait_for(lambda: len(_rows(db)) == 3, "three ledger rows")
+    assert _rows(db) == [
+        ("ann", "/api/chat", chat.prompt_eval_count, chat.eval_count, int(stream), "200"),
+        ("bob", "/api/generate", 3, gen.eval_count, int(stream), "200"),
+        ("bob", "/api/embed", 3, 0, 0, "200"),
+    ]
+    assert chat.prompt_eval_count and chat.eval_count and gen.eval_count  # measured, not 0
+    assert _tokens(run, "input", "/api/chat", "ann") == chat.prompt_eval_count
+    assert _tokens(run, "output", "/api/chat", "ann") == chat.eval_count
+    assert _tokens(run, "input", "/api/generate", "bob") == 3
+    assert _tokens(run, "output", "/api/generate", "bob") == gen.eval_count
+    assert _tokens(run, "input", "/api/embed", "bob") == 3
+
+
+async def test_a_client_leaving_mid_stream_is_charged_its_hold(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Ollama's partial lines carry no counts: nothing was measured, so the budget charges the
+    hold (unknown usage is never free) and the ledger records the usage as unknown."""
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, budgets={"user_daily_usd": 5.0})
+    body = {"model": MODEL, "messages": MSGS, "options": {"num_predict": 400}}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(run.url + "/api/chat", json=body, headers={"X-Tollbooth-User": "cy"})
+        seen = 0
+        async for _ in r.content:
+            seen += 1
+            if seen >= 3:
+                break
+        r.close()
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db) == [("cy", "/api/chat", None, None, 1, "499")]
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert run.sc.budgets.store.spent["user:cy"] > 0
+    assert run.value("llm_budget_unmeasured_charges_total") == 1
+
+
+async def test_a_burst_against_a_small_budget_is_held(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Ollama's chat template adds tokens the body does not show, so the hold's prompt estimate
+    (characters / `admission.chars_per_token`) is set to over-count here: then the budget holds."""
+    limit = 0.05
+    run, db = await _start(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        budgets={"user_daily_usd": limit},
+        admission={"chars_per_token": 1.0},
+    )
+
+    async def one(client: ollama.AsyncClient) -> int:
+        try:
+            await client.chat(MODEL, MSGS, options={"num_predict": 5})
+        except ollama.ResponseError as exc:
+            return exc.status_code
+        return 200
+
+    async with ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "dee"}) as client:
+        statuses = await asyncio.gather(*(one(client) for _ in range(12)))
+    assert 200 in statuses and 429 in statuses
+    await wait_for(lambda: not run.sc.budgets.store.holds, "every hold settled")
+    spent = run.sc.budgets.store.spent["user:dee"]
+    assert 0 < spent <= to_micros(limit)
+    await wait_for(lambda: len(_rows(db)) == len(statuses), "every ledger row")
+    served = [r for r in _rows(db) if r[5] == "200"]
+    assert len(served) == statuses.count(200)
+    cost = sum(r[2] * 1000.0 / 1e6 + r[3] * 2000.0 / 1e6 for r in served)
+    assert spent == to_micros(cost)

@@ -1,0 +1,246 @@
+"""SGLang's native /generate metered (issue 23), over raw HTTP, told apart from TGI's by the body.
+
+The shapes are sglang's srt/entrypoints/http_server.py (`generate_request`: one JSON body, or SSE
+`data:` chunks then `data: [DONE]`), srt/managers/io_struct.py (`GenerateReqInput`: `text` or
+`input_ids`, `sampling_params`, `stream`) and srt/managers/tokenizer_manager.py (`meta_info`:
+`prompt_tokens`, `completion_tokens`, `cached_tokens`, `finish_reason`, cumulative per chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from tollbooth_lab.simulator import EngineParams, create_simulator
+
+from sidecar.billing.budget import to_micros
+from sidecar.exchange import Endpoint
+from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
+from tests.conftest import Running, StartSidecar
+from tests.waiting import wait_for
+
+SIM_MODEL = "sim-llama-3-8b"
+PRICES = {"models": {SIM_MODEL: {"input_per_1m": 1000.0, "output_per_1m": 2000.0}}}
+GEN = Endpoint.TGI_GENERATE  # the path SGLang shares with TGI
+
+# A /generate response in the shape tokenizer_manager.py builds `meta_info` (values made up).
+BODY = {
+    "text": " Paris.",
+    "output_ids": [1, 2, 3],
+    "meta_info": {
+        "id": "a1",
+        "finish_reason": {"type": "length", "length": 3},
+        "prompt_tokens": 9,
+        "completion_tokens": 3,
+        "cached_tokens": 4,
+        "e2e_latency": 0.2,
+    },
+}
+
+
+def info(body: dict[str, Any], api: str = "vllm") -> Any:
+    return inspect_request(GEN, json.dumps(body).encode(), inject_usage=True, api=api)
+
+
+@pytest.mark.parametrize(
+    ("body", "limit", "choices"),
+    [
+        ({"text": "a"}, 128, 1),  # SamplingParams' default max_new_tokens
+        ({"text": "a", "sampling_params": {"max_new_tokens": 9}}, 9, 1),
+        ({"text": "a", "sampling_params": {"max_new_tokens": None}}, None, 1),
+        ({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4}}, 4, 2),
+        ({"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 4, "n": 2}}, 4, 4),
+        ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}, 4, 1),
+    ],
+)
+def test_an_sglang_body_is_read_as_sglang_reads_it(
+    body: dict[str, Any], limit: int | None, choices: int
+) -> None:
+    got = info(body)
+    assert (got.api, got.max_tokens, got.output_cap, got.choices) == (
+        "sglang",
+        limit,
+        limit,
+        choices,
+    )
+    assert got.body == json.dumps(body).encode()  # never changed
+
+
+def test_the_body_tells_sglang_from_tgi_unless_upstream_api_says() -> None:
+    tgi = {"inputs": "a", "parameters": {"max_new_tokens": 5}}
+    assert info(tgi).api is None and info(tgi).max_tokens == 5  # read as TGI's, as before
+    assert info(tgi, api="tgi").api is None
+    assert info({"text": "a"}, api="tgi").api is None  # a TGI server: read as TGI's
+    assert info(tgi, api="sglang").api == "sglang"  # an SGLang server: read as SGLang's
+    both = info({"inputs": "a", "text": "a", "sampling_params": {}})
+    assert both.endpoint is Endpoint.OTHER and both.ambiguous and "both" in both.ambiguous
+    assert info({"inputs": "a", "text": "a"}, api="sglang").ambiguous is None
+
+
+def test_a_body_and_a_batch_are_read() -> None:
+    u = usage_from_body(GEN, json.dumps(BODY).encode(), {}, api="sglang")
+    assert (u.input_tokens, u.output_tokens, u.cached_input_tokens) == (9, 3, 4)
+    assert u.finish_reasons == ("length",) and u.unknown_reason is None
+    two = usage_from_body(GEN, json.dumps([BODY, BODY]).encode(), {}, api="sglang")
+    assert (two.input_tokens, two.output_tokens, two.cached_input_tokens) == (18, 6, 8)
+    bad = {**BODY, "meta_info": {**BODY["meta_info"], "completion_tokens": 1.5}}
+    assert usage_from_body(GEN, json.dumps(bad).encode(), {}, api="sglang").unknown_reason == (
+        "invalid_usage"
+    )
+    err = usage_from_body(GEN, b'{"error": {"message": "bad"}}', {}, api="sglang")
+    assert err.unknown_reason == "error_response"
+
+
+def _chunk(n: int, last: bool = False) -> bytes:
+    meta = {**BODY["meta_info"], "completion_tokens": n, "finish_reason": None}
+    if last:
+        meta["finish_reason"] = {"type": "length", "length": n}
+    return (
+        b"data: " + json.dumps({"text": "x" * n, "meta_info": meta, "index": 0}).encode() + b"\n\n"
+    )
+
+
+WIRE = _chunk(1) + _chunk(2) + _chunk(3, last=True) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("cut", [1, 5, 80, len(WIRE)])
+def test_a_stream_is_read_at_every_cut_and_passes_unchanged(cut: int) -> None:
+    meter = open_stream(GEN, api="sglang")
+    out = b"".join(meter.feed(WIRE[i : i + cut]) for i in range(0, len(WIRE), cut))
+    tail, u = meter.finish()
+    assert out + tail == WIRE and meter.done and meter.token_events == 3
+    assert (u.input_tokens, u.output_tokens, u.cached_input_tokens) == (9, 3, 4)
+    cut_short = open_stream(GEN, api="sglang")
+    cut_short.feed(_chunk(1) + _chunk(2))
+    assert cut_short.usage_so_far().output_tokens == 2 and not cut_short.done
+
+
+# --- through the sidecar, in front of the simulator speaking SGLang -------------------------------
+
+
+async def _start(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
+) -> tuple[Running, Path]:
+    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {"pricing": PRICES, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
+        upstream_url=str(sim.make_url("")).rstrip("/"),
+    )
+    return run, db
+
+
+def _rows(db: Path) -> list[tuple[Any, ...]]:
+    if not db.exists():
+        return []
+    with sqlite3.connect(db) as conn:
+        return conn.execute(
+            "SELECT user, model, input_tokens, output_tokens, cached_input_tokens, status "
+            "FROM requests ORDER BY id"
+        ).fetchall()
+
+
+PROMPT = "one two three four five six"
+
+
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_exact_tokens_per_user_with_the_cached_prefix(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool, api: str
+) -> None:
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, upstream={"api": api, "model_name": SIM_MODEL}
+    )
+    finals = []
+    async with aiohttp.ClientSession() as s:
+        for user, text in (("ann", PROMPT), ("bob", PROMPT + " seven")):
+            body = {"text": text, "sampling_params": {"max_new_tokens": 5}, "stream": stream}
+            async with s.post(
+                run.url + "/generate", json=body, headers={"X-Tollbooth-User": user}
+            ) as r:
+                assert r.status == 200
+                raw = await r.read()
+            if stream:
+                events = [x[6:] for x in raw.split(b"\n\n") if x.startswith(b"data: ")]
+                assert events[-1] == b"[DONE]"
+                finals.append(json.loads(events[-2])["meta_info"])
+            else:
+                finals.append(json.loads(raw)["meta_info"])
+    reported = [(m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"]) for m in finals]
+    assert reported[0][0] == 6 and reported[1][0::2] == (7, 6)
+    await wait_for(lambda: len(_rows(db)) == 2, "two ledger rows")
+    assert _rows(db) == [
+        ("ann", SIM_MODEL, *reported[0], "200"),
+        ("bob", SIM_MODEL, *reported[1], "200"),
+    ]
+    labels = {"model": SIM_MODEL, "api_endpoint": "/generate", "user_id": "bob"}
+    assert run.value("llm_tokens_total", token_type="input", **labels) == 7
+    assert run.value("llm_tokens_total", token_type="output", **labels) == reported[1][1]
+    assert run.value("llm_cached_input_tokens_total", **labels) == 6
+
+
+async def test_an_ambiguous_body_is_refused(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    run, _ = await _start(start_sidecar, aiohttp_server, tmp_path)
+    body = {"inputs": "a", "text": "a", "sampling_params": {"max_new_tokens": 2}}
+    async with aiohttp.ClientSession() as s, s.post(run.url + "/generate", json=body) as r:
+        assert r.status == 400
+        assert "ambiguous" in await r.text()
+
+
+async def test_a_client_leaving_mid_stream_is_billed_what_was_measured(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path)
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 400}, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(run.url + "/generate", json=body, headers={"X-Tollbooth-User": "cy"})
+        seen = 0
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                seen = json.loads(line[6:])["meta_info"]["completion_tokens"]
+                if seen >= 3:
+                    break
+        r.close()
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    ((user, _, inp, out, _, status),) = _rows(db)
+    assert (user, inp, status) == ("cy", 6, "499")
+    assert seen <= out < 400
+
+
+async def test_a_burst_against_a_small_budget_is_held(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    limit = 0.05
+    run, db = await _start(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        budgets={"user_daily_usd": limit},
+        upstream={"model_name": SIM_MODEL},  # the hold's price: the request names no model
+    )
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5}, "stream": True}
+
+    async def one(s: aiohttp.ClientSession) -> int:
+        async with s.post(
+            run.url + "/generate", json=body, headers={"X-Tollbooth-User": "dee"}
+        ) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        statuses = await asyncio.gather(*(one(s) for _ in range(12)))
+    assert 200 in statuses and 429 in statuses
+    await wait_for(lambda: not run.sc.budgets.store.holds, "every hold settled")
+    spent = run.sc.budgets.store.spent["user:dee"]
+    assert 0 < spent <= to_micros(limit)
+    await wait_for(lambda: len(_rows(db)) == len(statuses), "every ledger row")
+    served = [r for r in _rows(db) if r[5] == "200"]
+    assert len(served) == statuses.count(200)
+    assert spent == to_micros(sum(r[2] * 1000.0 / 1e6 + r[3] * 2000.0 / 1e6 for r in served))
