@@ -63,7 +63,7 @@ MODULES: dict[str, tuple[list[str], list[str] | None]] = {
     "budget_redis": (["tests/test_budget_redis.py", GUARDS], None),
     "identity": (["tests/test_identity.py", GUARDS], None),
     "ledger": (["tests/test_ledger.py", GUARDS], None),
-    "meter": (["tests/test_meter.py", GUARDS], None),
+    "meter": (["tests/test_meter.py", "tests/test_meter_counters.py", GUARDS], None),
     "routes": (["tests/test_routes.py", GUARDS], None),
     "reqsize": (["tests/test_hold_inputs.py", GUARDS], None),
     "exchange": (["tests/test_meter.py", "tests/test_ledger.py", GUARDS], None),
