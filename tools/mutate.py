@@ -62,7 +62,17 @@ MODULES: dict[str, tuple[list[str], list[str] | None]] = {
     "budget": (["tests/test_budget.py", GUARDS], None),
     "budget_redis": (["tests/test_budget_redis.py", GUARDS], None),
     "identity": (["tests/test_identity.py", GUARDS], None),
-    "ledger": (["tests/test_ledger.py", GUARDS], None),
+    "ledger": (
+        [
+            "tests/test_ledger.py",
+            "tests/test_writers_survive.py",
+            "tests/test_hostile_strings.py",
+            "tests/test_report.py",
+            "tests/test_budget_report.py",
+            GUARDS,
+        ],
+        None,
+    ),
     "meter": (["tests/test_meter.py", "tests/test_meter_counters.py", GUARDS], None),
     "routes": (["tests/test_routes.py", GUARDS], None),
     "reqsize": (["tests/test_hold_inputs.py", GUARDS], None),
