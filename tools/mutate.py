@@ -52,6 +52,8 @@ PATHS = {
     "counts": "metering/counts.py",
     "reqsize": "metering/reqsize.py",
     "exchange": "exchange.py",
+    "credentials": "credentials.py",  # bearer(): the Authorization header's reading
+    "tgi": "metering/tgi.py",
 }
 
 # module -> (its tests, the functions to mutate: None for all)
@@ -60,14 +62,26 @@ MODULES: dict[str, tuple[list[str], list[str] | None]] = {
     "budget": (["tests/test_budget.py", GUARDS], None),
     "budget_redis": (["tests/test_budget_redis.py", GUARDS], None),
     "identity": (["tests/test_identity.py", GUARDS], None),
-    "ledger": (["tests/test_ledger.py", GUARDS], None),
-    "meter": (["tests/test_meter.py", GUARDS], None),
+    "ledger": (
+        [
+            "tests/test_ledger.py",
+            "tests/test_writers_survive.py",
+            "tests/test_hostile_strings.py",
+            "tests/test_report.py",
+            "tests/test_budget_report.py",
+            GUARDS,
+        ],
+        None,
+    ),
+    "meter": (["tests/test_meter.py", "tests/test_meter_counters.py", GUARDS], None),
     "routes": (["tests/test_routes.py", GUARDS], None),
     "reqsize": (["tests/test_hold_inputs.py", GUARDS], None),
     "exchange": (["tests/test_meter.py", "tests/test_ledger.py", GUARDS], None),
     # the OpenAI adapter and the count readers (usage.py until issue 22's wire adapters)
     "usage": (["tests/test_usage.py", "tests/test_wire.py", "tests/test_budget.py", GUARDS], None),
     "counts": (["tests/test_usage.py", "tests/test_hostile_numbers.py", GUARDS], None),
+    "credentials": (["tests/test_identity.py", GUARDS], None),
+    "tgi": (["tests/test_tgi.py", GUARDS], None),
 }
 
 # Flaky under load (a same-millisecond race between its ledger read and its settlement), so it
@@ -79,13 +93,29 @@ DESELECT = [
 
 # The survivors issue 21 names: (module, the text as it is, the text as a change would make it).
 NAMED: list[tuple[str, str, str]] = [
-    ("usage", "return v if v >= 0 else None", "return v"),
-    ("pricing", "cached = min(cached or 0, input_tokens)", "cached = cached or 0"),
-    ("budget", "return math.ceil(usd * MICRO - 1e-6)", "return int(usd * MICRO)"),
+    # `_int` accepting negative counts: now the range check of counts.count()
+    (
+        "counts",
+        "return v if 0 <= v <= MAX_TOKEN_COUNT else None",
+        "return v if v <= MAX_TOKEN_COUNT else None",
+    ),
+    # more cached than prompt tokens: the clamp to the input (it also clamps at 0 now)
+    (
+        "pricing",
+        "cached = min(max(cached or 0, 0), input_tokens)",
+        "cached = max(cached or 0, 0)",
+    ),
+    # to_micros truncating instead of rounding up
+    (
+        "budget",
+        "else max(0, math.ceil(micros))",
+        "else max(0, int(micros))",
+    ),
     ("budget_redis", "if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end\n", ""),
     ("budget_redis", "item[0].day < today]", "item[0].day <= today]"),
-    ("identity", 'scheme.lower() == "bearer"', 'scheme == "Bearer"'),
-    ("identity", "token = token.strip() if", "token = token if"),
+    # Bearer read case-sensitively, or unstripped: bearer() moved to credentials.py
+    ("credentials", 'scheme.lower() == "bearer"', 'scheme == "Bearer"'),
+    ("credentials", "token = token.strip() if", "token = token if"),
     (
         "identity",
         '(headers.get(self.user_header) or "").strip()',
@@ -100,13 +130,14 @@ NAMED: list[tuple[str, str, str]] = [
     ),
     ("ledger", "u.model or ex.info.model or ex.model,", "ex.info.model or ex.model,"),
     ("ledger", "self.config.retention_days * 86400", "self.config.retention_days * 3600"),
+    # consumed() and priced_model() moved from meter.py to exchange.py
     (
-        "meter",
+        "exchange",
         "if u.input_tokens is not None or u.output_tokens is not None:\n        return True",
         "if u.input_tokens is not None and u.output_tokens is not None:\n        return True",
     ),
     (
-        "meter",
+        "exchange",
         "return ex.usage.model or ex.info.model or",
         "return ex.info.model or ex.usage.model or",
     ),
