@@ -686,3 +686,73 @@ async def test_a_spent_budget_admits_nothing_while_redis_is_away(redis_server: A
         assert not refused.admitted and refused.reason == "budget"
     finally:
         await store.close()
+
+
+def test_the_priced_model_falls_back_from_served_to_requested_to_label() -> None:
+    """`or` made `and` in priced_model: a request with no served model would be priced as
+    nothing (None), however it was asked for."""
+    from sidecar.exchange import priced_model
+
+    assert priced_model(_exchange(200, Usage(model="served"))) == "served"
+    assert priced_model(_exchange(200, Usage())) == "asked"
+    assert priced_model(_exchange(200, Usage(), model="unknown")) == "asked"
+
+
+def test_an_out_of_range_budget_amount_is_clamped_to_zero_not_one() -> None:
+    """The clamp's floor 0 made 1: a negative amount would be charged a micro-dollar."""
+    from sidecar.billing.budget import MAX_MICROS, LocalStore
+
+    store = LocalStore(10)
+    assert store._checked(-5) == 0
+    assert store._checked(MAX_MICROS + 1) == MAX_MICROS
+    assert store._checked(7) == 7
+
+
+def test_a_request_without_a_hold_belongs_to_the_day_it_started() -> None:
+    """`request_day` returning None without a hold: its spend has no day."""
+    b = _budgets(lambda: 0.0, day_start_hour_utc=6)
+    ex = _exchange(200, Usage())
+    ex.started_at = 10 * DAY + 7 * 3600
+    assert ex.budget_hold is None
+    assert b.request_day(ex) == 10 * DAY + 6 * 3600
+
+
+def test_an_unreachable_budget_store_says_retry_after_one_second() -> None:
+    """Retry-After 1 made 2 for `budget_store_unavailable`."""
+    from sidecar.billing.budget import Verdict
+    from sidecar.exchange import Refusal
+
+    b = _budgets(lambda: 0.0)
+    with pytest.raises(Refusal) as refused:
+        b._refuse(Verdict(False, reason="unavailable"), 1, "alice")
+    assert refused.value.status == 503
+    assert refused.value.retry_after == 1
+
+
+def test_estimate_tokens_counts_at_least_one_choice() -> None:
+    """`max(1, n or 1)` made `min(...)` / `max(0, ...)`: n=0 or n=3 would be misestimated."""
+    from sidecar.exchange import estimate_tokens
+
+    config = AdmissionConfig()
+    assert estimate_tokens(config, 0, 10, 0, prompt_tokens=5) == 15
+    assert estimate_tokens(config, 0, 10, None, prompt_tokens=5) == 15
+    assert estimate_tokens(config, 0, 10, 3, prompt_tokens=5) == 35
+
+
+def test_the_operation_of_every_route_is_a_name() -> None:
+    """`operation` returning None for OTHER (or any route): a span without its operation."""
+    assert Endpoint.OTHER.operation == "other"
+    assert Endpoint.CHAT.operation == "chat"
+    assert Endpoint.EMBEDDINGS.operation == "embeddings"
+    assert Endpoint.COMPLETIONS.operation == "text_completion"
+
+
+def test_a_del_in_a_path_is_refused() -> None:
+    """DEL (0x7F) no longer refused: a control character reaches the route and the logs."""
+    from sidecar.proxy.routes import AmbiguousPath, routing_path
+
+    for raw in ("/v1/chat\x7f/completions", "/v1/chat%7F/completions", "/v1/\x1f"):
+        with pytest.raises(AmbiguousPath):
+            routing_path(raw)
+    assert routing_path("/v1/chat~/x") == "/v1/chat~/x"
+    assert routing_path("/v1/ a") == "/v1/ a"
