@@ -737,6 +737,7 @@ def test_estimate_tokens_counts_at_least_one_choice() -> None:
     assert estimate_tokens(config, 0, 10, 0, prompt_tokens=5) == 15
     assert estimate_tokens(config, 0, 10, None, prompt_tokens=5) == 15
     assert estimate_tokens(config, 0, 10, 3, prompt_tokens=5) == 35
+    assert estimate_tokens(config, 0, 10, -2, prompt_tokens=5) == 15  # a negative n: one choice
 
 
 def test_the_operation_of_every_route_is_a_name() -> None:
