@@ -757,3 +757,60 @@ def test_a_del_in_a_path_is_refused() -> None:
             routing_path(raw)
     assert routing_path("/v1/chat~/x") == "/v1/chat~/x"
     assert routing_path("/v1/ a") == "/v1/ a"
+
+
+def test_an_embeddings_answer_with_its_input_generated_zero_tokens() -> None:
+    """Embeddings output not set to 0 when the input is known: a counted request would be
+    reported as usage unknown."""
+    body = json.dumps({"model": "e", "usage": {"prompt_tokens": 5, "total_tokens": 5}}).encode()
+    usage = usage_from_body(Endpoint.EMBEDDINGS, body, {})
+    assert (usage.input_tokens, usage.output_tokens, usage.unknown_reason) == (5, 0, None)
+    unknown = usage_from_body(Endpoint.EMBEDDINGS, json.dumps({"usage": {}}).encode(), {})
+    assert (unknown.input_tokens, unknown.output_tokens) == (None, None)
+    assert unknown.unknown_reason == "incomplete_usage"
+
+
+def test_a_usage_without_its_output_count_says_incomplete_usage() -> None:
+    """The `incomplete_usage` reason lost: a half-counted answer would look fully counted."""
+    body = json.dumps({"model": "m", "choices": [], "usage": {"prompt_tokens": 5}}).encode()
+    usage = usage_from_body(Endpoint.CHAT, body, {})
+    assert (usage.input_tokens, usage.output_tokens) == (5, None)
+    assert usage.unknown_reason == "incomplete_usage"
+
+
+def test_a_cut_short_batch_with_an_unseen_prompt_says_incomplete_usage() -> None:
+    """usage_so_far's running totals when a prompt was never seen: input unknown, and why."""
+    meter = open_stream(Endpoint.COMPLETIONS, choices=4, per_prompt=2)
+    for index, done in ((0, 2), (1, 3)):
+        meter.feed(_running_chunk(index, 11, done))
+    usage = meter.usage_so_far()
+    assert (usage.input_tokens, usage.output_tokens) == (None, 5)
+    assert usage.unknown_reason == "incomplete_usage"
+
+
+def _finish_chunk(index: int, reason: str) -> bytes:
+    choice = {"index": index, "text": "t", "finish_reason": reason}
+    return f"data: {json.dumps({'id': 'c', 'model': 'm', 'choices': [choice]})}\n\n".encode()
+
+
+def test_a_stream_counts_its_token_events_and_every_choice_s_finish_reason() -> None:
+    """`_read`'s constants: a token event counted as 0, or choice 0's finish reason (and running
+    usage) filed under index 1, where choice 1's overwrites it."""
+    meter = open_stream(Endpoint.COMPLETIONS, choices=2, per_prompt=2)
+    meter.feed(_finish_chunk(0, "stop"))
+    assert meter.token_events == 1
+    assert not meter.finished
+    meter.feed(_finish_chunk(1, "length"))
+    assert meter.token_events == 2
+    assert meter.finished
+    assert meter.usage_so_far().finish_reasons == ("stop", "length")
+
+
+def test_running_usage_of_choice_0_and_1_is_kept_apart() -> None:
+    """Choice 0's running usage filed under index 1: choice 1's replaces it, and the cut-short
+    stream is charged one choice's output."""
+    meter = open_stream(Endpoint.CHAT, choices=2, per_prompt=2)
+    meter.feed(_running_chunk(0, 11, 2))
+    meter.feed(_running_chunk(1, 11, 3))
+    usage = meter.usage_so_far()
+    assert (usage.input_tokens, usage.output_tokens) == (11, 5)
