@@ -814,3 +814,37 @@ def test_running_usage_of_choice_0_and_1_is_kept_apart() -> None:
     meter.feed(_running_chunk(1, 11, 3))
     usage = meter.usage_so_far()
     assert (usage.input_tokens, usage.output_tokens) == (11, 5)
+
+
+def test_compared_keeps_only_a_non_empty_string() -> None:
+    """`compared()` returning a value that is not a string (`and` made `or`), or nothing."""
+    from sidecar.metering.counts import compared
+
+    assert compared("response.completed") == "response.completed"
+    for v in (5, ["x"], {"a": 1}, True, "", None):
+        assert compared(v) is None
+
+
+def test_the_breaker_reports_when_it_opens_and_when_it_closes() -> None:
+    """success()/failure() return values: True only for the call that closes / opens it."""
+    from sidecar.billing.redis_store import Breaker
+
+    now = [0.0]
+    breaker = Breaker(2, 5.0, clock=lambda: now[0])
+    assert breaker.success() is False  # closed already
+    assert breaker.failure() is False
+    assert breaker.failure() is True  # the second in a row opens it
+    assert not breaker.closed
+    assert breaker.failure() is False  # already open
+    assert breaker.success() is True  # closes it
+    assert breaker.closed
+    assert breaker.success() is False
+
+
+def test_a_generated_key_carries_32_random_bytes(tmp_path: Path) -> None:
+    """`token_urlsafe(32)` made 31 or 33: a key of another strength than documented."""
+    from sidecar.proxy.identity import add_key
+
+    key = add_key(str(tmp_path / "keys.yaml"), "alice", None)
+    assert key.startswith("tb-")
+    assert len(key) == len("tb-") + 43  # 32 bytes in unpadded base64url
