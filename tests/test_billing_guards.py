@@ -848,3 +848,40 @@ def test_a_generated_key_carries_32_random_bytes(tmp_path: Path) -> None:
     key = add_key(str(tmp_path / "keys.yaml"), "alice", None)
     assert key.startswith("tb-")
     assert len(key) == len("tb-") + 43  # 32 bytes in unpadded base64url
+
+
+async def test_the_settler_backs_off_doubling_up_to_the_breaker_cooldown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The settler's backoff x3 instead of x2 (or its cap lost): settlements retried late while
+    Redis is away. The breaker is held open, so no call leaves the process."""
+    from sidecar.billing import redis_store
+
+    cfg = BudgetConfig(store="redis://127.0.0.1:1/0", store_unavailable="closed")
+    store = RedisStore(cfg, Metrics(), lambda: TODAY, max_scopes=10)
+    store.breaker.in_row = store.breaker.failures
+    store.breaker.retry_at = float("inf")
+    store.queue.append((Hold("r1", TODAY, 100, (USER,)), 100, 0))
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+    enough = asyncio.Event()
+
+    async def recorded(delay: float, *args: Any) -> Any:
+        if delay > 0:
+            delays.append(delay)
+            if len(delays) >= 8:
+                enough.set()
+        return await real_sleep(0)
+
+    monkeypatch.setattr(redis_store.asyncio, "sleep", recorded)
+    task = asyncio.create_task(store._settler())
+    try:
+        await asyncio.wait_for(enough.wait(), 5)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await store.redis.aclose()
+    cap = redis_store.BREAKER_COOLDOWN_S
+    expected = [min(0.05 * 2**i, cap) for i in range(8)]
+    assert delays[:8] == pytest.approx(expected)
