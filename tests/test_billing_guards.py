@@ -873,7 +873,7 @@ async def test_the_settler_backs_off_doubling_up_to_the_breaker_cooldown(
                 enough.set()
         return await real_sleep(0)
 
-    monkeypatch.setattr(redis_store.asyncio, "sleep", recorded)
+    monkeypatch.setattr(asyncio, "sleep", recorded)  # the module reads asyncio.sleep
     task = asyncio.create_task(store._settler())
     try:
         await asyncio.wait_for(enough.wait(), 5)
