@@ -885,3 +885,19 @@ async def test_the_settler_backs_off_doubling_up_to_the_breaker_cooldown(
     cap = redis_store.BREAKER_COOLDOWN_S
     expected = [min(0.05 * 2**i, cap) for i in range(8)]
     assert delays[:8] == pytest.approx(expected)
+
+
+def test_the_priced_model_falls_back_to_a_known_label_only() -> None:
+    """`ex.model != "unknown"` flipped: the placeholder priced as a model, a real label not."""
+    from sidecar.exchange import priced_model
+
+    def bare(model: str) -> Exchange:
+        info = inspect_request(Endpoint.CHAT, b'{"messages": []}', inject_usage=False)
+        ex = Exchange(
+            request_id="r", endpoint=Endpoint.CHAT, info=info, model=model, user="u", user_id="u"
+        )
+        ex.status, ex.usage = 200, Usage()
+        return ex
+
+    assert priced_model(bare("labelled")) == "labelled"
+    assert priced_model(bare("unknown")) is None
