@@ -901,3 +901,19 @@ def test_the_priced_model_falls_back_to_a_known_label_only() -> None:
 
     assert priced_model(bare("labelled")) == "labelled"
     assert priced_model(bare("unknown")) is None
+
+
+def test_an_uncounted_prompt_is_estimated_from_its_characters() -> None:
+    """chars / ratio made chars * ratio: a prompt's hold 16 times too large."""
+    from sidecar.exchange import estimate_tokens
+
+    config = AdmissionConfig(chars_per_token=4.0)
+    assert estimate_tokens(config, 100, 10, 1) == 25 + 10
+    assert estimate_tokens(config, 101, 10, 1) == 26 + 10  # rounded up
+
+
+def test_the_tgi_native_routes_are_known_as_such() -> None:
+    """`is_tgi_native` returning None: TGI's own routes read as OpenAI ones."""
+    assert Endpoint.TGI_GENERATE.is_tgi_native is True
+    assert Endpoint.TGI_GENERATE_STREAM.is_tgi_native is True
+    assert Endpoint.CHAT.is_tgi_native is False
