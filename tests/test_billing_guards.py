@@ -917,3 +917,11 @@ def test_the_tgi_native_routes_are_known_as_such() -> None:
     assert Endpoint.TGI_GENERATE.is_tgi_native is True
     assert Endpoint.TGI_GENERATE_STREAM.is_tgi_native is True
     assert Endpoint.CHAT.is_tgi_native is False
+
+
+def test_the_pooling_routes_are_known_as_such() -> None:
+    """`is_pooling` returning None: a pooling route metered as a generation."""
+    assert Endpoint.POOLING.is_pooling is True
+    assert Endpoint.CLASSIFY.is_pooling is True
+    assert Endpoint.CHAT.is_pooling is False
+    assert Endpoint.CLASSIFY.operation == "embeddings"
