@@ -925,3 +925,11 @@ def test_the_pooling_routes_are_known_as_such() -> None:
     assert Endpoint.CLASSIFY.is_pooling is True
     assert Endpoint.CHAT.is_pooling is False
     assert Endpoint.CLASSIFY.operation == "embeddings"
+
+
+def test_time_to_first_token_is_from_the_upstream_start() -> None:
+    """ttft_s's `-` made `+`: a latency the sum of two clock readings."""
+    ex = _exchange(200, Usage())
+    assert ex.ttft_s is None
+    ex.upstream_start, ex.first_token_at = 10.0, 10.5
+    assert ex.ttft_s == pytest.approx(0.5)
