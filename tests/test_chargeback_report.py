@@ -57,7 +57,7 @@ def test_every_dimension_sums_to_the_ledger(path: str, by: str) -> None:
     assert len(unknown) == 1
     known_total = sum(r[8] for r in ROWS if r[8] is not None)
     unknown_group = unknown[0][by]
-    in_unknown = sum(r[8] or 0 for r in ROWS if unknown_group in report._keys(r, by, HOUR * 3600))
+    in_unknown = sum(r[8] or 0 for r in ROWS if unknown_group in report.keys_of(r, by, HOUR * 3600))
     assert sum(r["cost_usd"] for r in known) == pytest.approx(known_total - in_unknown)
 
 

@@ -571,7 +571,8 @@ def report_rows(url: str, since: float, by: str, day_offset_s: int = 0) -> list[
 def request_rows(url: str, since: float, until: float) -> list[Any]:
     """Chargeback (issue 25): the report's columns of each request in [since, until)."""
     cols = (
-        'ts, "user", team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s'
+        'ts, "user", team, project, tags, model, input_tokens, output_tokens, cost_usd, '
+        "duration_s, device_seconds, device_cost_usd"
     )
     end = until if math.isfinite(until) else 1e300
     sql = f"SELECT {cols} FROM requests WHERE ts >= %s AND ts < %s ORDER BY ts"

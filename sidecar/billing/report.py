@@ -26,7 +26,10 @@ GROUPS = {"user": "user", "model": "model", "day": "day"}
 DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
 NONE = "(none)"  # the group of requests without a team, a project or a tag
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
-_COLUMNS = "ts, user, team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s"
+_COLUMNS = (
+    "ts, user, team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s, "
+    "device_seconds, device_cost_usd"
+)
 
 
 def parse_since(value: str, now: float | None = None) -> float:
@@ -56,7 +59,7 @@ def month_bounds(value: str, day_start_hour_utc: int = 0) -> tuple[float, float]
     return float(start), float(calendar.timegm((*nxt, 1, 0, 0, 0)) + offset)
 
 
-def _keys(row: Any, by: str, offset: int) -> list[str]:
+def keys_of(row: Any, by: str, offset: int) -> list[str]:
     """The groups one request belongs to: one, or by tag one per tag (a request with two tags is
     in both groups, so tag totals add up to more than the ledger; none: NONE)."""
     ts, user, team, project, tags, model = row[:6]
@@ -75,24 +78,36 @@ def chargeback(
 ) -> list[dict[str, Any]]:
     """Rows in [since, until), grouped by any of DIMENSIONS; days and months are budget days and
     months (`budgets.day_start_hour_utc`), named by the date they start on."""
+    check_dimension(by, day_start_hour_utc)
+    return group_rows(ledger_rows(path, since, until), by, day_start_hour_utc)
+
+
+def check_dimension(by: str, day_start_hour_utc: int) -> None:
     if by not in DIMENSIONS:
         raise ValueError(f"--by '{by}': expected one of {', '.join(DIMENSIONS)}")
     if not 0 <= day_start_hour_utc <= 23:
         raise ValueError(f"--day-start-hour-utc '{day_start_hour_utc}': expected 0 to 23")
+
+
+def ledger_rows(path: str, since: float, until: float | None = None) -> list[Any]:
+    """The report's columns (`_COLUMNS`) of each request in [since, until), oldest first."""
     end = math.inf if until is None else until
     if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
         from .fleet_ledger import request_rows
 
-        rows = request_rows(path, since, end)
-    elif "://" in path:  # never echoed: a URL may carry a password
+        return request_rows(path, since, end)
+    if "://" in path:  # never echoed: a URL may carry a password
         raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
-    else:
-        rows = _sqlite_rows(path, since, end)
+    return _sqlite_rows(path, since, end)
+
+
+def group_rows(rows: list[Any], by: str, day_start_hour_utc: int = 0) -> list[dict[str, Any]]:
+    """The rows grouped by `by`: by cost, highest first (unknown last); days and months in order."""
     offset = day_start_hour_utc * 3600
     groups: dict[str, Group] = {}
     for row in rows:
-        for k in _keys(row, by, offset):
-            groups.setdefault(k, Group(k)).add(*row[6:])
+        for k in keys_of(row, by, offset):
+            groups.setdefault(k, Group(k)).add(*row[6:12])
     result = [g.as_dict(by) for g in groups.values()]
     if by in ("day", "month"):
         return sorted(result, key=lambda r: r[by])
@@ -128,9 +143,28 @@ class Group:
     unknown_cost_requests: int = 0
     unknown_token_requests: int = 0
     durations: list[float] = field(default_factory=list)
+    device_seconds: float = 0.0
+    device_cost_usd: float = 0.0
+    device_rows: int = 0  # requests with device-seconds measured (GPU telemetry on)
+    unpriced_device_rows: int = 0  # of those, without a device cost (no pricing.gpu_hour_usd)
 
-    def add(self, inp: int | None, out: int | None, cost: float | None, dur: float | None) -> None:
+    def add(
+        self,
+        inp: int | None,
+        out: int | None,
+        cost: float | None,
+        dur: float | None,
+        device_s: float | None = None,
+        device_cost: float | None = None,
+    ) -> None:
         self.requests += 1
+        if device_s is not None:
+            self.device_rows += 1
+            self.device_seconds += device_s
+            if device_cost is None:
+                self.unpriced_device_rows += 1
+            else:
+                self.device_cost_usd += device_cost
         self.input_tokens += inp or 0
         self.output_tokens += out or 0
         if inp is None or out is None:
@@ -142,8 +176,9 @@ class Group:
         if dur is not None:
             self.durations.append(dur)
 
-    def as_dict(self, by: str) -> dict[str, Any]:
-        return {
+    def as_dict(self, by: str, device: bool = True) -> dict[str, Any]:
+        """`device`: with the device columns (the chargeback's; `summarize` predates them)."""
+        out = {
             by: self.key,
             "requests": self.requests,
             "input_tokens": self.input_tokens,
@@ -151,9 +186,19 @@ class Group:
             "cost_usd": None if self.unknown_cost_requests else round(self.cost_usd, 8),
             "unknown_cost_requests": self.unknown_cost_requests,
             "unknown_token_requests": self.unknown_token_requests,
+            "device_seconds": round(self.device_seconds, 6) if self.device_rows else None,
+            "device_cost_usd": self._device_cost(),
             "p50_duration_s": percentile(self.durations, 50),
             "p99_duration_s": percentile(self.durations, 99),
         }
+        if not device:
+            del out["device_seconds"], out["device_cost_usd"]
+        return out
+
+    def _device_cost(self) -> float | None:
+        if not self.device_rows or self.unpriced_device_rows:
+            return None
+        return round(self.device_cost_usd, 8)
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -201,7 +246,7 @@ def _grouped(rows: list[Any], by: str) -> list[dict[str, Any]]:
     groups: dict[str, Group] = {}
     for k, inp, out, cost, dur in rows:
         groups.setdefault(k, Group(k)).add(inp, out, cost, dur)
-    result = [g.as_dict(by) for g in groups.values()]
+    result = [g.as_dict(by, device=False) for g in groups.values()]
     if by == "day":
         return sorted(result, key=lambda r: r["day"])
     return sorted(result, key=lambda r: (r["cost_usd"] is None, -(r["cost_usd"] or 0), r[by]))
@@ -224,7 +269,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no requests in this period)"
     cols = list(rows[0])
-    return columns(cols, [[_cell(r[c], c) for c in cols] for r in rows])
+    return columns(cols, [[cell(r[c], c) for c in cols] for r in rows])
 
 
 def columns(cols: list[str], cells: list[list[str]]) -> str:
@@ -241,10 +286,10 @@ def columns(cols: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _cell(v: Any, col: str) -> str:
+def cell(v: Any, col: str) -> str:
     if v is None:
         return "unknown"
-    if col == "cost_usd":
+    if col.endswith("_usd"):
         return f"${v:.4f}"
     if isinstance(v, float):
         return f"{v:.3f}"

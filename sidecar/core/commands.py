@@ -69,7 +69,7 @@ def needs_lab(cmd: Command) -> Command:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ..billing import report
+    from ..billing import chargeback, report
 
     try:
         hour = args.day_start_hour_utc
@@ -77,10 +77,24 @@ def cmd_report(args: argparse.Namespace) -> int:
             since, until = report.month_bounds(args.month, hour)
         else:
             since, until = report.parse_since(args.since), None
-        rows = report.chargeback(args.ledger, since, args.by, hour, until)
-    except ValueError as exc:
+        rep = chargeback.build(
+            args.ledger,
+            since,
+            until,
+            args.by,
+            hour,
+            book=chargeback.price_book(args.pricing, args.config),
+            gpus=chargeback.capacity(args.gpus, args.config),
+            spread_idle=args.spread_idle,
+        )
+    except ValueError as exc:  # ConfigError is one
         raise SystemExit(f"tollbooth report: {exc}") from None
-    print(report.render(rows, args.format))
+    text = chargeback.render(rep, args.format)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+    else:
+        print(text)
     return 0
 
 
@@ -100,7 +114,25 @@ def add_report(sub: Sub) -> None:
         "day_start_hour_utc",
         help="days and months start at this hour (budgets.day_start_hour_utc)",
     )
-    p.add_argument("--format", default="table", choices=["table", "csv", "json"])
+    p.add_argument("--format", default="table", choices=["table", "csv", "json", "html"])
+    p.add_argument("--output", "-o", help="write the report to this file instead of stdout")
+    p.add_argument(
+        "--pricing", help="the price book the sidecar served with (named in the report by digest)"
+    )
+    p.add_argument(
+        "--config", help="the sidecar's YAML config: its pricing section and gpu.devices"
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs the engine held through the period: the idle GPU time is theirs less the "
+        "requests' device-seconds (default: the config's gpu.devices, else unknown)",
+    )
+    p.add_argument(
+        "--spread-idle",
+        action="store_true",
+        help="share the idle GPU cost over the groups by their device-seconds",
+    )
     p.set_defaults(func=cmd_report)
 
 
