@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := prometheus prometheus-alertmanager redis-server postgresql
+APT_PACKAGES := prometheus prometheus-alertmanager redis-server postgresql chromium
 
 .PHONY: demo test venv venv-test debs lint bench bench-pinned dashboards alerts example-config clean
 

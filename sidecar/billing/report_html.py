@@ -106,7 +106,7 @@ def _daily(rep: Report) -> str:
 
 
 def _top(rep: Report) -> str:
-    top = [g for g in rep.groups if g["cost_usd"] is not None][:TOP]
+    top = rep.groups[:TOP]  # by cost, highest first; unknown last, written "unknown"
     items = [(str(g[rep.by]), [g["cost_usd"]]) for g in top]
     chart = charts.hbars(f"Top spenders by {rep.by}", items, ["list price"]) if items else ""
     return f"<h2>Top spenders by {esc(rep.by)}</h2>{chart}"
