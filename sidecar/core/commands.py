@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -90,11 +91,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ConfigError is one
         raise SystemExit(f"tollbooth report: {exc}") from None
     text = chargeback.render(rep, args.format)
+    text += "" if text.endswith("\n") else "\n"
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text if text.endswith("\n") else text + "\n")
+            f.write(text)
     else:
-        print(text)
+        sys.stdout.write(text)
     return 0
 
 
