@@ -30,7 +30,18 @@ def short(name: str) -> str:
 
 
 def usd(v: float) -> str:
-    return f"${v:,.2f}" if abs(v) >= 1 or v == 0 else f"${v:.4f}"
+    """Dollars for a chart: cents from $1 up, else three significant digits ($0.000127), so a
+    small price per 1,000 tokens is not rounded away."""
+    if v == 0 or abs(v) >= 1:
+        return f"${v:,.2f}"
+    decimals = 2 - math.floor(math.log10(abs(v)))
+    return "$" + f"{v:.{decimals}f}".rstrip("0").rstrip(".")
+
+
+def tick(v: float, step: float) -> str:
+    """An axis label in dollars, every label of an axis with the same decimals."""
+    decimals = 0 if step >= 1 else max(2, -math.floor(math.log10(step)))
+    return f"${v:,.{decimals}f}"
 
 
 def colour(i: int) -> str:
@@ -116,7 +127,9 @@ def _y_axis(
     for k in range(round(ymax / step) + 1):
         y = top + h - k * step / ymax * h
         out.append(f'<line x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(_text(left - 6, y + 4, fmt(k * step), "end"))
+        out.append(
+            _text(left - 6, y + 4, fmt(k * step) if fmt is not usd else tick(k * step, step), "end")
+        )
     out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + h}" stroke="#444"/>')
     return out
 

@@ -26,14 +26,17 @@ h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin:28px 0 8px}
 .meta{color:#444;margin:2px 0} .note{color:#555;font-size:13px}
 table{border-collapse:collapse;font-size:13px;margin:8px 0}
 th,td{border:1px solid #ccc;padding:3px 8px} th{background:#f2f2f2;text-align:left}
-td.n{text-align:right;font-variant-numeric:tabular-nums} tr.idle td{background:#fff7e0}
+td.n{text-align:right;font-variant-numeric:tabular-nums}
+td:first-child{min-width:7em;max-width:18em;overflow-wrap:anywhere}
+tr.idle td{background:#fff7e0}
 svg.chart{display:block;margin:8px 0} .wide{overflow-x:auto}
 """
 
 
 def render_html(rep: Report) -> str:
-    parts = [_head(rep), _summary(rep), _daily(rep), _top(rep), _per_model(rep)]
-    parts += [_device(rep), _groups(rep), "</body></html>\n"]
+    parts = [_head(rep), _summary(rep), _daily_chart(rep), _top(rep), _model_chart(rep)]
+    parts += [_device(rep), _groups(rep), _daily_table(rep), _model_table(rep)]
+    parts.append("</body></html>\n")
     return "\n".join(p for p in parts if p)
 
 
@@ -62,7 +65,7 @@ def _summary(rep: Report) -> str:
         f"Period: {_period(rep)} (budget days; a month not over runs to now).",
         f"Price book: {rep.price_book.label}. The costs are the ledger's, priced when each "
         "request was served.",
-        f"{rep.requests} requests, {usd(rep.known_cost_usd)} at list price{unknown}.",
+        f"{rep.requests} requests, {_usd4(rep.known_cost_usd)} at list price{unknown}.",
     ]
     if rep.by == "tag":
         lines.append("By tag, a request counts in each of its tags: the groups add up to more.")
@@ -76,33 +79,40 @@ def _stack_names(rep: Report) -> list[str]:
     return known[:STACKED]
 
 
-def _daily(rep: Report) -> str:
-    days = [d["day"] for d in rep.daily]
-    named = _stack_names(rep)
-    series: list[tuple[str, list[float]]] = []
+def _series(rep: Report) -> list[tuple[str, list[float]]]:
+    """The daily chart's stacks: the top groups by name, the rest as OTHER (by day: one)."""
     if rep.by == "day":
-        series = [("spend", [sum(d["costs"].values()) for d in rep.daily])]
-    else:
-        series = [(n, [d["costs"].get(n, 0.0) for d in rep.daily]) for n in named]
-        rest = [sum(v for k, v in d["costs"].items() if k not in named) for d in rep.daily]
-        if any(rest):
-            series.append((OTHER, rest))
+        return [("spend", [sum(d["costs"].values()) for d in rep.daily])]
+    named = _stack_names(rep)
+    series = [(n, [d["costs"].get(n, 0.0) for d in rep.daily]) for n in named]
+    rest = [sum(v for k, v in d["costs"].items() if k not in named) for d in rep.daily]
+    if any(rest):
+        series.append((OTHER, rest))
+    return series
+
+
+def _daily_chart(rep: Report) -> str:
+    days, series = [d["day"] for d in rep.daily], _series(rep)
     colours = [charts.colour(i) for i in range(len(series))]
     if series and series[-1][0] == OTHER and rep.by != "day":
         colours[-1] = charts.OTHER_COLOUR
     chart = charts.stacked_columns(
         f"Spend per day by {rep.by}", days, series, colours=colours
     ) if days else '<p class="note">No requests in this period.</p>'  # fmt: skip
-    head = ["day", *[s[0] for s in series], "total"]
-    rows = [
-        [day, *[usd(s[1][i]) for s in series], usd(sum(s[1][i] for s in series))]
-        for i, day in enumerate(days)
-    ]
     return (
         f"<h2>Spend per day, stacked by {esc(rep.by)}</h2>{chart}"
         '<p class="note">Known costs at list price; requests of unknown cost are left out.</p>'
-        + _table(head, rows, "daily")
     )
+
+
+def _daily_table(rep: Report) -> str:
+    days, series = [d["day"] for d in rep.daily], _series(rep)
+    head = ["day", *[s[0] for s in series], "total"]
+    rows = [
+        [day, *[_usd4(s[1][i]) for s in series], _usd4(sum(s[1][i] for s in series))]
+        for i, day in enumerate(days)
+    ]
+    return "<h2>Spend per day</h2>" + _table(head, rows, "daily")
 
 
 def _top(rep: Report) -> str:
@@ -120,27 +130,29 @@ def per_thousand(g: dict[str, Any]) -> float | None:
     return cost / tokens * 1000
 
 
-def _per_model(rep: Report) -> str:
+def _model_chart(rep: Report) -> str:
     items = [(str(m["model"]), [per_thousand(m)]) for m in rep.models]
-    chart = (
-        charts.hbars("Cost per 1,000 tokens by model", items, ["per 1k tokens"], _usd4)
-        if items
-        else ""
-    )
+    if not items:
+        return ""
+    chart = charts.hbars("Cost per 1,000 tokens by model", items, ["per 1k tokens"])
+    return f"<h2>Cost per 1,000 tokens by model</h2>{chart}"
+
+
+def _model_table(rep: Report) -> str:
     head = ["model", "requests", "input_tokens", "output_tokens", "cost_usd", "usd_per_1k_tokens"]
     rows = [
         [m["model"], m["requests"], m["input_tokens"], m["output_tokens"],
-         _money(m["cost_usd"]), _money(per_thousand(m), _usd4)]
+         _money(m["cost_usd"]), _money(per_thousand(m), usd)]
         for m in rep.models
     ]  # fmt: skip
-    return f"<h2>Cost per 1,000 tokens by model</h2>{chart}" + _table(head, rows, "models")
+    return "<h2>By model</h2>" + _table(head, rows, "models")
 
 
 def _usd4(v: float) -> str:
     return f"${v:.4f}"
 
 
-def _money(v: float | None, fmt: charts.Fmt = usd) -> str:
+def _money(v: float | None, fmt: charts.Fmt = _usd4) -> str:
     return "unknown" if v is None else fmt(v)
 
 
