@@ -219,3 +219,18 @@ def test_the_fleet_ledger_gives_the_same_device_columns(path: str, postgres: Any
         a, b = build(url, by, spread_idle=True), build(path, by, spread_idle=True)
         assert a.groups == b.groups and a.idle == b.idle
     assert idle.ledger_rate([]) is None
+
+
+def test_a_period_without_requests_is_all_idle(path: str, tmp_path: Path) -> None:
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("gpu_hour_usd: 3.6\n")
+    book = chargeback.price_book(str(prices), None)
+    start, end = DEC_1, DEC_1 + 3600  # after the ledger's rows
+    rep = chargeback.build(path, start, end, "team", book=book, gpus=Capacity(2, "--gpus"), now=end)
+    assert rep.groups == [] and rep.idle is not None
+    assert (rep.idle.idle_s, rep.idle.idle_cost_usd) == (7200.0, pytest.approx(7.2, rel=1e-12))
+    assert json.loads(chargeback.render(rep, "json"))[0]["device_seconds"] == 7200.0
+    assert chargeback.render(rep, "table").splitlines()[1].startswith(IDLE)
+    assert f"<td>{IDLE}</td>" in chargeback.render(rep, "html")
+    future = chargeback.build(path, end, end + 60, "team", gpus=Capacity(2, "--gpus"), now=start)
+    assert future.idle is not None and future.idle.available_s == 0.0  # a period to come

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import ConfigError, load
 from . import idle as idle_mod
 from .idle import Capacity, Idle
-from .report import cell, check_dimension, columns, group_rows, keys_of, ledger_rows, table
+from .report import Group, cell, check_dimension, columns, group_rows, keys_of, ledger_rows, table
 
 NO_GPU_COUNT = "not in the ledger; pass --gpus N (the GPUs the engine held through the period)"
 
@@ -56,15 +56,6 @@ class Report:
     requests: int = 0
     known_cost_usd: float = 0.0
     unknown_cost_requests: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "by": self.by,
-            "period": {"start": _iso(self.start), "end": _iso(self.end)},
-            "price_book": self.price_book.label,
-            "idle_gpu": None if self.idle is None else self.idle.as_dict(),
-            "groups": self.groups,
-        }
 
 
 def _iso(ts: float) -> str:
@@ -124,7 +115,7 @@ def build(
     up to now: a month not over yet has had only its days so far."""
     check_dimension(by, day_start_hour_utc)
     now = time.time() if now is None else now
-    end = now if until is None else min(until, now)
+    end = max(since, now if until is None else min(until, now))  # a month to come: empty
     book = book or PriceBook()
     rows = ledger_rows(ledger, since, until)
     groups = group_rows(rows, by, day_start_hour_utc)
@@ -157,11 +148,19 @@ def _daily(rows: list[Any], by: str, hour: int) -> list[dict[str, Any]]:
 # --- table, csv, json ---------------------------------------------------------------------------
 
 
+def report_columns(rep: Report) -> list[str]:
+    """The columns of a group, also when the period has none (the idle line alone)."""
+    if rep.groups:
+        return list(rep.groups[0])
+    extra = ["idle_share_usd", "loaded_device_cost_usd"] if rep.spread_idle else []
+    return [*Group("").as_dict(rep.by), *extra]
+
+
 def rows_with_idle(rep: Report) -> list[dict[str, Any]]:
     """The groups, and the idle line last where the period has GPU data."""
     out = list(rep.groups)
-    if rep.idle is not None and out:
-        out.append(idle_mod.idle_row(rep.by, rep.idle, list(out[0])))
+    if rep.idle is not None:
+        out.append(idle_mod.idle_row(rep.by, rep.idle, report_columns(rep)))
     return out
 
 
@@ -179,11 +178,9 @@ def render(rep: Report, fmt: str) -> str:
 
 def _json(rep: Report) -> str:
     """A list of the groups as before, the idle line last, with its details under `idle_gpu`."""
-    out = list(rep.groups)
-    if rep.idle is not None and out:
-        line = idle_mod.idle_row(rep.by, rep.idle, list(out[0]))
-        line["idle_gpu"] = rep.idle.as_dict()
-        out.append(line)
+    out = rows_with_idle(rep)
+    if rep.idle is not None:
+        out[-1] = {**out[-1], "idle_gpu": rep.idle.as_dict()}
     return json.dumps(out, indent=2)
 
 
@@ -211,9 +208,9 @@ def csv_value(v: Any) -> Any:
 
 
 def _table(rep: Report) -> str:
-    if not rep.groups:
+    if not rep.groups and rep.idle is None:
         return table([]) + "\n" + _footer(rep)
-    cols = list(rep.groups[0])
+    cols = report_columns(rep)
     cells = [[cell(r[c], c) for c in cols] for r in rep.groups]
     if rep.idle is not None:
         line = idle_mod.idle_row(rep.by, rep.idle, cols)

@@ -164,6 +164,9 @@ def _device(rep: Report) -> str:
             "device-seconds): device cost and idle GPU time are unknown.</p>"
         )
     top = rep.groups[:TOP]
+    idle = f'<p class="meta">Idle GPU: {esc(idle_text(rep.idle))}</p>'
+    if not top:
+        return f"<h2>List price and device cost</h2>{idle}"
     items = [(str(g[rep.by]), [g["cost_usd"], g["device_cost_usd"]]) for g in top]
     names = ["list price", "device cost"]
     if rep.spread_idle:
@@ -172,7 +175,6 @@ def _device(rep: Report) -> str:
         ]
         names.append("device cost + idle share")
     chart = charts.hbars(f"List price beside device cost by {rep.by}", items, names)
-    idle = f'<p class="meta">Idle GPU: {esc(idle_text(rep.idle))}</p>'
     return f"<h2>List price and device cost</h2>{chart}{idle}"
 
 
