@@ -238,6 +238,11 @@ def _footer(rep: Report) -> str:
 
 def idle_text(i: Idle) -> str:
     used = f"requests used {i.used_s / 3600:.3f} GPU-h"
+    if i.unmeasured_requests:
+        used += (
+            f" ({i.unmeasured_requests} requests without device-seconds: refused before "
+            "admission, or served with GPU telemetry off)"
+        )
     if i.idle_s is None or i.available_s is None:
         return f"unknown ({i.note}); {used}"
     text = (

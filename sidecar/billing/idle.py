@@ -39,6 +39,9 @@ class Idle:
     rate_source: str
     idle_cost_usd: float | None
     note: str | None  # why idle or its cost is unknown; None when both are known
+    # requests without device-seconds: refused before admission (no GPU), or served while GPU
+    # telemetry was off (their GPU time, if any, is counted as idle)
+    unmeasured_requests: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,7 @@ class Idle:
             "gpu_hour_usd_source": self.rate_source,
             "idle_cost_usd": _r(self.idle_cost_usd, 8),
             "note": self.note,
+            "requests_without_device_seconds": self.unmeasured_requests,
         }
 
 
@@ -94,7 +98,7 @@ def measure(
     cost = None if idle_s is None or rate is None else idle_s / 3600 * rate
     return Idle(
         capacity.gpus, capacity.source, period_s, available, used_s, idle_s, rate, rate_source,
-        cost, note,
+        cost, note, len(rows) - len(used),
     )  # fmt: skip
 
 
