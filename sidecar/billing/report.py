@@ -1,9 +1,10 @@
 """`tollbooth report`: spend, tokens, requests and latency from the ledger, grouped.
 
 Owns: reading the ledger (read-only), grouping by user, model or day (`summarize`), and by any
-chargeback dimension over a period or a budget month (`chargeback`), and the table/csv/json
-formats. Never: shows an unknown cost as 0; a group with any unknown cost has `cost_usd` null and
-says how many requests were unknown.
+chargeback dimension over a period or a budget month (`chargeback`: with each group's
+device-seconds and device cost), and the table/csv/json of groups. The whole chargeback report
+(period, price book, idle GPU line, html) is `chargeback.py`'s. Never: shows an unknown cost as 0;
+a group with any unknown cost has `cost_usd` null and says how many requests were unknown.
 """
 
 from __future__ import annotations
