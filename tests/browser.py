@@ -10,12 +10,14 @@ out of `fetched`. `test_the_watch_sees_a_page_fetch` checks that the watch sees 
 
 from __future__ import annotations
 
+import collections
 import shutil
 import socket
 import socketserver
 import struct
 import subprocess
 import threading
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,6 +159,49 @@ def browser(tmp: Path) -> Iterator[Browser]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def png_pixels(path: Path) -> collections.Counter[tuple[int, int, int]]:
+    """How many pixels of each RGB colour a screenshot has (8-bit RGB or RGBA, not interlaced:
+    what Chromium writes), decoded here so that no imaging library is needed."""
+    data = path.read_bytes()
+    width, height = png_size(path)
+    pos, idat, header = 8, b"", b""
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos : pos + 4]), data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + length]
+        header = body if kind == b"IHDR" else header
+        idat += body if kind == b"IDAT" else b""
+        pos += 12 + length
+    depth, colour_type, interlace = header[8], header[9], header[12]
+    assert depth == 8 and colour_type in (2, 6) and interlace == 0, "an unexpected PNG"
+    bpp = 3 if colour_type == 2 else 4
+    raw, stride = zlib.decompress(idat), width * bpp
+    counts: collections.Counter[tuple[int, int, int]] = collections.Counter()
+    prev = bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        row = _unfilter(raw[start], bytearray(raw[start + 1 : start + 1 + stride]), prev, bpp)
+        counts.update(zip(row[0::bpp], row[1::bpp], row[2::bpp], strict=True))
+        prev = row
+    return counts
+
+
+def _unfilter(kind: int, row: bytearray, prev: bytearray, bpp: int) -> bytearray:
+    for i in range(len(row)):
+        a = row[i - bpp] if i >= bpp else 0
+        b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+        if kind == 1:
+            row[i] = (row[i] + a) & 0xFF
+        elif kind == 2:
+            row[i] = (row[i] + b) & 0xFF
+        elif kind == 3:
+            row[i] = (row[i] + (a + b) // 2) & 0xFF
+        elif kind == 4:
+            p = a + b - c
+            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+            row[i] = (row[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+    return row
 
 
 def png_size(path: Path) -> tuple[int, int]:

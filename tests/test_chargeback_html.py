@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.billing import chargeback, ledger, report
+from sidecar.billing import chargeback, charts, ledger, report
 from sidecar.billing.idle import IDLE, Capacity
-from tests.browser import Browser, browser, png_size
+from tests.browser import Browser, browser, png_pixels, png_size
 
 NOV_1 = calendar.timegm((2026, 11, 1, 0, 0, 0))
 DEC_1 = calendar.timegm((2026, 12, 1, 0, 0, 0))
@@ -235,6 +235,11 @@ def test_a_screenshot_of_the_page(chromium: Browser, path: str, tmp_path: Path) 
     chromium.screenshot(file, shot, 1280, 1800)
     assert png_size(shot) == (1280, 1800)
     assert chromium.fetched() == []
+    pixels = png_pixels(shot)
+    rgb = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in charts.PALETTE[:3]]
+    # each legend key is 12 x 12 pixels, in two charts: 288 of each colour without any bar
+    assert all(pixels[c] > 288 for c in rgb), [pixels[c] for c in rgb]  # type: ignore[index]
+    assert pixels[rgb[0]] >= 2000  # type: ignore[index]  # the top group's bars: measured 14114
 
 
 def test_the_cli_writes_the_page(path: str, tmp_path: Path) -> None:
