@@ -240,7 +240,7 @@ def idle_text(i: Idle) -> str:
     used = f"requests used {i.used_s / 3600:.3f} GPU-h"
     if i.unmeasured_requests:
         used += (
-            f" ({i.unmeasured_requests} requests without device-seconds: refused before "
+            f" (requests without device-seconds: {i.unmeasured_requests}, refused before "
             "admission, or served with GPU telemetry off)"
         )
     if i.idle_s is None or i.available_s is None:

@@ -57,7 +57,7 @@ def _head(rep: Report) -> str:
 
 def _summary(rep: Report) -> str:
     unknown = (
-        f"; {rep.unknown_cost_requests} requests of unknown cost (not in any sum below)"
+        f"; requests of unknown cost: {rep.unknown_cost_requests} (in no sum below)"
         if rep.unknown_cost_requests
         else ""
     )
