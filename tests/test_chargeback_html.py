@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.billing import chargeback, charts, ledger, report
 from sidecar.billing.idle import IDLE, Capacity
@@ -255,3 +257,23 @@ def test_the_cli_writes_the_page(path: str, tmp_path: Path) -> None:
         *[str(g["project"]) for g in build(path, "project").groups],
         IDLE,
     ]
+
+
+NAMES = st.text(st.characters(exclude_categories=("Cs", "Cc")), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(users=st.lists(NAMES, min_size=1, max_size=4, unique=True), model=NAMES)
+def test_any_name_is_text_in_the_page(users: list[str], model: str) -> None:
+    rows = [
+        (NOV_1 + i, u, None, None, None, model, 1, 1, 0.5, 0.1, 2.0, 0.002)
+        for i, u in enumerate(users)
+    ]
+    groups = report.group_rows(rows, "user")
+    idle = chargeback.idle_mod.measure(rows, 100.0, GPUS, None, "unknown")
+    rep = chargeback.Report("user", NOV_1, NOV_1 + 100, chargeback.PriceBook(), groups, idle, False)
+    rep.daily, rep.models = chargeback._daily(rows, "user", 0), report.group_rows(rows, "model")
+    page = Page(chargeback.render(rep, "html"))
+    assert {t for t, _ in page.elements} <= ELEMENTS
+    assert [r["user"] for r in page.rows("groups")] == [*[g["user"] for g in groups], IDLE]
+    assert [r["model"] for r in page.rows("models")] == [model]
