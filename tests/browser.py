@@ -11,6 +11,7 @@ out of `fetched`. `test_the_watch_sees_a_page_fetch` checks that the watch sees 
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import socket
 import socketserver
@@ -128,7 +129,12 @@ class Browser:
             "--proxy-bypass-list=<-loopback>",  # loopback too goes through the watch
             *args,
         ]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
+        home = self.profile.parent / "chromium-home"  # its crash and cache folders, not ~'s
+        env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
+        env["XDG_CACHE_HOME"] = str(home / ".cache")
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=True, env=env
+        )
 
     def fetched(self) -> list[str]:
         """The requests made since the last call, but Chromium's own."""
