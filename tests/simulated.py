@@ -24,6 +24,11 @@ from tests.waiting import wait_for
 INPUT_PER_1M, OUTPUT_PER_1M = 1000.0, 2000.0
 
 
+def prices(model: str) -> dict[str, Any]:
+    """A pricing section with `model` at INPUT_PER_1M and OUTPUT_PER_1M."""
+    return {"models": {model: {"input_per_1m": INPUT_PER_1M, "output_per_1m": OUTPUT_PER_1M}}}
+
+
 def token_cost(input_tokens: int, output_tokens: int) -> float:
     """USD of a row's tokens at INPUT_PER_1M and OUTPUT_PER_1M."""
     return input_tokens * INPUT_PER_1M / 1e6 + output_tokens * OUTPUT_PER_1M / 1e6

@@ -18,23 +18,12 @@ import pytest
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.routes import classify
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
-from tests.simulated import (
-    INPUT_PER_1M,
-    OUTPUT_PER_1M,
-    assert_burst_held,
-    burst,
-    leave_mid_stream,
-    ledger_rows,
-    post_status,
-    sse_data,
-    start_simulated,
-    token_cost,
-)
 from tests.waiting import wait_for
 
 SIM_MODEL = "sim-llama-3-8b"
-PRICES = {"models": {SIM_MODEL: {"input_per_1m": INPUT_PER_1M, "output_per_1m": OUTPUT_PER_1M}}}
+PRICES = sim.prices(SIM_MODEL)
 
 # A final result as llama.cpp writes it (server-task.cpp, `server_task_result_cmpl_final::
 # to_json_non_oaicompat`, fields in its order; values from the README's /completion example).
@@ -145,11 +134,11 @@ def test_a_stream_cut_short_is_billed_its_running_counts() -> None:
 async def _start(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
 ) -> tuple[Running, Path]:
-    return await start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
+    return await sim.start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    return ledger_rows(db, COLUMNS)
+    return sim.ledger_rows(db, COLUMNS)
 
 
 COLUMNS = "user, endpoint, input_tokens, output_tokens, cached_input_tokens, status"
@@ -211,9 +200,9 @@ async def test_a_client_leaving_mid_stream_is_billed_what_was_measured(
     body = {"prompt": PROMPT, "n_predict": 400, "stream": True}
 
     def progress(line: bytes) -> int | None:
-        return event["tokens_predicted"] if (event := sse_data(line)) is not None else None
+        return event["tokens_predicted"] if (event := sim.sse_data(line)) is not None else None
 
-    seen = await leave_mid_stream(run, "/completion", body, "cy", progress)
+    seen = await sim.leave_mid_stream(run, "/completion", body, "cy", progress)
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     ((user, _, inp, out, _, status),) = _rows(db)
     assert (user, inp, status) == ("cy", 6, "499")
@@ -233,8 +222,8 @@ async def test_a_burst_against_a_small_budget_is_held(
     )
     body = {"prompt": PROMPT, "n_predict": 5, "stream": True}
     async with aiohttp.ClientSession() as s:
-        statuses = await burst(lambda: post_status(s, run.url + "/completion", body, "dee"))
+        statuses = await sim.burst(lambda: sim.post_status(s, run.url + "/completion", body, "dee"))
     # billed exactly what the served ones measured
-    await assert_burst_held(
-        run, db, COLUMNS, "dee", limit, statuses, lambda r: token_cost(r[2], r[3])
+    await sim.assert_burst_held(
+        run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )

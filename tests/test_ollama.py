@@ -18,21 +18,12 @@ import pytest
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.routes import classify
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
-from tests.simulated import (
-    INPUT_PER_1M,
-    OUTPUT_PER_1M,
-    assert_burst_held,
-    burst,
-    leave_mid_stream,
-    ledger_rows,
-    start_simulated,
-    token_cost,
-)
 from tests.waiting import wait_for
 
 MODEL = "sim-llama-3-8b"  # the simulator's tokenizer: one token a word
-PRICES = {"models": {MODEL: {"input_per_1m": INPUT_PER_1M, "output_per_1m": OUTPUT_PER_1M}}}
+PRICES = sim.prices(MODEL)
 
 # docs/api.md, "Generate a completion", the final streamed response
 DOCS_GENERATE_FINAL = {
@@ -164,11 +155,11 @@ def test_a_stream_cut_before_its_done_line_has_no_measured_usage() -> None:
 async def _start(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
 ) -> tuple[Running, Path]:
-    return await start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
+    return await sim.start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    return ledger_rows(db, COLUMNS)
+    return sim.ledger_rows(db, COLUMNS)
 
 
 COLUMNS = "user, endpoint, input_tokens, output_tokens, stream, status"
@@ -235,7 +226,7 @@ async def test_a_client_leaving_mid_stream_is_charged_its_hold(
         lines += 1
         return lines
 
-    await leave_mid_stream(run, "/api/chat", body, "cy", progress)
+    await sim.leave_mid_stream(run, "/api/chat", body, "cy", progress)
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     assert _rows(db) == [("cy", "/api/chat", None, None, 1, "499")]
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
@@ -265,7 +256,7 @@ async def test_a_burst_against_a_small_budget_is_held(
         return 200
 
     async with ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "dee"}) as client:
-        statuses = await burst(lambda: one(client))
-    await assert_burst_held(
-        run, db, COLUMNS, "dee", limit, statuses, lambda r: token_cost(r[2], r[3])
+        statuses = await sim.burst(lambda: one(client))
+    await sim.assert_burst_held(
+        run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )

@@ -17,23 +17,12 @@ import pytest
 
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
-from tests.simulated import (
-    INPUT_PER_1M,
-    OUTPUT_PER_1M,
-    assert_burst_held,
-    burst,
-    leave_mid_stream,
-    ledger_rows,
-    post_status,
-    sse_data,
-    start_simulated,
-    token_cost,
-)
 from tests.waiting import wait_for
 
 SIM_MODEL = "sim-llama-3-8b"
-PRICES = {"models": {SIM_MODEL: {"input_per_1m": INPUT_PER_1M, "output_per_1m": OUTPUT_PER_1M}}}
+PRICES = sim.prices(SIM_MODEL)
 GEN = Endpoint.TGI_GENERATE  # the path SGLang shares with TGI
 
 # A /generate response in the shape tokenizer_manager.py builds `meta_info` (values made up).
@@ -134,11 +123,11 @@ def test_a_stream_is_read_at_every_cut_and_passes_unchanged(cut: int) -> None:
 async def _start(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
 ) -> tuple[Running, Path]:
-    return await start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
+    return await sim.start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    return ledger_rows(db, COLUMNS)
+    return sim.ledger_rows(db, COLUMNS)
 
 
 COLUMNS = "user, model, input_tokens, output_tokens, cached_input_tokens, status"
@@ -200,10 +189,10 @@ async def test_a_client_leaving_mid_stream_is_billed_what_was_measured(
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 400}, "stream": True}
 
     def progress(line: bytes) -> int | None:
-        event = sse_data(line)
+        event = sim.sse_data(line)
         return event["meta_info"]["completion_tokens"] if event is not None else None
 
-    seen = await leave_mid_stream(run, "/generate", body, "cy", progress)
+    seen = await sim.leave_mid_stream(run, "/generate", body, "cy", progress)
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     ((user, _, inp, out, _, status),) = _rows(db)
     assert (user, inp, status) == ("cy", 6, "499")
@@ -223,7 +212,7 @@ async def test_a_burst_against_a_small_budget_is_held(
     )
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5}, "stream": True}
     async with aiohttp.ClientSession() as s:
-        statuses = await burst(lambda: post_status(s, run.url + "/generate", body, "dee"))
-    await assert_burst_held(
-        run, db, COLUMNS, "dee", limit, statuses, lambda r: token_cost(r[2], r[3])
+        statuses = await sim.burst(lambda: sim.post_status(s, run.url + "/generate", body, "dee"))
+    await sim.assert_burst_held(
+        run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )
