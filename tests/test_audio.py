@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sqlite3
 import wave
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.billing import ledger
 from sidecar.billing.budget import to_micros
 from sidecar.exchange import Endpoint
 from sidecar.metering.audio import FormHead, audio_seconds, boundary
@@ -476,3 +478,24 @@ async def test_a_burst_against_a_small_budget_is_held(
     await assert_burst_held(
         run, db, "audio_seconds, status", "dee", limit, statuses, lambda r: r[0] * PER_SECOND
     )
+
+
+# --- the ledger -----------------------------------------------------------------------------------
+
+
+def test_a_ledger_written_before_the_audio_column_gets_it(tmp_path: Path) -> None:
+    """Today's schema less `audio_seconds` (the ledger as of bc59865), holding a row: opened by
+    today's writer, the column is added and the old row's is NULL."""
+    old = "\n".join(ln for ln in ledger.SCHEMA.splitlines() if "audio_seconds" not in ln)
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(old)
+        conn.execute(
+            "INSERT INTO requests (ts, request_id, model, endpoint, user, status, stream) "
+            "VALUES (1.0, 'r', 'm', '/v1/chat/completions', 'u', '200', 0)"
+        )
+    conn = ledger.connect(path)
+    try:
+        assert conn.execute("SELECT audio_seconds FROM requests").fetchall() == [(None,)]
+    finally:
+        conn.close()
