@@ -283,6 +283,47 @@ async def test_a_model_the_head_does_not_name_is_the_unknown_model(
     assert [r[3] for r in _rows(db)] == [1.0, 1.0] and [r[6] for r in _rows(db)] == [None, None]
 
 
+async def test_a_model_the_head_does_not_name_is_upstream_model_name(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """vLLM serves its own model to a request naming none: priced at upstream.model_name."""
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, upstream={"model_name": MODEL})
+    body = form([], wav(2.0))
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + TRANSCRIBE, data=body, headers=CONTENT_TYPE) as r,
+    ):
+        assert r.status == 200
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db)[0][1:4] == (MODEL, TRANSCRIBE, 2.0)
+    assert _rows(db)[0][6] == pytest.approx(2 * PER_SECOND)
+
+
+async def test_under_a_budget_a_model_the_head_does_not_name_is_refused(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """The answer names no model, so a request the head does not price is never priced: with
+    budgets enforced it is refused before the upstream (nothing escapes the meter)."""
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, budgets={"user_daily_usd": 1.0})
+    body = form([("model", MODEL)], wav(1.0), file_first=True)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + TRANSCRIBE, data=body, headers=CONTENT_TYPE) as r,
+    ):
+        assert r.status == 400
+        assert "must come before the file" in (await r.json())["error"]["message"]
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db)[0][1] == "unknown" and _rows(db)[0][-1] == "400"
+
+
+def test_a_head_not_written_as_rfc_7578_writes_it_is_not_used() -> None:
+    """Padding after a delimiter: another parser may read such a head otherwise."""
+    head = FormHead(B.encode(), 64 * 1024)
+    body = form([("model", MODEL)], wav(0.1)).replace(f"--{B}\r\n".encode(), f"--{B} \r\n".encode())
+    head.feed(body)
+    assert head.done and head.malformed and head.fields == {}
+
+
 async def test_a_model_sent_twice_is_refused(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
 ) -> None:

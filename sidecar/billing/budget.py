@@ -273,6 +273,15 @@ class Budgets:
         scopes = self.scopes(ex.user_id, ex.team)
         if not scopes:
             return None
+        if ex.info.endpoint in AUDIO_ROUTES and priced_model(ex) is None:
+            # The answer names no model: a model the head did not show is never priced after.
+            raise Refusal(
+                400,
+                "invalid_request_error",
+                "with budgets enforced, the form field 'model' must come before the file, as "
+                "the OpenAI SDKs send it, within server.audio_form_bytes (or set "
+                "upstream.model_name)",
+            )
         if ex.info.unreadable:  # the server may read it; the hold could not: never guess low
             raise Refusal(
                 400,

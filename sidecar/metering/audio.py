@@ -67,7 +67,7 @@ class FormHead:
         self._pos: int | None = None  # where the next part's headers begin, once found
         self.fields: dict[str, str] = {}
         self.duplicate: str | None = None
-        self.done = self.reached_file = self.capped = self.ended = False
+        self.done = self.reached_file = self.capped = self.ended = self.malformed = False
 
     def feed(self, chunk: bytes) -> bool:
         if self.done:
@@ -102,8 +102,17 @@ class FormHead:
         if buf[after : after + 2] == b"--":
             self.done = self.ended = True
             return False
+        if buf[after : after + 2] != b"\r\n":
+            return self._malformed()  # padding after a delimiter: read by no rule of ours
         self._pos = after + 2  # past the CRLF ending the delimiter line
         return True
+
+    def _malformed(self) -> bool:
+        """A head this reader does not take exactly as RFC 7578 writes it: none of it is used
+        (another parser may read it otherwise, and a model read wrongly is billed wrongly)."""
+        self.fields.clear()
+        self.done = self.malformed = True
+        return False
 
     def _opening(self) -> bool:
         """The first delimiter (a preamble before it is skipped, as RFC 2046 says)."""
@@ -111,6 +120,8 @@ class FormHead:
         at = buf.find(self._delim)
         if at < 0 or len(buf) < at + len(self._delim) + 2:
             return False
+        if buf[at + len(self._delim) : at + len(self._delim) + 2] != b"\r\n":
+            return self._malformed()
         self._pos = at + len(self._delim) + 2
         return True
 

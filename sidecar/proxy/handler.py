@@ -293,7 +293,10 @@ class Proxy:
         except Unauthorized as exc:
             return self._unauthorized(exc)
         size = info.size if info.size is not None else len(info.body)
-        ex = self._new_exchange(request, info, path, info.model, size, principal)
+        # vLLM serves the request's model or, with none, its own: the one upstream.model_name
+        # names (a model past the head is one vLLM serves, else it refuses the request).
+        model = info.model or self.tgi_name.configured
+        ex = self._new_exchange(request, info, path, model, size, principal)
         return await self._metered(request, ex, held)
 
     async def _read_body(self, request: web.Request, held: Reservation) -> bytes:
