@@ -16,6 +16,7 @@ import io
 import json
 import sqlite3
 import wave
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -350,6 +351,31 @@ async def test_an_upload_larger_than_the_limit_is_refused_unread(
     ):
         assert r.status == 413
     assert _rows(db) == []
+
+
+async def test_a_chunked_upload_is_streamed_and_metered(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """No Content-Length: sent on chunked, as it arrives; its hold counts the largest upload
+    taken (server.max_audio_body_bytes), and a chunked one past that limit is cut off."""
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, server={"max_audio_body_bytes": 200_000}
+    )
+    body = form([("model", MODEL)], wav(3.0))  # 48 KB
+
+    async def pieces(data: bytes) -> AsyncIterator[bytes]:
+        for i in range(0, len(data), 4096):
+            yield data[i : i + 4096]
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(run.url + TRANSCRIBE, data=pieces(body), headers=CONTENT_TYPE) as r:
+            assert r.status == 200 and (await r.json())["usage"]["seconds"] == 3
+        big = form([("model", MODEL)], wav(20.0))  # 320 KB, past the limit
+        async with s.post(run.url + TRANSCRIBE, data=pieces(big), headers=CONTENT_TYPE) as r:
+            assert r.status == 502  # the upstream got a request cut short
+    await wait_for(lambda: len(_rows(db)) == 2, "two ledger rows")
+    assert _rows(db)[0][3:] == (3.0, None, None, pytest.approx(3 * PER_SECOND), "200")
+    assert _rows(db)[1][3] is None and _rows(db)[1][-1] == "502"
 
 
 async def test_an_upload_streams_through_in_bounded_memory(
