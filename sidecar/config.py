@@ -80,6 +80,14 @@ class ServerConfig:
     # The share one key may hold (the principal under identity.keys_file, else the presented key's
     # hash; requests without a key count only in the total): reason="memory_key". 0: no limit.
     max_buffered_request_bytes_per_key: int = 96 * 1024 * 1024
+    # The audio routes' multipart bodies are streamed through, never held whole: a larger one
+    # (by its Content-Length, or as a chunked one arrives) is refused with 413. vLLM's own limit
+    # is VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25 MB).
+    max_audio_body_bytes: int = 32 * 1024 * 1024
+    # What of such a body is read (and held) before it is sent on, for its form fields (model,
+    # stream, response_format): up to its file part, at most this many bytes. A model named
+    # after the file, or past this, is not read: the request is the unknown model's.
+    audio_form_bytes: int = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,6 +144,9 @@ class ModelPrice:
     cached_input_per_1m: float | None = None
     # Reasoning tokens are a part of the output; null prices them as the rest of it.
     reasoning_per_1m: float | None = None
+    # Speech-to-text (/v1/audio/*): USD per second of input audio the server reports; null: the
+    # cost of such a request is unknown (its seconds are still counted).
+    audio_per_second: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,6 +197,11 @@ class BudgetConfig:
     day_start_hour_utc: int = 0
     # Output tokens reserved for a request that sets no max_tokens (its worst case is unbounded).
     default_max_output_tokens: int = 4096
+    # An audio request's hold: its upload (Content-Length, else server.max_audio_body_bytes)
+    # counted as one second of audio per this many bytes, at the model's audio price. 500 bytes
+    # (4 kbit/s) is below the speech codecs' lowest bitrates (Opus at 6 kbit/s): no real upload
+    # holds less audio than its hold counts.
+    audio_bytes_per_second: int = 500
     # Users tracked in memory for per-user budgets; a new user beyond this is refused.
     max_tracked_users: int = 100_000
     # Shared store for a fleet of sidecars: redis://host:port/db (null: this process only).
@@ -486,6 +502,13 @@ def validate(config: Config) -> Config:
             srv.max_buffered_request_bytes_per_key,
             "must not exceed server.max_buffered_request_bytes",
         )
+    for key, count in (
+        ("server.max_audio_body_bytes", srv.max_audio_body_bytes),
+        ("server.audio_form_bytes", srv.audio_form_bytes),
+        ("budgets.audio_bytes_per_second", config.budgets.audio_bytes_per_second),
+    ):
+        if count < 1:
+            _fail(key, count, "must be >= 1")
     if config.admission.chars_per_token <= 0:
         _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
     if config.admission.max_batch < 1:

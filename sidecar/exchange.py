@@ -51,6 +51,9 @@ class Endpoint(StrEnum):
     OLLAMA_GENERATE = "/api/generate"
     OLLAMA_EMBED = "/api/embed"
     # Dispatched by the body's shape (`inspect_request` resolves it to one of the above).
+    # vLLM's speech-to-text routes (metering/audio.py): multipart bodies, billed per audio second.
+    AUDIO_TRANSCRIPTIONS = "/v1/audio/transcriptions"
+    AUDIO_TRANSLATIONS = "/v1/audio/translations"
     INVOCATIONS = "/invocations"
     # A POST that no metered route matches: forwarded (or refused) with its usage unknown.
     OTHER = "other"
@@ -87,6 +90,8 @@ _TGI_NATIVE = frozenset(
 RERANK_ROUTES = frozenset({Endpoint.RERANK, Endpoint.RERANK_V1, Endpoint.RERANK_V2})
 SCORE_ROUTES = frozenset({Endpoint.SCORE, Endpoint.SCORE_V1})
 POOLING_ROUTES = frozenset({Endpoint.POOLING, Endpoint.CLASSIFY, *SCORE_ROUTES, *RERANK_ROUTES})
+# Their request bodies are multipart forms, streamed through (proxy/audio.py), never buffered.
+AUDIO_ROUTES = frozenset({Endpoint.AUDIO_TRANSCRIPTIONS, Endpoint.AUDIO_TRANSLATIONS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,16 @@ class Usage:
     finish_reasons: tuple[str, ...] = ()
     error: str | None = None  # error type reported by the upstream (in a body or inside a stream)
     unknown_reason: str | None = None  # why a count is None
+    # Seconds of input audio the server reported (speech-to-text): measured usage of its own,
+    # priced per second; the token counts stay None unless the server reported them too.
+    audio_seconds: float | None = None
+
+
+def measured(u: Usage) -> bool:
+    """Usage measured in full: both token directions, or the seconds of an audio request."""
+    return (u.input_tokens is not None and u.output_tokens is not None) or (
+        u.audio_seconds is not None
+    )
 
 
 # Read-only once made, but not frozen: it is made for every request, and a frozen dataclass's
@@ -140,6 +155,12 @@ class RequestInfo:
     # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
     # adapter reads the response. None: the configured `upstream.api`'s.
     api: str | None = None
+    # A multipart body streamed through (the audio routes): `body` holds only the head read for
+    # its form fields, the rest comes from the client as it is sent; `size` is its Content-Length
+    # (None: chunked). `audio_bytes` is what its hold counts audio seconds from.
+    streamed: bool = False
+    size: int | None = None
+    audio_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +253,9 @@ class Exchange:
     prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
     budget_hold: BudgetHold | None = None  # reserved by the budget gate
     path: str = ""  # the normalised path: what was classified and forwarded
+    # A streamed body (audio) still on its way when the request ended: the server never had a
+    # whole request, so a client that left then consumed nothing.
+    body_unsent: bool = False
     # Set when the client left and a background task settles the usage (drain, /tokenize);
     # the exchange is recorded once it is done.
     finisher: asyncio.Future[None] | None = None
@@ -264,10 +288,10 @@ def consumed(ex: Exchange) -> bool:
     """Did the request use the server? A refused one (4xx/5xx, no usage) consumed nothing, nor
     did one whose client left before it was sent upstream."""
     u = ex.usage
-    if u.input_tokens is not None or u.output_tokens is not None:
+    if u.input_tokens is not None or u.output_tokens is not None or u.audio_seconds is not None:
         return True
     if ex.status == STATUS_CLIENT_CLOSED:
-        return ex.upstream_start is not None
+        return ex.upstream_start is not None and not ex.body_unsent
     return 200 <= ex.status < 300
 
 

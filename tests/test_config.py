@@ -102,7 +102,7 @@ def test_cli_prints_the_defaults_and_a_files_effective_config(tmp_path: Path) ->
     )
     assert (
         "  models: {m: {input_per_1m: 1.0, output_per_1m: 2.0, cached_input_per_1m: null,"
-        " reasoning_per_1m: null}}" in (out.stdout)
+        " reasoning_per_1m: null, audio_per_second: null}}" in (out.stdout)
     )
     assert load(write(tmp_path, out.stdout)) == load(path)
 

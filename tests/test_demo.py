@@ -37,6 +37,8 @@ def test_demo_runs_and_summarises() -> None:
     for route in ("/v1/chat/completions", "/v1/messages"):  # the Anthropic client's too
         line = next(ln for ln in text.splitlines() if ln.startswith(f"  {route} "))
         assert int(line.split()[2].replace(",", "")) > 0  # its tokens were metered
+    audio = next(ln for ln in text.splitlines() if ln.startswith("  audio seconds metered: "))
+    assert float(audio.split()[3].replace(",", "")) > 0  # the speech-to-text client's
     assert "time to 1st token" in text and "queue: token-budget" in text
     assert f"http://{ports[1]}/metrics" in text
     assert "requests," in out.stderr  # the live progress line

@@ -8,25 +8,22 @@ slot's cache after the request (prompt + output), so cached input is `timings.ca
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from tollbooth_lab.simulator import EngineParams, create_simulator
 
-from sidecar.billing.budget import to_micros
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.routes import classify
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
 from tests.waiting import wait_for
 
 SIM_MODEL = "sim-llama-3-8b"
-PRICES = {"models": {SIM_MODEL: {"input_per_1m": 1000.0, "output_per_1m": 2000.0}}}
+PRICES = sim.prices(SIM_MODEL)
 
 # A final result as llama.cpp writes it (server-task.cpp, `server_task_result_cmpl_final::
 # to_json_non_oaicompat`, fields in its order; values from the README's /completion example).
@@ -137,23 +134,14 @@ def test_a_stream_cut_short_is_billed_its_running_counts() -> None:
 async def _start(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
 ) -> tuple[Running, Path]:
-    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {"pricing": PRICES, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
-        upstream_url=str(sim.make_url("")).rstrip("/"),
-    )
-    return run, db
+    return await sim.start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    if not db.exists():
-        return []
-    with sqlite3.connect(db) as conn:
-        return conn.execute(
-            "SELECT user, endpoint, input_tokens, output_tokens, cached_input_tokens, status "
-            "FROM requests ORDER BY id"
-        ).fetchall()
+    return sim.ledger_rows(db, COLUMNS)
+
+
+COLUMNS = "user, endpoint, input_tokens, output_tokens, cached_input_tokens, status"
 
 
 def _tokens(run: Running, kind: str, route: str, user: str) -> Any:
@@ -210,15 +198,11 @@ async def test_a_client_leaving_mid_stream_is_billed_what_was_measured(
 ) -> None:
     run, db = await _start(start_sidecar, aiohttp_server, tmp_path)
     body = {"prompt": PROMPT, "n_predict": 400, "stream": True}
-    async with aiohttp.ClientSession() as s:
-        r = await s.post(run.url + "/completion", json=body, headers={"X-Tollbooth-User": "cy"})
-        seen = 0
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                seen = json.loads(line[6:])["tokens_predicted"]
-                if seen >= 3:
-                    break
-        r.close()  # the client leaves mid-generation
+
+    def progress(line: bytes) -> int | None:
+        return event["tokens_predicted"] if (event := sim.sse_data(line)) is not None else None
+
+    seen = await sim.leave_mid_stream(run, "/completion", body, "cy", progress)
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     ((user, _, inp, out, _, status),) = _rows(db)
     assert (user, inp, status) == ("cy", 6, "499")
@@ -237,22 +221,9 @@ async def test_a_burst_against_a_small_budget_is_held(
         upstream={"model_name": SIM_MODEL},  # the hold's price: the request names no model
     )
     body = {"prompt": PROMPT, "n_predict": 5, "stream": True}
-
-    async def one(s: aiohttp.ClientSession) -> int:
-        async with s.post(
-            run.url + "/completion", json=body, headers={"X-Tollbooth-User": "dee"}
-        ) as r:
-            await r.read()
-            return r.status
-
     async with aiohttp.ClientSession() as s:
-        statuses = await asyncio.gather(*(one(s) for _ in range(12)))
-    assert 200 in statuses and 429 in statuses
-    await wait_for(lambda: not run.sc.budgets.store.holds, "every hold settled")
-    spent = run.sc.budgets.store.spent["user:dee"]
-    assert 0 < spent <= to_micros(limit)
-    await wait_for(lambda: len(_rows(db)) == len(statuses), "every ledger row")
-    served = [r for r in _rows(db) if r[5] == "200"]
-    assert len(served) == statuses.count(200)
-    cost = sum(r[2] * 1000.0 / 1e6 + r[3] * 2000.0 / 1e6 for r in served)
-    assert spent == to_micros(cost)  # billed exactly what the served ones measured
+        statuses = await sim.burst(lambda: sim.post_status(s, run.url + "/completion", body, "dee"))
+    # billed exactly what the served ones measured
+    await sim.assert_burst_held(
+        run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
+    )

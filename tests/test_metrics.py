@@ -114,6 +114,7 @@ def test_the_request_paths_families_are_lock_free() -> None:
         "requests",
         "tokens",
         "cached_tokens",
+        "audio_seconds",
         "usage_unknown",
         "duration",
         "ttft",

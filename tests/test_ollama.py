@@ -8,26 +8,22 @@ of Ollama's docs/api.md.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import ollama
 import pytest
-from tollbooth_lab.simulator import EngineParams, create_simulator
 
-from sidecar.billing.budget import to_micros
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.routes import classify
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
 from tests.waiting import wait_for
 
 MODEL = "sim-llama-3-8b"  # the simulator's tokenizer: one token a word
-PRICES = {"models": {MODEL: {"input_per_1m": 1000.0, "output_per_1m": 2000.0}}}
+PRICES = sim.prices(MODEL)
 
 # docs/api.md, "Generate a completion", the final streamed response
 DOCS_GENERATE_FINAL = {
@@ -159,23 +155,14 @@ def test_a_stream_cut_before_its_done_line_has_no_measured_usage() -> None:
 async def _start(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
 ) -> tuple[Running, Path]:
-    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {"pricing": PRICES, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
-        upstream_url=str(sim.make_url("")).rstrip("/"),
-    )
-    return run, db
+    return await sim.start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    if not db.exists():
-        return []
-    with sqlite3.connect(db) as conn:
-        return conn.execute(
-            "SELECT user, endpoint, input_tokens, output_tokens, stream, status FROM requests "
-            "ORDER BY id"
-        ).fetchall()
+    return sim.ledger_rows(db, COLUMNS)
+
+
+COLUMNS = "user, endpoint, input_tokens, output_tokens, stream, status"
 
 
 def _tokens(run: Running, kind: str, route: str, user: str) -> Any:
@@ -232,14 +219,14 @@ async def test_a_client_leaving_mid_stream_is_charged_its_hold(
     hold (unknown usage is never free) and the ledger records the usage as unknown."""
     run, db = await _start(start_sidecar, aiohttp_server, tmp_path, budgets={"user_daily_usd": 5.0})
     body = {"model": MODEL, "messages": MSGS, "options": {"num_predict": 400}}
-    async with aiohttp.ClientSession() as s:
-        r = await s.post(run.url + "/api/chat", json=body, headers={"X-Tollbooth-User": "cy"})
-        seen = 0
-        async for _ in r.content:
-            seen += 1
-            if seen >= 3:
-                break
-        r.close()
+    lines = 0
+
+    def progress(line: bytes) -> int:  # NDJSON lines carry no running count: count the lines
+        nonlocal lines
+        lines += 1
+        return lines
+
+    await sim.leave_mid_stream(run, "/api/chat", body, "cy", progress)
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     assert _rows(db) == [("cy", "/api/chat", None, None, 1, "499")]
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
@@ -269,13 +256,7 @@ async def test_a_burst_against_a_small_budget_is_held(
         return 200
 
     async with ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "dee"}) as client:
-        statuses = await asyncio.gather(*(one(client) for _ in range(12)))
-    assert 200 in statuses and 429 in statuses
-    await wait_for(lambda: not run.sc.budgets.store.holds, "every hold settled")
-    spent = run.sc.budgets.store.spent["user:dee"]
-    assert 0 < spent <= to_micros(limit)
-    await wait_for(lambda: len(_rows(db)) == len(statuses), "every ledger row")
-    served = [r for r in _rows(db) if r[5] == "200"]
-    assert len(served) == statuses.count(200)
-    cost = sum(r[2] * 1000.0 / 1e6 + r[3] * 2000.0 / 1e6 for r in served)
-    assert spent == to_micros(cost)
+        statuses = await sim.burst(lambda: one(client))
+    await sim.assert_burst_held(
+        run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
+    )

@@ -8,24 +8,21 @@ The shapes are sglang's srt/entrypoints/http_server.py (`generate_request`: one 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from tollbooth_lab.simulator import EngineParams, create_simulator
 
-from sidecar.billing.budget import to_micros
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
 from tests.waiting import wait_for
 
 SIM_MODEL = "sim-llama-3-8b"
-PRICES = {"models": {SIM_MODEL: {"input_per_1m": 1000.0, "output_per_1m": 2000.0}}}
+PRICES = sim.prices(SIM_MODEL)
 GEN = Endpoint.TGI_GENERATE  # the path SGLang shares with TGI
 
 # A /generate response in the shape tokenizer_manager.py builds `meta_info` (values made up).
@@ -126,23 +123,14 @@ def test_a_stream_is_read_at_every_cut_and_passes_unchanged(cut: int) -> None:
 async def _start(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
 ) -> tuple[Running, Path]:
-    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {"pricing": PRICES, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
-        upstream_url=str(sim.make_url("")).rstrip("/"),
-    )
-    return run, db
+    return await sim.start_simulated(start_sidecar, aiohttp_server, tmp_path, PRICES, **config)
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    if not db.exists():
-        return []
-    with sqlite3.connect(db) as conn:
-        return conn.execute(
-            "SELECT user, model, input_tokens, output_tokens, cached_input_tokens, status "
-            "FROM requests ORDER BY id"
-        ).fetchall()
+    return sim.ledger_rows(db, COLUMNS)
+
+
+COLUMNS = "user, model, input_tokens, output_tokens, cached_input_tokens, status"
 
 
 PROMPT = "one two three four five six"
@@ -199,15 +187,12 @@ async def test_a_client_leaving_mid_stream_is_billed_what_was_measured(
 ) -> None:
     run, db = await _start(start_sidecar, aiohttp_server, tmp_path)
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 400}, "stream": True}
-    async with aiohttp.ClientSession() as s:
-        r = await s.post(run.url + "/generate", json=body, headers={"X-Tollbooth-User": "cy"})
-        seen = 0
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                seen = json.loads(line[6:])["meta_info"]["completion_tokens"]
-                if seen >= 3:
-                    break
-        r.close()
+
+    def progress(line: bytes) -> int | None:
+        event = sim.sse_data(line)
+        return event["meta_info"]["completion_tokens"] if event is not None else None
+
+    seen = await sim.leave_mid_stream(run, "/generate", body, "cy", progress)
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     ((user, _, inp, out, _, status),) = _rows(db)
     assert (user, inp, status) == ("cy", 6, "499")
@@ -226,21 +211,8 @@ async def test_a_burst_against_a_small_budget_is_held(
         upstream={"model_name": SIM_MODEL},  # the hold's price: the request names no model
     )
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5}, "stream": True}
-
-    async def one(s: aiohttp.ClientSession) -> int:
-        async with s.post(
-            run.url + "/generate", json=body, headers={"X-Tollbooth-User": "dee"}
-        ) as r:
-            await r.read()
-            return r.status
-
     async with aiohttp.ClientSession() as s:
-        statuses = await asyncio.gather(*(one(s) for _ in range(12)))
-    assert 200 in statuses and 429 in statuses
-    await wait_for(lambda: not run.sc.budgets.store.holds, "every hold settled")
-    spent = run.sc.budgets.store.spent["user:dee"]
-    assert 0 < spent <= to_micros(limit)
-    await wait_for(lambda: len(_rows(db)) == len(statuses), "every ledger row")
-    served = [r for r in _rows(db) if r[5] == "200"]
-    assert len(served) == statuses.count(200)
-    assert spent == to_micros(sum(r[2] * 1000.0 / 1e6 + r[3] * 2000.0 / 1e6 for r in served))
+        statuses = await sim.burst(lambda: sim.post_status(s, run.url + "/generate", body, "dee"))
+    await sim.assert_burst_held(
+        run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
+    )

@@ -9,11 +9,13 @@ simulator: nothing here is a measurement of a GPU.
 from __future__ import annotations
 
 import asyncio
+import io
 import random
 import signal
 import sys
 import tempfile
 import time
+import wave
 from collections import defaultdict
 from pathlib import Path
 
@@ -41,8 +43,12 @@ from sidecar.exchange import Exchange
 from .simulator import EngineParams, create_simulator
 
 MODEL = "sim-llama-3-8b"
+AUDIO_MODEL = "sim-whisper"  # the simulator answers /v1/audio/* for any model name
 DEMO_PRICES = PricingConfig(
-    models={MODEL: ModelPrice(input_per_1m=0.20, output_per_1m=0.60, cached_input_per_1m=0.05)}
+    models={
+        MODEL: ModelPrice(input_per_1m=0.20, output_per_1m=0.60, cached_input_per_1m=0.05),
+        AUDIO_MODEL: ModelPrice(input_per_1m=0.20, output_per_1m=0.60, audio_per_second=0.0001),
+    }
 )
 USERS = {"alice": 3, "bob": 2, "carol": 1, "batch-job": 2}  # relative request rates
 TOPICS = [
@@ -125,7 +131,10 @@ async def _load(url: str, duration: float, done: list[Exchange], sc: Sidecar) ->
 
         async def worker(i: int) -> None:
             while time.monotonic() < stop_at:
-                await _one(s, url, rng.choice(users), rng, messages=i == 0)
+                if i == 1 and rng.random() < 0.3:  # a speech-to-text client
+                    await _audio(s, url, rng.choice(users), rng)
+                else:
+                    await _one(s, url, rng.choice(users), rng, messages=i == 0)
                 await asyncio.sleep(rng.expovariate(4.0))
 
         async def progress() -> None:
@@ -173,6 +182,28 @@ async def _one(
         pass
 
 
+async def _audio(s: aiohttp.ClientSession, url: str, user: str, rng: random.Random) -> None:
+    """One transcription or translation of a few seconds of silence, as the openai SDK sends it
+    (multipart: the fields, then the file)."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:  # mono, 16 bits, 8 kHz
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(b"\0\0" * int(rng.uniform(1.0, 20.0) * 8000))
+    wav = out.getvalue()
+    form = aiohttp.FormData()
+    form.add_field("model", AUDIO_MODEL)
+    form.add_field("response_format", rng.choice(["json", "verbose_json"]))
+    form.add_field("file", wav, filename="speech.wav", content_type="audio/wav")
+    path = "/v1/audio/" + rng.choice(["transcriptions", "transcriptions", "translations"])
+    try:
+        async with s.post(url + path, data=form, headers={"X-Tollbooth-User": user}) as r:
+            await r.read()
+    except aiohttp.ClientError:
+        pass
+
+
 def summary(done: list[Exchange], sc: Sidecar, workdir: Path, listen: str, admin: str) -> str:
     by_user: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     by_model: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -197,11 +228,14 @@ def summary(done: list[Exchange], sc: Sidecar, workdir: Path, listen: str, admin
     lines += [
         f"  {k:<12} {int(v[0]):>8} {int(v[1]):>10,} {v[2]:>12.6f}" for k, v in by_model.items()
     ]
-    lines += [f"  {'route':<20} {'requests':>8} {'tokens':>10} {'USD':>12}"]
+    lines += [f"  {'route':<26} {'requests':>8} {'tokens':>10} {'USD':>12}"]
     lines += [
-        f"  {k:<20} {int(v[0]):>8} {int(v[1]):>10,} {v[2]:>12.6f}"
+        f"  {k:<26} {int(v[0]):>8} {int(v[1]):>10,} {v[2]:>12.6f}"
         for k, v in sorted(by_route.items())
     ]
+    audio = [e.usage.audio_seconds for e in done if e.usage.audio_seconds is not None]
+    if audio:
+        lines.append(f"  audio seconds metered: {sum(audio):,.1f} in {len(audio)} requests")
     if unknown:
         lines.append(f"  {unknown} requests with unknown cost (not counted as $0)")
     lines.append("latency (ms)        p50      p90      p99")

@@ -20,8 +20,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from ..config import AdmissionConfig, BudgetConfig
-from ..exchange import BudgetHold, Exchange, Refusal, consumed, priced_model
+from ..config import AdmissionConfig, BudgetConfig, ModelPrice
+from ..exchange import (
+    AUDIO_ROUTES,
+    BudgetHold,
+    Exchange,
+    Refusal,
+    RequestInfo,
+    consumed,
+    priced_model,
+)
+from ..exchange import measured as measured_in_full
 from ..metering.pricing import PriceBook, compute
 from ..telemetry.metrics import LabelCap, Metrics
 
@@ -238,6 +247,8 @@ class Budgets:
         if price is None:
             return 0.0
         info = ex.info
+        if info.endpoint in AUDIO_ROUTES:
+            return self._audio_worst_case(price, info)
         prompt = ex.prompt_tokens
         if prompt is None:
             chars = info.text_chars if info.parsed else len(info.body)
@@ -246,6 +257,15 @@ class Budgets:
         out = min(limit, MAX_TOKENS) * min(info.choices, MAX_TOKENS)
         return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
 
+    def _audio_worst_case(self, price: ModelPrice, info: RequestInfo) -> float:
+        """An audio request: its upload (the Content-Length, else the largest one taken) as one
+        second per budgets.audio_bytes_per_second at the audio price, plus its output limit
+        (or the default) as tokens at the output price: a stream is billed in tokens."""
+        seconds = math.ceil(info.audio_bytes / self.config.audio_bytes_per_second)
+        limit = info.max_tokens or self.config.default_max_output_tokens
+        audio = seconds * (price.audio_per_second or 0.0)
+        return audio + compute(price, 0, None, min(limit, MAX_TOKENS)).total_usd
+
     # --- the gate and the sink
 
     async def gate(self, ex: Exchange) -> None:
@@ -253,6 +273,15 @@ class Budgets:
         scopes = self.scopes(ex.user_id, ex.team)
         if not scopes:
             return None
+        if ex.info.endpoint in AUDIO_ROUTES and priced_model(ex) is None:
+            # The answer names no model: a model the head did not show is never priced after.
+            raise Refusal(
+                400,
+                "invalid_request_error",
+                "with budgets enforced, the form field 'model' must come before the file, as "
+                "the OpenAI SDKs send it, within server.audio_form_bytes (or set "
+                "upstream.model_name)",
+            )
         if ex.info.unreadable:  # the server may read it; the hold could not: never guess low
             raise Refusal(
                 400,
@@ -333,8 +362,7 @@ class Budgets:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter."""
-        u = ex.usage
-        partial = u.input_tokens is None or u.output_tokens is None
+        partial = not measured_in_full(ex.usage)
         if partial and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
             return max(hold.amount, to_micros(measured))

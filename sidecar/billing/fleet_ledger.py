@@ -72,6 +72,7 @@ REQUEST_COLUMNS = {
     # --- reasoning columns (h-pooling) ---
     "reasoning_tokens": "BIGINT",  # a part of output_tokens
     # --- end reasoning columns ---
+    "audio_seconds": "DOUBLE PRECISION",  # input audio the server reported
     # chargeback (issue 25) begin: ADD COLUMN IF NOT EXISTS upgrades an existing fleet ledger
     "project": "TEXT",
     "tags": "TEXT",

@@ -64,6 +64,7 @@ CREATE TABLE IF NOT EXISTS requests (
     -- reasoning columns (h-pooling) --
     reasoning_tokens INTEGER,         -- a part of output_tokens, never added; NULL: not reported
     -- end reasoning columns --
+    audio_seconds REAL,               -- input audio the server reported (NULL: none reported)
     -- chargeback (issue 25) begin
     project TEXT,                     -- the principal's project (keys file, trusted header)
     tags TEXT                         -- its tags, sorted, comma-joined (a tag has no comma)
@@ -95,9 +96,11 @@ INSERT = (
     "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
     "error, team, end_user, device_seconds, energy_j, device_cost_usd"
     ", reasoning_tokens"  # reasoning columns
+    ", audio_seconds"
     ", project, tags"  # chargeback (issue 25)
     ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
     ", ?"  # reasoning columns
+    ", ?"  # audio_seconds
     ", ?, ?"  # chargeback (issue 25)
     ")"
 )
@@ -134,6 +137,7 @@ class Row(NamedTuple):
     # --- reasoning columns (h-pooling) ---
     reasoning_tokens: int | None = None
     # --- end reasoning columns ---
+    audio_seconds: float | None = None
     # chargeback (issue 25) begin
     project: str | None = None  # defaults: rows built before these columns still make a Row
     tags: str | None = None  # sorted, comma-joined; NULL: none
@@ -169,6 +173,7 @@ def row_of(ex: Exchange) -> Row:
         ex.energy_j,
         ex.device_cost_usd,
         u.reasoning_tokens,  # reasoning columns (h-pooling)
+        u.audio_seconds,
         ex.project,  # chargeback (issue 25)
         ",".join(ex.tags) if ex.tags else None,
     )
@@ -190,6 +195,7 @@ def _add_missing_columns(conn: sqlite3.Connection) -> None:
     added = {"team": "TEXT", "end_user": "TEXT"}
     added |= {"device_seconds": "REAL", "energy_j": "REAL", "device_cost_usd": "REAL"}
     added |= {"reasoning_tokens": "INTEGER"}
+    added |= {"audio_seconds": "REAL"}
     added |= {"project": "TEXT", "tags": "TEXT"}  # chargeback (issue 25)
     for column, kind in added.items():
         if column not in have:

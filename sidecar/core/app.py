@@ -25,6 +25,7 @@ from ..config import Config, parse_hostport
 from ..exchange import Exchange, Gate
 from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
+from ..proxy.audio import AudioLimits
 from ..proxy.edge import ConnectionGuard, listen
 from ..proxy.finishers import Finishers, PromptCounter
 from ..proxy.handler import Proxy, ProxyDeps, ProxySettings, TgiModelName
@@ -188,6 +189,11 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         refuse_unknown_routes=metering.unknown_routes == "refuse",
         drain_s=metering.drain_after_disconnect_s,
         max_event_bytes=metering.max_event_bytes,
+        audio=AudioLimits(
+            head_bytes=sc.config.server.audio_form_bytes,
+            max_body=sc.config.server.max_audio_body_bytes,
+            timeout=sc.config.server.body_timeout_s,
+        ),
         size_prompts=sc.config.admission.tokenize,
     )
     # Every call to the upstream goes through one pool (sidecar/proxy/upstream.py).

@@ -37,7 +37,8 @@ NOTES = {
     "metering.inject_stream_usage": "see docs/traffic.md",
     "pricing": "USD per million tokens (or: tollbooth serve --pricing FILE)",
     "pricing.models": (
-        "{model: {input_per_1m, output_per_1m, cached_input_per_1m, reasoning_per_1m}}"
+        "{model: {input_per_1m, output_per_1m, cached_input_per_1m, reasoning_per_1m, "
+        "audio_per_second}}"
     ),
     "pricing.default": "for unlisted models; null: their cost is unknown, never $0",
     "pricing.gpu_hour_usd": "device-time cost (needs GPU telemetry); null: none",

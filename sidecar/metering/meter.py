@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from ..exchange import UPSTREAM_FAILED, Cost, Exchange, Sink, consumed, priced_model
+from ..exchange import UPSTREAM_FAILED, Cost, Exchange, Sink, consumed, measured, priced_model
 from ..telemetry.metrics import Metrics
 from .pricing import PriceBook
 
@@ -61,7 +61,9 @@ class Meter:
             c(m.tokens, ex.model, "reasoning", ep, ex.user).inc(u.reasoning_tokens)
         if u.cached_input_tokens is not None:
             c(m.cached_tokens, ex.model, ep, ex.user).inc(u.cached_input_tokens)
-        if u.input_tokens is None or u.output_tokens is None:
+        if u.audio_seconds is not None:
+            c(m.audio_seconds, ex.model, ep, ex.user).inc(u.audio_seconds)
+        if not measured(u):
             failed = ex.status >= 500 or ex.status_label == "stream_error"
             reason = UPSTREAM_FAILED if failed else (u.unknown_reason or "unknown")
             c(m.usage_unknown, ex.model, ep, reason).inc()

@@ -1,4 +1,4 @@
-"""Prices and cost: USD per million tokens, per model.
+"""Prices and cost: USD per million tokens (and per second of audio), per model.
 
 Owns: the price table (from the config or a separate file, re-read on SIGHUP) and the arithmetic
 from measured token counts to dollars.
@@ -33,10 +33,18 @@ class PriceBook:
         return self._p.default
 
     def cost(self, model: str | None, usage: Usage) -> tuple[Cost | None, str | None]:
-        """(cost, None) when both directions are measured and priced, else (None, reason)."""
+        """(cost, None) when both directions are measured and priced, else (None, reason).
+        Audio seconds, where the server reported them, are the input: priced per second at the
+        model's audio price (none: "no_audio_price"), with any output tokens reported too."""
         price = self.price(model)
         if price is None:
             return None, "no_price"
+        if usage.audio_seconds is not None:
+            if price.audio_per_second is None:
+                return None, "no_audio_price"
+            audio = usage.audio_seconds * price.audio_per_second
+            out = max(usage.output_tokens or 0, 0) * price.output_per_1m / 1e6
+            return Cost(input_usd=audio, output_usd=out), None
         if usage.input_tokens is None or usage.output_tokens is None:
             return None, "usage_unknown"
         return compute(
@@ -50,6 +58,9 @@ class PriceBook:
     def input_cost(self, model: str | None, usage: Usage) -> float | None:
         """Cost of the input alone (audit threshold), when measured and priced."""
         price = self.price(model)
+        if usage.audio_seconds is not None:
+            cost, _ = self.cost(model, usage)
+            return cost.input_usd if cost is not None else None
         if price is None or usage.input_tokens is None:
             return None
         return compute(price, usage.input_tokens, usage.cached_input_tokens, 0).input_usd

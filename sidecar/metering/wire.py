@@ -17,8 +17,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..exchange import POOLING_ROUTES, Endpoint, RequestInfo, Usage
+from ..exchange import AUDIO_ROUTES, POOLING_ROUTES, Endpoint, RequestInfo, Usage
 from .anthropic import AnthropicAdapter
+from .audio import AudioAdapter
 from .counts import INVALID_USAGE, parse
 from .dispatch import AmbiguousBody, generate_api, invocation_endpoint
 from .llamacpp import LlamaCppAdapter
@@ -114,6 +115,7 @@ register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
 register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server
 register(PoolingAdapter(), POOLING_ROUTES)  # vLLM's; on any server (none other serves them)
+register(AudioAdapter(), AUDIO_ROUTES)  # multipart requests: read by proxy/audio.py
 register(LlamaCppAdapter(), (Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL))
 register(OllamaAdapter(), OLLAMA_ROUTES)
 register(SGLangAdapter(), [Endpoint.TGI_GENERATE], "sglang")

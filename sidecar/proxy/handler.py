@@ -26,6 +26,7 @@ from yarl import URL
 
 from ..credentials import API_KEY_HEADER, ConflictingKeys, bearer, key_id
 from ..exchange import (
+    AUDIO_ROUTES,
     STATUS_CLIENT_CLOSED,
     Endpoint,
     Exchange,
@@ -46,6 +47,8 @@ from ..metering.wire import (
 from ..telemetry.logs import REQUEST_CONTEXT
 from ..telemetry.metrics import LabelCap, Metrics, sanitize
 from ..text import MODEL_CHARS, clean
+from . import audio
+from .audio import AudioLimits
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .headers import (
     content_encoded,
@@ -57,7 +60,15 @@ from .headers import (
     response_headers,
 )
 from .identity import Identity, Principal, Unauthorized
-from .memory import HELD_PER_BYTE, TOTAL, RequestMemory, Reservation, parse_cost
+from .memory import (
+    HELD_PER_BYTE,
+    TOTAL,
+    NoRoom,
+    RequestMemory,
+    Reservation,
+    TooLarge,
+    parse_cost,
+)
 from .routes import AmbiguousPath, anthropic_route, classify, endpoint_class, routing_path
 from .upstream import Upstream, UpstreamResponse
 
@@ -76,19 +87,6 @@ PARSE_IN_THREAD_BYTES = 256 * 1024
 # A request refused for want of memory may try again this much later: held bodies are read,
 # parsed and answered within seconds, or cut off at server.body_timeout_s.
 MEMORY_RETRY_AFTER_S = 1.0
-
-
-class NoRoom(Exception):
-    """A request's body does not fit in the memory left for request bodies (`reason`), or would
-    never fit (`never`: larger than the limit itself)."""
-
-    def __init__(self, reason: str, never: bool) -> None:
-        super().__init__(reason)
-        self.reason, self.never = reason, never
-
-
-class TooLarge(Exception):
-    """The body is larger than server.max_request_body_bytes."""
 
 
 # --- pure helpers ---------------------------------------------------------------------------------
@@ -171,6 +169,7 @@ class ProxySettings:
     max_event_bytes: int = 1 << 20  # metering.max_event_bytes: a longer SSE event is not parsed
     max_buffered: int = 0  # request memory across all connections (server.max_buffered_...)
     max_buffered_per_key: int = 0
+    audio: AudioLimits = field(default_factory=AudioLimits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +230,8 @@ class Proxy:
             return self._encoded(request)
         held = self.memory.reserve(memory_bucket(request.headers, principal))
         try:
+            if endpoint in AUDIO_ROUTES:
+                return await self._read_audio(request, path, endpoint, principal, held)
             return await self._read_and_meter(request, path, endpoint, principal, held)
         finally:
             if not held.handed_over:  # else the exchange releases it once it is recorded
@@ -265,6 +266,37 @@ class Proxy:
         if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
             model = self.tgi_name.configured  # priced (held) before the response names it
         ex = self._new_exchange(request, info, path, model, len(body), principal)
+        return await self._metered(request, ex, held)
+
+    async def _read_audio(
+        self,
+        request: web.Request,
+        path: str,
+        endpoint: Endpoint,
+        principal: Principal | None,
+        held: Reservation,
+    ) -> web.StreamResponse:
+        """An audio route: its form's head read for the model (proxy/audio.py), then metered
+        with the rest of its body streamed through once the gates let it."""
+        try:
+            info = await audio.read_head(
+                request, endpoint, self.s.audio, functools.partial(self._room, held)
+            )
+            if principal is None:
+                principal = self.identity.resolve(request.headers, None)
+        except TooLarge:
+            return self._too_large(request, self.s.audio.max_body)
+        except TimeoutError:
+            return self._too_slow()
+        except NoRoom as exc:
+            return self._no_room(request, exc)
+        except Unauthorized as exc:
+            return self._unauthorized(exc)
+        size = info.size if info.size is not None else len(info.body)
+        # vLLM serves the request's model or, with none, its own: the one upstream.model_name
+        # names (a model past the head is one vLLM serves, else it refuses the request).
+        model = info.model or self.tgi_name.configured
+        ex = self._new_exchange(request, info, path, model, size, principal)
         return await self._metered(request, ex, held)
 
     async def _read_body(self, request: web.Request, held: Reservation) -> bytes:
@@ -494,6 +526,12 @@ class Proxy:
     ) -> UpstreamResponse:
         target = self._url(ex.path, request).raw_path_qs
         body = ex.info.body
+        if ex.info.streamed:  # the head read for its form fields, then the rest as it comes
+            ex.body_unsent = True
+            stream = audio.Upload(request, body, self.s.audio, functools.partial(_sent, ex))
+            return await self.upstream.request(
+                request.method, target, headers, stream, length=ex.info.size
+            )
         if body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
             return await self.upstream.request(request.method, target, headers, body)
         return await self._streamed(request, target, headers)  # an unmetered body is never read
@@ -752,11 +790,13 @@ class Proxy:
         resp.force_close()
         return resp
 
-    def _too_large(self, request: web.Request) -> web.Response:
+    def _too_large(self, request: web.Request, limit: int | None = None) -> web.Response:
         return _unread_closes(
             request,
             error_response(
-                413, "request_too_large", f"request body exceeds {self.s.max_body} bytes"
+                413,
+                "request_too_large",
+                f"request body exceeds {limit or self.s.max_body} bytes",
             ),
         )
 
@@ -840,6 +880,11 @@ def _client_left(ex: Exchange) -> None:
     if ex.status < 400 or ex.status == 0:
         ex.status = STATUS_CLIENT_CLOSED
     ex.error = ex.error or "client_disconnected"
+
+
+def _sent(ex: Exchange) -> None:
+    """A streamed body's last byte went upstream: the server has the whole request."""
+    ex.body_unsent = False
 
 
 def _sample(ex: Exchange, data: bytes, limit: int) -> None:

@@ -55,6 +55,20 @@ def parse_cost(body: bytes) -> int:
 TOTAL, PER_KEY = "memory_total", "memory_key"  # why a request did not fit (the refusal's reason)
 
 
+class NoRoom(Exception):
+    """A request's body does not fit in the memory left for request bodies (`reason`), or would
+    never fit (`never`: larger than the limit itself)."""
+
+    def __init__(self, reason: str, never: bool) -> None:
+        super().__init__(reason)
+        self.reason, self.never = reason, never
+
+
+class TooLarge(Exception):
+    """The body is larger than its route's limit (server.max_request_body_bytes, or
+    server.max_audio_body_bytes for a streamed one)."""
+
+
 @dataclass(slots=True)
 class Reservation:
     """One request's share of the pool; grows as its body arrives, released once."""

@@ -74,8 +74,6 @@ def classify(method: str, path: str) -> Endpoint | None:
 # Unmetered routes that generate, named in llm_unmetered_requests_total; any other is "other".
 _UNMETERED_CLASSES = frozenset(
     {
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
         "/inference/v1/generate",
         "/invocations",
     }

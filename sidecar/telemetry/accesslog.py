@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from aiohttp import web
 
 from ..config import LoggingConfig
-from ..exchange import Exchange, consumed
+from ..exchange import Exchange, consumed, measured
 from .logs import BatchWriter, iso_time, json_line
 from .metrics import Metrics
 
@@ -72,6 +72,7 @@ def fields_of(s: Snapshot) -> dict[str, Any]:
         "cached_input_tokens": u.cached_input_tokens,
         "output_tokens": u.output_tokens,
         "reasoning_tokens": u.reasoning_tokens,
+        "audio_seconds": u.audio_seconds,
         "cost_usd": cost.total_usd if cost is not None else None,
         "queue_wait_s": _round(queue),
         "ttft_s": _round(ttft),
@@ -87,7 +88,7 @@ def fields_of(s: Snapshot) -> dict[str, Any]:
 def _unknown_reason(ex: Exchange) -> str | None:
     """Why usage is unmeasured, by the metric's rule: a refused request consumed nothing."""
     u = ex.usage
-    if not consumed(ex) or (u.input_tokens is not None and u.output_tokens is not None):
+    if not consumed(ex) or measured(u):
         return None
     return u.unknown_reason or "unknown"
 

@@ -75,6 +75,7 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.requests,
         m.tokens,
         m.cached_tokens,
+        m.audio_seconds,
         m.usage_unknown,
         m.duration,
         m.ttft,

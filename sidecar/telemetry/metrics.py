@@ -298,6 +298,12 @@ class Metrics:
             ["model", "api_endpoint", "user_id"],
             registry=r,
         )
+        self.audio_seconds = LoopCounter(
+            "llm_audio_seconds",
+            "Seconds of input audio the server reported (speech-to-text routes).",
+            ["model", "api_endpoint", "user_id"],
+            registry=r,
+        )
         self.usage_unknown = LoopCounter(
             "llm_usage_unknown",
             "Requests whose token usage could not be measured.",

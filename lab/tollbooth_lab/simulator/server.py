@@ -26,7 +26,7 @@ from sidecar.telemetry.metrics import (
     VLLM_WAITING,
 )
 
-from . import anthropic, pooling
+from . import anthropic, audio, pooling
 from .engine import Engine, EngineParams, OutOfMemory, chat_prompt, tokenize
 
 Api = Literal["vllm", "tgi"]
@@ -817,7 +817,7 @@ def create_simulator(
     reasoning: bool = False,
     prompt_tokens_details: bool = False,
 ) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=audio.MAX_UPLOAD_BYTES)  # audio files: vLLM's 25 MB
     app[SETTINGS] = SimSettings(
         api=api, model=model, reasoning=reasoning, prompt_tokens_details=prompt_tokens_details
     )
@@ -847,6 +847,7 @@ def create_simulator(
         r.add_get("/v1/models", vllm_models)
         anthropic.add_routes(app, engine)  # vllm/entrypoints/anthropic/
         pooling.add_routes(app, model)  # /pooling, /classify, /score, /rerank ...
+        audio.add_routes(app, engine)  # /v1/audio/transcriptions, /translations
         app[SGLANG_CACHE] = []
         r.add_post("/generate", sglang_generate)  # SGLang's (vLLM serves no /generate)
     else:

@@ -1,0 +1,238 @@
+"""vLLM's speech-to-text routes: `/v1/audio/transcriptions`, `/v1/audio/translations`
+(vllm/entrypoints/openai/speech_to_text/: protocol.py, speech_to_text.py, api_router.py).
+
+Owns: reading the head of a multipart/form-data request for its small form fields (`FormHead`:
+fed the bytes as they arrive, it stops at the first file part, at the form's end, or at a cap),
+what such a request asks for (`audio_request`), and the usage of its answer: a transcription's
+`usage: {"type": "duration", "seconds": N}` (vLLM answers response_format json and text alike,
+as JSON, the seconds rounded up; srt and vtt it refuses), the `duration` of a verbose_json
+answer (a string of seconds, for translations too), a stream's token `usage` chunk (sent only
+when the form asked `stream_include_usage`). A plain-text answer (another server's `text`) has
+none.
+Never: reads or holds the file part (the proxy streams it through as it comes), changes a byte
+of the request or of the answer, or invents seconds: an answer without them (translation json,
+text, a stream) has no audio seconds, and its cost is from tokens, or unknown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from email.message import Message
+from typing import Any
+
+from ..exchange import Endpoint, RequestInfo, Usage
+from ..text import ID_CHARS, MODEL_CHARS, clean, clean_or_none
+from .counts import INVALID_USAGE, count, error_type, lax_true, loads
+from .openai import ChatStream, OpenAIAdapter
+
+# The most seconds of audio one answer may report: 10 million (115 days of audio). More, a
+# negative, NaN or non-number is invalid usage (charged its hold), as for token counts.
+MAX_AUDIO_SECONDS = 10_000_000.0
+# The form fields kept from a head: what the meter reads (the rest are skipped).
+READ_FIELDS = frozenset(
+    {"model", "stream", "response_format", "stream_include_usage", "max_completion_tokens"}
+)
+_CRLF2 = b"\r\n\r\n"
+
+
+def boundary(content_type: str | None) -> bytes | None:
+    """The boundary of a multipart/form-data Content-Type; None for any other body."""
+    if not content_type:
+        return None
+    msg = Message()
+    msg["content-type"] = content_type
+    if msg.get_content_type() != "multipart/form-data":
+        return None
+    value = msg.get_param("boundary")
+    if not isinstance(value, str) or not 1 <= len(value) <= 70 or not value.isascii():
+        return None  # RFC 2046: 1 to 70 characters
+    return value.encode("ascii")
+
+
+class FormHead:
+    """The form fields that come before the first file part of a multipart body.
+
+    `feed(chunk)` returns True once the head is over: a file part begins (`reached_file`), the
+    form ends, or `cap` bytes were fed without either (`capped`: what was not read is unknown).
+    `fields` holds the READ_FIELDS found, each once: a field sent twice is `duplicate` (which
+    one the server reads is its parser's choice, so neither is taken).
+    A pure object: no I/O, no clock.
+    """
+
+    def __init__(self, boundary: bytes, cap: int) -> None:
+        self._delim = b"--" + boundary
+        self._cap = cap
+        self._buf = bytearray()
+        self._pos: int | None = None  # where the next part's headers begin, once found
+        self.fields: dict[str, str] = {}
+        self.duplicate: str | None = None
+        self.done = self.reached_file = self.capped = self.ended = self.malformed = False
+
+    def feed(self, chunk: bytes) -> bool:
+        if self.done:
+            return True
+        self._buf += chunk[: self._cap + 1 - len(self._buf)]  # never more than cap + 1 held
+        while not self.done and self._step():
+            pass
+        if not self.done and len(self._buf) > self._cap:
+            self.done = self.capped = True
+        return self.done
+
+    def _step(self) -> bool:
+        """Read one more piece of the head; False when more bytes are needed."""
+        if self._pos is None:
+            return self._opening()
+        buf = self._buf
+        end = buf.find(_CRLF2, self._pos)
+        if end < 0:
+            return False
+        name, filename = _disposition(bytes(buf[self._pos : end]))
+        if filename is not None or name is None:
+            self.reached_file = filename is not None
+            self.done = True
+            return False
+        close = buf.find(b"\r\n" + self._delim, end + 4)
+        if close < 0:
+            return False
+        self._field(name, bytes(buf[end + 4 : close]))
+        after = close + 2 + len(self._delim)
+        if len(buf) < after + 2:
+            return False
+        if buf[after : after + 2] == b"--":
+            self.done = self.ended = True
+            return False
+        if buf[after : after + 2] != b"\r\n":
+            return self._malformed()  # padding after a delimiter: read by no rule of ours
+        self._pos = after + 2  # past the CRLF ending the delimiter line
+        return True
+
+    def _malformed(self) -> bool:
+        """A head this reader does not take exactly as RFC 7578 writes it: none of it is used
+        (another parser may read it otherwise, and a model read wrongly is billed wrongly)."""
+        self.fields.clear()
+        self.done = self.malformed = True
+        return False
+
+    def _opening(self) -> bool:
+        """The first delimiter (a preamble before it is skipped, as RFC 2046 says)."""
+        buf = self._buf
+        at = buf.find(self._delim)
+        if at < 0 or len(buf) < at + len(self._delim) + 2:
+            return False
+        if buf[at + len(self._delim) : at + len(self._delim) + 2] != b"\r\n":
+            return self._malformed()
+        self._pos = at + len(self._delim) + 2
+        return True
+
+    def _field(self, name: str, value: bytes) -> None:
+        if name not in READ_FIELDS:
+            return
+        if name in self.fields:
+            self.duplicate = name
+        try:
+            self.fields[name] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fields[name] = ""  # a name the server reads as no such model
+
+
+def _disposition(head: bytes) -> tuple[str | None, str | None]:
+    """(name, filename) of a part, from its Content-Disposition header."""
+    msg = Message()
+    for line in head.decode("latin-1").split("\r\n"):
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() == "content-disposition":
+            msg["content-disposition"] = value.strip()
+    name = msg.get_param("name", header="content-disposition")
+    filename = msg.get_param("filename", header="content-disposition")
+    return (
+        name if isinstance(name, str) else None,
+        filename if isinstance(filename, str) else None,
+    )
+
+
+def audio_request(
+    endpoint: Endpoint, head: bytes, form: FormHead, size: int | None, audio_bytes: int
+) -> RequestInfo:
+    """What an audio request asks, from its head: the model (None unless read before the file,
+    once), a stream, the output limit; `audio_bytes` is what its hold counts seconds from."""
+    fields = {} if form.duplicate else form.fields
+    model = fields.get("model")
+    limit = count(_int(fields.get("max_completion_tokens")))
+    return RequestInfo(
+        endpoint=endpoint,
+        body=head,
+        parsed=True,
+        stream=lax_true(fields.get("stream", "")),
+        model=clean(model, MODEL_CHARS) if model else None,
+        max_tokens=limit,
+        streamed=True,
+        size=size,
+        audio_bytes=audio_bytes,
+        ambiguous=f"the form field '{form.duplicate}' is sent twice" if form.duplicate else None,
+    )
+
+
+def _int(text: str | None) -> int | None:
+    if text is None or not text.strip().isascii() or not text.strip().isdigit():
+        return None
+    return int(text.strip()) if len(text.strip()) < 19 else None
+
+
+def audio_seconds(value: object) -> float | None:
+    """Seconds as the server wrote them (a number, or verbose_json's string), range-checked."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    seconds = float(value)
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_AUDIO_SECONDS:
+        return None
+    return seconds
+
+
+class AudioAdapter(OpenAIAdapter):
+    """The answers of the audio routes; their requests are read by `audio_request`."""
+
+    def usage_from_body(
+        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+    ) -> Usage:
+        try:
+            obj = loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        if not isinstance(obj, dict):  # response_format text (or srt, vtt): no usage in it
+            return Usage(unknown_reason="no_usage")
+        return body_seconds(obj)
+
+    def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> ChatStream:
+        """vLLM's transcription.chunk / translation.chunk events read as chat chunks do: the
+        deltas, and the token `usage` chunk at the end when the form asked for it."""
+        return ChatStream(endpoint, fast=False, **options)
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        return None  # no call counts an audio prompt
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None
+
+
+def body_seconds(obj: Mapping[str, Any]) -> Usage:
+    """Usage of a decoded json or verbose_json answer."""
+    if obj.get("error") is not None:
+        return Usage(error=error_type(obj), unknown_reason="error_response")
+    rid = clean_or_none(obj.get("id"), ID_CHARS)
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and usage.get("type") == "duration":
+        raw = usage.get("seconds")
+    elif "duration" in obj:  # verbose_json: the audio's duration, as a string
+        raw = obj.get("duration")
+    else:
+        return Usage(response_id=rid, unknown_reason="no_usage")
+    seconds = audio_seconds(raw)
+    if seconds is None:
+        return Usage(response_id=rid, unknown_reason=INVALID_USAGE)
+    return Usage(audio_seconds=seconds, response_id=rid)
