@@ -419,3 +419,47 @@ def test_spend_today_starts_again_at_the_next_budget_day() -> None:
         for u in ("ann", "bob")
     }
     assert spend == {"ann": 0.25, "bob": 0.125}
+
+
+def test_team_spend_today_is_measured_spend_by_the_keys_team_and_bounded() -> None:
+    """llm_team_spend_today_usd: a request's measured cost on its key's team; no team, no
+    series; later teams share __other__; restored from the ledger; cleared at the next day."""
+    from sidecar.billing.budget import DAY, Budgets
+    from sidecar.config import AdmissionConfig, BudgetConfig, PricingConfig
+    from sidecar.exchange import Cost, Usage
+    from sidecar.metering.pricing import PriceBook
+    from sidecar.telemetry.metrics import OTHER, LabelCap, Metrics
+    from tests.test_meter import exchange
+
+    now = [10 * DAY + 100.0]
+    m = Metrics()
+    b = Budgets(
+        BudgetConfig(),
+        AdmissionConfig(),
+        m,
+        LabelCap(10),
+        PriceBook(PricingConfig()),
+        clock=lambda: now[0],
+        teams=LabelCap(2),
+    )
+
+    def team_spend() -> dict[str, float]:
+        fam = next(iter(m.team_spend_today.collect()))
+        return {s.labels["team"]: s.value for s in fam.samples}
+
+    def settle(team: str | None, usd: float | None) -> None:
+        ex = exchange(Usage(input_tokens=1, output_tokens=1))
+        ex.started_at, ex.team = now[0], team
+        ex.cost = None if usd is None else Cost(input_usd=usd, output_usd=0.0)
+        b.settle(ex)
+
+    b.restore_gauge({"u": 0.5}, {"ml": 0.5})
+    settle("ml", 0.25)
+    settle("web", 0.125)
+    settle(None, 1.0)  # no team on the key: the user's spend only
+    settle("ops", 0.0625)  # past the cap of 2 teams
+    assert team_spend() == {"ml": 0.75, "web": 0.125, OTHER: 0.0625}
+    assert m.registry.get_sample_value("llm_spend_today_usd", {"user_id": "u"}) == 1.9375
+    now[0] += DAY
+    settle("web", 0.5)
+    assert team_spend() == {"web": 0.5}

@@ -79,6 +79,9 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.duration,
         m.ttft,
         m.tpot,
+        m.prompt_tokens,
+        m.output_tokens,
+        m.finish_reasons,  # the upstream's words: not known ahead, held when first seen
         m.cost,
         m.request_cost,
         m.cost_unknown,
@@ -113,11 +116,16 @@ def publish_ahead(
 
     `models` and `users` are labels already through the label caps. Per model and endpoint: the
     request series of every status in SIDECAR_STATUSES and the histograms the alerts and the
-    latency panels read; per known user in addition: tokens and cost of each token type.
+    latency panels read; per model, the prompt and output length histograms; per known user in
+    addition: tokens and cost of each token type. (Finish reasons are the server's words, not
+    known ahead.)
     """
     eps, n = tuple(endpoints), 0
     models, users = tuple(dict.fromkeys(models)), tuple(dict.fromkeys(users))
     for model in models:
+        m.child(m.prompt_tokens, model)
+        m.child(m.output_tokens, model)
+        n += 2
         for ep in eps:
             for status in SIDECAR_STATUSES:
                 m.child(m.requests, model, ep, status)

@@ -116,6 +116,13 @@ QUEUE_BUCKETS = (
 # Per-request cost in USD. 0.1 must be a boundary: the LLMRequestCostHigh alert reads the
 # 0.1 and +Inf buckets to count requests over ten cents.
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Prompt and output lengths in tokens: powers of two from 1 to 2^26, the GenAI advice for
+# gen_ai.client.token.usage (powers of four, genai_metrics.TOKEN_BUCKETS) with a boundary between
+# each two of it, so a percentile is off by under a factor of two, not four.
+TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(27))
+# Finish reasons are the upstream's words (cleaned at the boundary): the first few distinct ones
+# keep their own label, later ones share __other__. Every engine we know uses under ten.
+MAX_FINISH_REASONS = 16
 
 OTHER = "__other__"
 LEDGER_STAGES = ("open", "write", "row", "kept", "make", "ship", "ship_row", "ship_kept")
@@ -325,6 +332,30 @@ class Metrics:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+        self.prompt_tokens = LoopHistogram(
+            "llm_request_prompt_tokens",
+            "Each request's prompt length in tokens, as the server reported it (measured only: "
+            "a request whose input usage is unknown observes nothing).",
+            ["model"],
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = LoopHistogram(
+            "llm_request_output_tokens",
+            "Each request's output length in tokens (all choices), as the server reported it "
+            "(measured only: a request whose output usage is unknown observes nothing).",
+            ["model"],
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.finish_reasons = LoopCounter(
+            "llm_finish_reasons",
+            "Choices finished, by the reason the server gave (stop, length, tool_calls...; the "
+            f"first {MAX_FINISH_REASONS} distinct reasons, later ones __other__).",
+            ["model", "finish_reason"],
+            registry=r,
+        )
+        self.reason_labels = LabelCap(MAX_FINISH_REASONS)
         self.in_flight = LoopGauge(
             "llm_in_flight_requests", "Requests being proxied now.", ["model"], registry=r
         )
@@ -397,6 +428,13 @@ class Metrics:
             "llm_spend_today_usd",
             "Spend since the start of the budget day.",
             ["user_id"],
+            registry=r,
+        )
+        self.team_spend_today = LoopGauge(
+            "llm_team_spend_today_usd",
+            "Spend since the start of the budget day by team (the keys file's team of the "
+            "billed key; measured spend only; requests without a team are not in it).",
+            ["team"],
             registry=r,
         )
         self.ledger_errors = Counter(
