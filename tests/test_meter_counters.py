@@ -84,9 +84,7 @@ def test_prompt_and_output_lengths_are_measured_counts_only() -> None:
 
 def _reasons(metrics: Metrics) -> dict[str, float]:
     fam = next(iter(metrics.finish_reasons.collect()))
-    return {
-        s.labels["finish_reason"]: s.value for s in fam.samples if s.name.endswith("_total")
-    }
+    return {s.labels["finish_reason"]: s.value for s in fam.samples if s.name.endswith("_total")}
 
 
 def test_finish_reasons_are_counted_per_choice_and_bounded() -> None:
