@@ -334,8 +334,7 @@ async def test_dashboard_variables_have_values(run: Run) -> None:
                 # the user variable: users with tokens in the range, as the regex extracts them
                 result = await prom.query(grafana(q.group(1), at - run.started), at)
                 pattern = re.compile(var["regex"].strip("/"))
-                shown = ["{" + ",".join(f'{k}="{v}"' for k, v in r["metric"].items()) + "}"
-                         for r in result]  # fmt: skip
+                shown = [",".join(f'{k}="{v}"' for k, v in r["metric"].items()) for r in result]
                 users = {m[1] for text in shown if (m := pattern.search(text))}
                 assert users == set(ledger_by_user(run.ledger)), users  # every user, no phantom
                 continue
