@@ -15,9 +15,18 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.samples import Exemplar
 
-# Bucket boundaries, in one place. Each is a superset of the OpenTelemetry GenAI
-# semantic-convention advice for the same quantity, so our histograms line up with spans and with
-# vLLM/TGI's own exports, with boundaries added where LLM serving lives and the advice is coarse.
+# Bucket boundaries, in one place.
+# The OpenTelemetry GenAI semantic conventions' advised explicit boundaries (gen-ai-metrics.md, as
+# of semconv 0.66b2), written once: the OTLP views (genai_metrics.py) use them as they are, and
+# each Prometheus histogram below keeps every one of the advice for its quantity, so our
+# histograms line up with spans and with vLLM/TGI's own exports, with boundaries added where LLM
+# serving lives and the advice is coarse (tests/test_buckets.py).
+GENAI_TOKEN_ADVICE = tuple(4**i for i in range(14))  # 1, 4, 16 ... 67108864
+GENAI_DURATION_ADVICE = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                         20.48, 40.96, 81.92)  # fmt: skip
+GENAI_TTFT_ADVICE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0)  # fmt: skip
+GENAI_TPOT_ADVICE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 # Request duration: the advice doubles (1.28 to 2.56 s put a 1.59 s p99 at 2.47 s); the steps in
 # between (x1.25 to x1.5) keep a percentile's interpolation error under a quarter of its value.
 DURATION_BUCKETS = (
@@ -48,24 +57,8 @@ DURATION_BUCKETS = (
     61.44,
     81.92,
 )
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-)
+# Time to first token: the advice resolves it as it is, from 1 ms to 10 s.
+TTFT_BUCKETS = GENAI_TTFT_ADVICE
 # Time per output token: the advice starts at 10 ms, where a fast GPU decodes (a few ms per token
 # on an H200 for a small model; the simulator's 0.5 ms): every observation fell in its first bucket.
 TPOT_BUCKETS = (
