@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -118,6 +119,11 @@ TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(27))
 MAX_FINISH_REASONS = 16
 
 OTHER = "__other__"
+# Label sets several families share. Tokens and cost are read together (cost per token; the
+# series published ahead for a known user are both, per model, token type and endpoint).
+PER_REQUEST = ("model", "api_endpoint")
+PER_TOKEN_TYPE = ("model", "token_type", "api_endpoint", "user_id")
+PER_MODEL_USER = ("model", "user_id")  # GPU time and its cost
 LEDGER_STAGES = ("open", "write", "row", "kept", "make", "ship", "ship_row", "ship_kept")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+\-]")
 
@@ -275,10 +281,25 @@ class Metrics:
         for key in [k for k in self._children if k[0] == id(metric)]:
             del self._children[key]
 
+    def _per_request(self, name: str, doc: str, buckets: Sequence[float]) -> LoopHistogram:
+        """A histogram of one value per request, by model and endpoint."""
+        return LoopHistogram(name, doc, PER_REQUEST, buckets=buckets, registry=self.registry)
+
+    def _length(self, name: str, direction: str) -> LoopHistogram:
+        """A request's prompt or output length: measured counts only, by model."""
+        return LoopHistogram(
+            f"llm_request_{name}_tokens",
+            f"Each request's {name} length in tokens, as the server reported "
+            f"it (measured only: a request whose {direction} usage is unknown observes nothing).",
+            ["model"],
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=self.registry,
+        )
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = registry or CollectorRegistry()
-        ep = ("model", "api_endpoint")
+        ep = PER_REQUEST
         # --- requests and tokens (sidecar core)
         self.requests = LoopCounter(
             "llm_requests",
@@ -289,7 +310,7 @@ class Metrics:
         self.tokens = LoopCounter(
             "llm_tokens",
             "Tokens reported by the server, by direction (reasoning: a part of output).",
-            ["model", "token_type", "api_endpoint", "user_id"],
+            PER_TOKEN_TYPE,
             registry=r,
         )
         self.cached_tokens = LoopCounter(
@@ -304,43 +325,23 @@ class Metrics:
             [*ep, "reason"],
             registry=r,
         )
-        self.duration = LoopHistogram(
+        self.duration = self._per_request(
             "llm_request_duration_seconds",
             "Time from request received to response complete.",
-            ep,
-            buckets=DURATION_BUCKETS,
-            registry=r,
+            DURATION_BUCKETS,
         )
-        self.ttft = LoopHistogram(
+        self.ttft = self._per_request(
             "llm_time_to_first_token_seconds",
             "Upstream send to first token event (streams only).",
-            ep,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.tpot = LoopHistogram(
+        self.tpot = self._per_request(
             "llm_time_per_output_token_seconds",
             "Decode time per output token after the first (streams only).",
-            ep,
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
         )
-        self.prompt_tokens = LoopHistogram(
-            "llm_request_prompt_tokens",
-            "Each request's prompt length in tokens, as the server reported it (measured only: "
-            "a request whose input usage is unknown observes nothing).",
-            ["model"],
-            buckets=TOKEN_COUNT_BUCKETS,
-            registry=r,
-        )
-        self.output_tokens = LoopHistogram(
-            "llm_request_output_tokens",
-            "Each request's output length in tokens (all choices), as the server reported it "
-            "(measured only: a request whose output usage is unknown observes nothing).",
-            ["model"],
-            buckets=TOKEN_COUNT_BUCKETS,
-            registry=r,
-        )
+        self.prompt_tokens = self._length("prompt", "input")
+        self.output_tokens = self._length("output", "output")
         self.finish_reasons = LoopCounter(
             "llm_finish_reasons",
             "Choices finished, by the reason the server gave (stop, length, tool_calls...; the "
@@ -404,15 +405,11 @@ class Metrics:
         self.cost = LoopCounter(
             "llm_cost_usd",
             "Spend in USD from per-token prices.",
-            ["model", "token_type", "api_endpoint", "user_id"],
+            PER_TOKEN_TYPE,
             registry=r,
         )
-        self.request_cost = LoopHistogram(
-            "llm_request_cost_usd",
-            "Each request's total cost in USD.",
-            ep,
-            buckets=COST_BUCKETS,
-            registry=r,
+        self.request_cost = self._per_request(
+            "llm_request_cost_usd", "Each request's total cost in USD.", COST_BUCKETS
         )
         self.cost_unknown = LoopCounter(
             "llm_cost_unknown", "Requests whose cost is unknown.", ["model", "reason"], registry=r
@@ -612,13 +609,13 @@ class Metrics:
         self.device_seconds = Counter(
             "llm_device_seconds",
             "GPU-seconds attributed to requests.",
-            ["model", "user_id"],
+            PER_MODEL_USER,
             registry=r,
         )
         self.device_cost = Counter(
             "llm_device_cost_usd",
             "GPU-time cost attributed to requests (gpu_hour_usd).",
-            ["model", "user_id"],
+            PER_MODEL_USER,
             registry=r,
         )
         self.energy = Counter(
