@@ -32,19 +32,16 @@ from tollbooth_lab.simulator import EngineParams, create_simulator
 from alerts.build import render_rules
 from sidecar.telemetry.thresholds import DEFAULT, load
 from tests.procs import (
-    PROMETHEUS,
     Prometheus,
     Tollbooth,
     free_port,
+    require_prometheus,
     start_prometheus,
     start_tollbooth,
 )
 from tests.waiting import wait_for
 
-if PROMETHEUS is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI must have Debian's prometheus (make test installs it)")
-    pytest.skip("Debian's prometheus is not installed", allow_module_level=True)
+require_prometheus()
 
 pytestmark = [pytest.mark.binaries, pytest.mark.asyncio(loop_scope="module")]
 

@@ -19,7 +19,6 @@ import bisect
 import functools
 import hashlib
 import json
-import os
 import signal
 import sqlite3
 import time
@@ -38,14 +37,16 @@ from tollbooth_lab.simulator import EngineParams, create_simulator
 from alerts.build import render_rules
 from sidecar.telemetry.metrics import TOKEN_COUNT_BUCKETS
 from sidecar.telemetry.thresholds import DEFAULT
-from tests.procs import PROMETHEUS, Prometheus, start_prometheus, start_tollbooth
+from tests.procs import (
+    Prometheus,
+    require_prometheus,
+    start_prometheus,
+    start_tollbooth,
+)
 from tests.test_e2e_increase import grafana, scrapes, serve
 from tests.waiting import wait_for
 
-if PROMETHEUS is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI must have Debian's prometheus (make test installs it)")
-    pytest.skip("Debian's prometheus is not installed", allow_module_level=True)
+require_prometheus()
 
 pytestmark = [pytest.mark.binaries, pytest.mark.asyncio(loop_scope="module")]
 
