@@ -251,7 +251,8 @@ class HeldView:
 
         A counter carries its value, and whether a scraper may have seen it above 0 (`shown`);
         the next process goes on from there, so the restart is no reset at all. A histogram
-        carries its labels only: it goes on from 0 (a reset Prometheus handles).
+        carries its buckets (upper bounds and cumulative counts) and sum the same way: an
+        observation made after the last scrape is not lost in the restart.
         """
         out: list[dict[str, Any]] = []
         for fam in self._registry.collect():
@@ -259,11 +260,7 @@ class HeldView:
                 continue
             young = set(self._exposed.get(fam.name, {})) | set(self._created_since_render(fam))
             if fam.type == "histogram":
-                out += [
-                    {"family": fam.name, "labels": s.labels}
-                    for s in fam.samples
-                    if s.name == fam.name + "_count"
-                ]
+                out += _histograms(fam, young)
                 continue
             out += [
                 {
@@ -282,6 +279,40 @@ class HeldView:
         for s in fam.samples:
             if s.name == created and s.value >= self._last_render:
                 yield _labels(s)
+
+
+def _histograms(fam: Metric, young: set[Labels]) -> list[dict[str, Any]]:
+    """Each child of a histogram family: labels, bucket bounds and cumulative counts, sum."""
+    out: dict[Labels, dict[str, Any]] = {}
+    for s in fam.samples:
+        key = _labels(s)
+        if s.name == fam.name + "_count":
+            out[key] = {"family": fam.name, "labels": s.labels, "shown": key not in young}
+    for s in fam.samples:
+        if (entry := out.get(_labels(s))) is None:
+            continue
+        if s.name == fam.name + "_bucket":
+            entry.setdefault("le", []).append(float(s.labels["le"]))
+            entry.setdefault("buckets", []).append(s.value)
+        elif s.name == fam.name + "_sum":
+            entry["sum"] = s.value
+    for entry in out.values():
+        entry["labels"] = {k: v for k, v in entry["labels"].items() if k != "le"}
+    return list(out.values())
+
+
+def _go_on(child: Any, saved: dict[str, Any]) -> None:
+    """A restored histogram child goes on from its saved buckets and sum, where its bounds are
+    the saved ones (other bounds: it goes on from 0, a reset)."""
+    bounds, counts = saved.get("le"), saved.get("buckets")
+    if bounds is None or counts is None or [float(b) for b in child._upper_bounds] != bounds:
+        return
+    below = 0.0
+    for cell, cumulative in zip(child._buckets, counts, strict=True):
+        if (n := float(cumulative) - below) > 0:
+            cell.inc(n)
+        below = float(cumulative)
+    child._sum.inc(float(saved.get("sum", 0.0)))
 
 
 def _carrying(fam: Metric) -> set[Labels]:
@@ -361,7 +392,9 @@ def restore(
         try:
             labels = relabel(s["labels"])
             child = families[s["family"]].labels(**labels)
-            if (value := float(s.get("value", 0.0))) > 0:
+            if "buckets" in s:
+                _go_on(child, s)
+            elif (value := float(s.get("value", 0.0))) > 0:
                 child.inc(value)
             if s.get("shown"):
                 view.shown_before(s["family"], labels)
