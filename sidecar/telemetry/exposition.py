@@ -1,7 +1,7 @@
 """What /metrics shows: the registry, with every cumulative series seen at 0 before its value.
 
 Owns: the series published ahead (`publish_ahead`), the view the admin app renders, and carrying
-the counters across a graceful restart.
+the counters and histograms across a graceful restart.
 Prometheus' increase() and rate() never count a series' first sample, so a
 series first scraped already holding its first request's cost loses that cost: the whole first
 spend of a user or model that appears mid-window, and of everything after a restart. So every
@@ -11,8 +11,8 @@ and its first request shows on the next scrape. Only a series a scrape would fir
 carrying a value (an unforeseen user, model or status) is shown as 0 from that exposure until
 `hold_s` seconds later, then with its real value. Every Prometheus that scrapes more often than
 `hold_s` (one server or an HA pair) so takes at least one sample of it at 0 and counts its first
-increment in full. At a graceful restart the counters go on from their values in the next
-process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
+increment in full. At a graceful restart the counters and histograms go on from their values in
+the next process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
 Never: changes a value in the registry (budgets, tests, the demo and `/metrics?hold=0` read the
 truth), runs on the request path, or holds a gauge.
 """
@@ -370,7 +370,8 @@ def restore(
 ) -> int:
     """At start, before the first request and the first scrape: every saved series goes on.
 
-    A counter starts at its saved value, so a graceful restart is no reset: whatever a scraper had
+    A counter starts at its saved value (a histogram at its saved buckets and sum), so a
+    graceful restart is no reset: whatever a scraper had
     not seen yet (the last increments, a series still in its hold) it sees now, exactly once.
     `relabel` passes the labels through this process's caps. The file is removed first: a crash
     after this never counts a cost twice.
