@@ -15,6 +15,7 @@ from dashboards.lib import (
     target,
     timeseries,
     today,
+    top,
 )
 from sidecar.telemetry.thresholds import Thresholds
 
@@ -54,6 +55,21 @@ def build(t: Thresholds) -> Dashboard:
             "restored from the ledger after a restart; equals the ledger's day).",
             "currencyUSD",
             [target(f"sort_desc(sum by (user_id) (llm_spend_today_usd{{{INST}}}))", "{{user_id}}")],
+        ),
+        today(
+            g,
+            "Today: spend by team",
+            "Spend since the start of the budget day by team: the keys file's team of each "
+            "billed key (llm_team_spend_today_usd: measured spend, restored from the ledger "
+            "after a restart). Keys without a team are in no row; empty without a keys file "
+            "that names teams.",
+            "currencyUSD",
+            [
+                target(
+                    f"sort_desc(sum by (team) (llm_team_spend_today_usd{{{INST}}}) > 0)",
+                    "{{team}}",
+                )
+            ],
         ),
         today(
             g,
@@ -169,18 +185,15 @@ def build(t: Thresholds) -> Dashboard:
             ],
             stack=True,
         ),
-        timeseries(
+        top(
             g,
-            "Top 10 users by spend",
-            "Users with the highest spend over the rolling "
-            f"{w24}; later users beyond the cardinality cap share __other__.",
+            "Top 10 users by spend, selected range",
+            "The ten users who spent most over the dashboard's time range (one value each, at "
+            "its end); users with no spend in it are not listed. Users beyond the cardinality "
+            "cap share __other__.",
             "currencyUSD",
-            [
-                target(
-                    f"topk(10, sum by (user_id) (increase(llm_cost_usd_total{{{FILTER}}}[{w24}])))",
-                    "{{user_id}}",
-                )
-            ],
+            f"topk(10, sum by (user_id) (increase(llm_cost_usd_total{{{FILTER}}}[$__range])) > 0)",
+            "{{user_id}}",
         ),
         timeseries(
             g,

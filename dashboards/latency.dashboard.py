@@ -7,6 +7,7 @@ from dashboards.lib import (
     FILTER,
     INST,
     Grid,
+    by_model_quantiles,
     dashboard,
     heatmap,
     or_zero,
@@ -16,6 +17,7 @@ from dashboards.lib import (
     timeseries,
 )
 from sidecar.telemetry.metrics import (
+    MAX_FINISH_REASONS,
     TGI_BATCH,
     TGI_QUEUE,
     VLLM_KV_USAGE,
@@ -210,30 +212,14 @@ def build(t: Thresholds) -> Dashboard:
             "Request duration p50 / p99 by model",
             "Time from request received to response complete, per model.",
             "s",
-            [
-                target(
-                    f"histogram_quantile({q}, sum by (model, le) (rate("
-                    f"llm_request_duration_seconds_bucket{{{FILTER}}}[$__rate_interval])))",
-                    f"{{{{model}}}} p{int(q * 100)}",
-                    ref,
-                )
-                for q, ref in ((0.5, "A"), (0.99, "B"))
-            ],
+            by_model_quantiles("llm_request_duration_seconds"),
         ),
         timeseries(
             g,
             "Time to first token p50 / p99 by model",
             "Upstream send to first token (streams only), per model.",
             "s",
-            [
-                target(
-                    f"histogram_quantile({q}, sum by (model, le) (rate("
-                    f"llm_time_to_first_token_seconds_bucket{{{FILTER}}}[$__rate_interval])))",
-                    f"{{{{model}}}} p{int(q * 100)}",
-                    ref,
-                )
-                for q, ref in ((0.5, "A"), (0.99, "B"))
-            ],
+            by_model_quantiles("llm_time_to_first_token_seconds"),
         ),
         timeseries(
             g,
@@ -245,6 +231,40 @@ def build(t: Thresholds) -> Dashboard:
                     f"sum by (model, token_type) (rate(llm_tokens_total{{{FILTER}}}"
                     "[$__rate_interval]))",
                     "{{model}} {{token_type}}",
+                )
+            ],
+            stack=True,
+        ),
+        timeseries(
+            g,
+            "Prompt length p50 / p99 by model",
+            "Prompt tokens per request as the server reported them (measured counts only: a "
+            "request whose input usage is unknown is not in it), per model; vLLM's "
+            "request_prompt_tokens. Powers-of-two buckets: a percentile is within a factor of 2.",
+            "short",
+            by_model_quantiles("llm_request_prompt_tokens"),
+        ),
+        timeseries(
+            g,
+            "Output length p50 / p99 by model",
+            "Output tokens per request (all its choices) as the server reported them (measured "
+            "counts only), per model; vLLM's request_generation_tokens.",
+            "short",
+            by_model_quantiles("llm_request_output_tokens"),
+        ),
+        timeseries(
+            g,
+            "Finish reasons by model",
+            "Choices finished per second by the reason the server gave (stop: a natural end; "
+            "length: cut at max_tokens or the context; tool_calls...). A rising length share "
+            f"means truncated answers. Reasons past the first {MAX_FINISH_REASONS} distinct "
+            "ones share __other__.",
+            "cps",
+            [
+                target(
+                    f"sum by (model, finish_reason) (rate(llm_finish_reasons_total{{{FILTER}}}"
+                    "[$__rate_interval]))",
+                    "{{model}} {{finish_reason}}",
                 )
             ],
             stack=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from grafanalib.core import (
+    BarGauge,
     Dashboard,
     GridPos,
     Heatmap,
@@ -43,6 +44,11 @@ USD_PER_HOUR = "suffix: $/h"
 COUNT = "short"  # a count of requests or tokens: drawn as a whole number on a stat
 # Models that went through a metered route: `other` (unmetered POSTs) carries model "unknown".
 METERED = 'job="$job",api_endpoint!="other"'
+
+
+# The users with tokens in the dashboard's range: a user published ahead at 0 and never seen is
+# not offered (no phantom users).
+USERS = 'query_result(sum by (user_id) (increase(llm_tokens_total{job="$job"}[$__range])) > 0)'
 
 
 def or_zero(expr: str, label: str | None = None) -> str:
@@ -170,6 +176,21 @@ def today(
     return panel
 
 
+def top(grid: Grid, title: str, description: str, unit: str, expr: str, legend: str) -> BarGauge:
+    """One bar per series of an instant query at the end of the dashboard's range: a top-k over
+    `$__range` lists exactly k (a time series of a rolling top-k lists every series that was in
+    it at some point of the range)."""
+    return BarGauge(
+        title=title,
+        description=description,
+        format=unit,
+        targets=[Target(expr=expr, legendFormat=legend, refId="A", instant=True)],
+        gridPos=grid.next(12),
+        dataSource=DS,
+        thresholds=[],
+    )
+
+
 def text(grid: Grid, title: str, content: str, w: int = 24, h: int = 4) -> Text:
     return Text(title=title, content=content, mode="markdown", gridPos=grid.next(w, h))
 
@@ -225,6 +246,35 @@ def _heatmap(panel: dict[str, Any]) -> None:
     }
 
 
+def _bargauge(panel: dict[str, Any]) -> None:
+    """Grafana's bar gauge (since 7): options in the current shape, no legacy fieldOptions."""
+    unit = panel["options"]["fieldOptions"]["defaults"]["unit"]
+    panel["options"] = {
+        "displayMode": "gradient",
+        "orientation": "horizontal",
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "showUnfilled": True,
+        "valueMode": "color",
+    }
+    panel["fieldConfig"] = {
+        "defaults": {"min": 0, "unit": unit, "thresholds": {"mode": "absolute", "steps": []}},
+        "overrides": [],
+    }
+
+
+def by_model_quantiles(metric: str) -> list[Target]:
+    """p50 and p99 of a histogram, one line each per model."""
+    return [
+        target(
+            f"histogram_quantile({q}, sum by (model, le) (rate({metric}_bucket{{{FILTER}}}"
+            "[$__rate_interval])))",
+            f"{{{{model}}}} p{int(q * 100)}",
+            ref,
+        )
+        for q, ref in ((0.5, "A"), (0.99, "B"))
+    ]
+
+
 def percentiles(grid: Grid, title: str, description: str, metric: str, w: int = 12) -> TimeSeries:
     targets = [
         target(
@@ -239,7 +289,7 @@ def percentiles(grid: Grid, title: str, description: str, metric: str, w: int = 
 
 
 def variables(t: Thresholds, user: bool = False) -> Templating:
-    def query(name: str, q: str, multi: bool = True) -> Template:
+    def query(name: str, q: str, multi: bool = True, regex: str | None = None) -> Template:
         return Template(
             name=name,
             label=name,
@@ -251,6 +301,7 @@ def variables(t: Thresholds, user: bool = False) -> Templating:
             refresh=2,
             sort=1,
             type="query",
+            regex=regex,
         )
 
     items = [
@@ -269,9 +320,7 @@ def variables(t: Thresholds, user: bool = False) -> Templating:
         query("model", f"label_values(llm_requests_total{{{METERED}}}, model)"),
     ]
     if user:
-        items.append(
-            query("user_id", 'label_values(llm_tokens_total{job="$job"}, user_id)', multi=False)
-        )
+        items.append(query("user_id", USERS, multi=False, regex=r'/user_id="([^"]+)"/'))
     return Templating(list=items)
 
 
@@ -301,7 +350,7 @@ PANEL_KEYS = {
     "datasource", "description", "fieldConfig", "gridPos", "id", "maxDataPoints", "options",
     "targets", "timeFrom", "title", "type",
 }  # fmt: skip
-TARGET_KEYS = {"datasource", "exemplar", "expr", "format", "legendFormat", "refId"}
+TARGET_KEYS = {"datasource", "exemplar", "expr", "format", "instant", "legendFormat", "refId"}
 VARIABLE_KEYS = {
     "allValue", "current", "datasource", "definition", "hide", "includeAll", "label", "multi",
     "name", "options", "query", "refresh", "regex", "sort", "type",
@@ -343,6 +392,8 @@ def _panel(i: int, panel: dict[str, Any]) -> dict[str, Any]:
     if panel["type"] == "heatmap":
         _heatmap(panel)
     else:
+        if panel["type"] == "bargauge":
+            _bargauge(panel)
         _unit(panel)
         panel.pop("maxDataPoints", None)  # Grafana's default: the panel's width in pixels
     if panel["type"] == "text":
@@ -351,6 +402,8 @@ def _panel(i: int, panel: dict[str, Any]) -> dict[str, Any]:
     targets = []
     for tgt in panel.get("targets", []):
         tgt = {k: v for k, v in tgt.items() if k in TARGET_KEYS and v is not None}
+        if not tgt.get("instant"):  # a range query: Grafana's default, not written
+            tgt.pop("instant", None)
         tgt["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
         tgt["exemplar"] = panel["type"] == "timeseries"
         targets.append(tgt)

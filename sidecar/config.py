@@ -96,6 +96,8 @@ class MeteringConfig:
     max_tracked_users: int = 500
     # Model names come from clients too (a typo is a new name): bound them like users.
     max_tracked_models: int = 100
+    # Teams (from the keys file) with their own llm_team_spend_today_usd series; later share one.
+    max_tracked_teams: int = 100
     # Ask streaming chat/completions for usage and strip the extra chunk before the client sees it.
     inject_stream_usage: bool = True
     # A counter series first exposed already carrying a value (one not published ahead: an
@@ -521,6 +523,8 @@ def validate(config: Config) -> Config:
         _fail("budgets.day_start_hour_utc", config.budgets.day_start_hour_utc, "must be 0-23")
     if config.metering.max_tracked_users < 1:
         _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
+    if config.metering.max_tracked_teams < 1:
+        _fail("metering.max_tracked_teams", config.metering.max_tracked_teams, "must be >= 1")
     for route in config.metering.free_routes:
         if not route.startswith("/"):
             _fail("metering.free_routes", route, "each route must start with '/'")

@@ -1,9 +1,9 @@
 """A preview of the dashboards without Grafana: each panel's queries evaluated by a live Prometheus
 over a time range, drawn as inline SVG in one HTML page a reviewer can open (tests only).
 
-Stats show each series' last value; every other panel draws its series as lines. Not Grafana:
-no units' formatting beyond a suffix, no stacking; enough to see that each panel has data and
-what shape it has.
+Stats and bar gauges show each series' last value; every other panel draws its series as lines.
+Not Grafana: no units' formatting beyond a suffix, no stacking; enough to see that each panel has
+data and what shape it has.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ async def panel_html(panel: dict[str, Any], query: Query) -> tuple[str, bool]:
         for i, (name, pts) in enumerate(series)
         if pts
     )
-    body = "" if panel["type"] == "stat" else svg(series)
+    body = "" if panel["type"] in ("stat", "bargauge") else svg(series)
     title = html.escape(panel["title"])
     return (
         f'<div class="panel"><h3>{title} <small>{panel["type"]}, {html.escape(unit)}</small></h3>'

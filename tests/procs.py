@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import sys
@@ -10,10 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 from tollbooth_lab.bench.runner import free_port
 
-__all__ = ["Prometheus", "Tollbooth", "free_port", "start_prometheus", "start_tollbooth"]
+__all__ = [
+    "Prometheus",
+    "Tollbooth",
+    "free_port",
+    "require_prometheus",
+    "start_prometheus",
+    "start_tollbooth",
+]
 
 
 class Tollbooth:
@@ -86,6 +95,14 @@ async def start_tollbooth(
 
 
 PROMETHEUS = shutil.which("prometheus")
+
+
+def require_prometheus() -> None:
+    """At a test module's top: skip it where Debian's prometheus is missing; fail it in CI."""
+    if PROMETHEUS is None:
+        if os.environ.get("CI"):
+            raise RuntimeError("CI must have Debian's prometheus (make test installs it)")
+        pytest.skip("Debian's prometheus is not installed", allow_module_level=True)
 
 
 class Prometheus:

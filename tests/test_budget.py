@@ -13,7 +13,8 @@ import aiohttp
 import openai
 import pytest
 
-from sidecar.billing.budget import Hold, LocalStore, Scope, money, to_micros
+from sidecar.billing.budget import DAY, Budgets, Hold, LocalStore, Scope, money, to_micros
+from sidecar.telemetry.metrics import LabelCap, Metrics
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
 
@@ -393,24 +394,28 @@ def test_a_tgi_stream_without_token_events_has_no_output_count() -> None:
     assert usage.output_tokens is None and usage.unknown_reason == "no_token_events"
 
 
-def test_spend_today_starts_again_at_the_next_budget_day() -> None:
-    """The gauge is cleared at the day's start; a user's spend the next day is that day's only,
-    and still exported (a cached child of the cleared gauge used to swallow it)."""
-    from sidecar.billing.budget import DAY, Budgets
+def no_limits(m: Metrics, now: list[float], teams: LabelCap | None = None) -> Budgets:
+    """Budgets without a limit (its gauges only), on the clock `now[0]`."""
     from sidecar.config import AdmissionConfig, BudgetConfig, PricingConfig
     from sidecar.metering.pricing import PriceBook
-    from sidecar.telemetry.metrics import LabelCap, Metrics
 
-    now = [10 * DAY + 100.0]
-    m = Metrics()
-    b = Budgets(
+    return Budgets(
         BudgetConfig(),
         AdmissionConfig(),
         m,
         LabelCap(10),
         PriceBook(PricingConfig()),
         clock=lambda: now[0],
+        teams=teams,
     )
+
+
+def test_spend_today_starts_again_at_the_next_budget_day() -> None:
+    """The gauge is cleared at the day's start; a user's spend the next day is that day's only,
+    and still exported (a cached child of the cleared gauge used to swallow it)."""
+    now = [10 * DAY + 100.0]
+    m = Metrics()
+    b = no_limits(m, now)
     b.restore_gauge({"ann": 0.5})
     now[0] += DAY
     b.restore_gauge({"ann": 0.25, "bob": 0.125})
@@ -419,3 +424,36 @@ def test_spend_today_starts_again_at_the_next_budget_day() -> None:
         for u in ("ann", "bob")
     }
     assert spend == {"ann": 0.25, "bob": 0.125}
+
+
+def test_team_spend_today_is_measured_spend_by_the_keys_team_and_bounded() -> None:
+    """llm_team_spend_today_usd: a request's measured cost on its key's team; no team, no
+    series; later teams share __other__; restored from the ledger; cleared at the next day."""
+    from sidecar.exchange import Cost, Usage
+    from sidecar.telemetry.metrics import OTHER
+    from tests.test_meter import exchange
+
+    now = [10 * DAY + 100.0]
+    m = Metrics()
+    b = no_limits(m, now, teams=LabelCap(2))
+
+    def team_spend() -> dict[str, float]:
+        fam = next(iter(m.team_spend_today.collect()))
+        return {s.labels["team"]: s.value for s in fam.samples}
+
+    def settle(team: str | None, usd: float | None) -> None:
+        ex = exchange(Usage(input_tokens=1, output_tokens=1))
+        ex.started_at, ex.team = now[0], team
+        ex.cost = None if usd is None else Cost(input_usd=usd, output_usd=0.0)
+        b.settle(ex)
+
+    b.restore_gauge({"u": 0.5}, {"ml": 0.5})
+    settle("ml", 0.25)
+    settle("web", 0.125)
+    settle(None, 1.0)  # no team on the key: the user's spend only
+    settle("ops", 0.0625)  # past the cap of 2 teams
+    assert team_spend() == {"ml": 0.75, "web": 0.125, OTHER: 0.0625}
+    assert m.registry.get_sample_value("llm_spend_today_usd", {"user_id": "u"}) == 1.9375
+    now[0] += DAY
+    settle("web", 0.5)
+    assert team_spend() == {"web": 0.5}

@@ -38,3 +38,27 @@ def test_model_variable_reads_metered_series_only() -> None:
         model = next(v for v in data["templating"]["list"] if v["name"] == "model")
         assert model["definition"].startswith("label_values(llm_requests_total{")
         assert 'api_endpoint!="other"' in model["definition"]
+
+
+def test_a_top_k_is_one_instant_value_per_series_and_never_lists_zero() -> None:
+    """A range query of a rolling top-k lists every series that was in it at some point (more
+    than k over a range), and a top-k over series at 0 lists users who spent nothing."""
+    tops = [
+        (p, t)
+        for d in dashboards().values()
+        for p in d["panels"]
+        for t in p.get("targets", [])
+        if "topk(" in t["expr"]
+    ]
+    assert tops
+    for panel, t in tops:
+        assert panel["type"] == "bargauge" and t.get("instant") is True, panel["title"]
+        assert "[$__range]" in t["expr"] and t["expr"].rstrip(")").endswith("> 0"), t["expr"]
+
+
+def test_the_user_variable_offers_only_users_with_tokens() -> None:
+    user = next(
+        v for v in dashboards()["user.json"]["templating"]["list"] if v["name"] == "user_id"
+    )
+    assert user["definition"].startswith("query_result(") and user["definition"].endswith("> 0)")
+    assert user["regex"] == '/user_id="([^"]+)"/'

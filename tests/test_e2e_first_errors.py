@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,12 +26,15 @@ from tollbooth_lab.simulator import EngineParams, create_simulator
 
 from alerts.build import render_rules
 from sidecar.telemetry.thresholds import DEFAULT
-from tests.procs import PROMETHEUS, Prometheus, free_port, start_prometheus, start_tollbooth
+from tests.procs import (
+    Prometheus,
+    free_port,
+    require_prometheus,
+    start_prometheus,
+    start_tollbooth,
+)
 
-if PROMETHEUS is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI must have Debian's prometheus (make test installs it)")
-    pytest.skip("Debian's prometheus is not installed", allow_module_level=True)
+require_prometheus()
 
 pytestmark = pytest.mark.binaries
 

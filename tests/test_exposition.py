@@ -4,6 +4,7 @@ registry always holds the truth. The proof against Prometheus is tests/test_e2e_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +201,7 @@ def test_counters_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> Non
     m.cost.labels("m", "input", EP, "held").inc(3)
     shown(reg)  # shown at 0 once
     m.cost.labels("m", "input", EP, "never").inc(4)  # never shown at all
-    m.request_cost.labels("m", EP).observe(0.2)  # a histogram goes on from 0
+    m.request_cost.labels("m", EP).observe(0.2)  # after the last scrape: goes on from there
     m.ledger_errors.labels("write").inc()  # not read by increase(): not carried
     path = tmp_path / "ledger.db.series.json"
     assert save(view, path, clock) == 4
@@ -212,7 +213,11 @@ def test_counters_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> Non
         labels = {"model": "m", "token_type": "input", "api_endpoint": EP, "user_id": user}
         assert nxt.registry.get_sample_value("llm_cost_usd_total", labels) == value
     count = {"model": "m", "api_endpoint": EP}
-    assert nxt.registry.get_sample_value("llm_request_cost_usd_count", count) == 0
+    assert nxt.registry.get_sample_value("llm_request_cost_usd_count", count) == 1
+    assert nxt.registry.get_sample_value("llm_request_cost_usd_sum", count) == 0.2
+    bucket = {**count, "le": "0.25"}
+    assert nxt.registry.get_sample_value("llm_request_cost_usd_bucket", bucket) == 1
+    assert nxt.registry.get_sample_value("llm_request_cost_usd_bucket", {**count, "le": "0.1"}) == 0
     assert nxt.registry.get_sample_value("llm_ledger_errors_total", {"stage": "write"}) == 0
     now = shown(reg2)
     assert now[cost_key("seen")] == 3  # scrapers saw it above 0: it goes on at once
@@ -261,3 +266,39 @@ def test_stale_or_broken_carry_files_are_dropped(clock: Clock, tmp_path: Path) -
     assert restore(nxt, published(nxt, 10)[1], path, clock=clock) == 0 and not path.exists()
     assert carry_path(None) is None
     assert carry_path("/var/lib/t/ledger.db") == Path("/var/lib/t/ledger.db.series.json")
+
+
+def test_a_histogram_seen_by_scrapers_goes_on_at_once_and_other_bounds_reset(
+    clock: Clock, tmp_path: Path
+) -> None:
+    """A histogram child carries its buckets and sum like a counter its value: one a scraper
+    saw is shown at its value at once in the next process (a 0 would read as a reset and count
+    it twice); saved under other bucket bounds, it goes on from 0 (a reset), never misfiled."""
+    m = Metrics()
+    reg, view = published(m, hold_s=10)
+    m.duration.labels("m", EP).observe(0.5)
+    shown(reg)
+    clock.now += 11
+    shown(reg)  # published at its value
+    m.duration.labels("m", EP).observe(3.0)  # after the last scrape
+    path = tmp_path / "ledger.db.series.json"
+    save(view, path, clock)
+    nxt = Metrics()
+    reg2, view2 = published(nxt, hold_s=10)
+    restore(nxt, view2, path, clock=clock)
+    labels = {"model": "m", "api_endpoint": EP}
+    first = shown(reg2)
+    assert first[("llm_request_duration_seconds_count", tuple(sorted(labels.items())))] == 2
+    assert nxt.registry.get_sample_value("llm_request_duration_seconds_sum", labels) == 3.5
+    assert not path.exists()  # applied once
+    m.duration.labels("m", EP).observe(1.0)
+    save(view, path, clock)
+    saved = json.loads(path.read_text())
+    for s in saved["series"]:
+        if "le" in s:
+            s["le"] = s["le"][1:]  # a release with other bounds
+            s["buckets"] = s["buckets"][1:]
+    path.write_text(json.dumps(saved))
+    other = Metrics()
+    restore(other, published(other, hold_s=10)[1], path, clock=clock)
+    assert other.registry.get_sample_value("llm_request_duration_seconds_count", labels) == 0

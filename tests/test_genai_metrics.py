@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from sidecar.telemetry.genai_metrics import DURATION_BUCKETS, TOKEN_BUCKETS
+from sidecar.telemetry.metrics import GENAI_DURATION_ADVICE, GENAI_TOKEN_ADVICE
 from tests.conftest import StartSidecar
 from tests.test_reconcile import MODEL, FakeVllm, chat
 from tests.waiting import wait_for
@@ -89,13 +89,13 @@ async def test_token_usage_arrives_over_otlp_with_exact_sums(
         assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.provider.name"] == "vllm"
         assert a["gen_ai.request.model"] == MODEL
         assert a["server.address"] == "127.0.0.1" and a["server.port"] == engine.port
-        assert list(p.explicit_bounds) == [float(b) for b in TOKEN_BUCKETS]
+        assert list(p.explicit_bounds) == [float(b) for b in GENAI_TOKEN_ADVICE]
         sums[a["gen_ai.token.type"]] = sums.get(a["gen_ai.token.type"], 0.0) + p.sum
         assert p.count == 3
     assert sums == {"input": 15.0, "output": 41.0}
     duration = got["gen_ai.client.operation.duration"]
     assert duration.unit == "s"
     [point] = duration.histogram.data_points
-    assert point.count == 3 and list(point.explicit_bounds) == list(DURATION_BUCKETS)
+    assert point.count == 3 and list(point.explicit_bounds) == list(GENAI_DURATION_ADVICE)
     first = got["gen_ai.client.operation.time_to_first_chunk"]
     assert sum(p.count for p in first.histogram.data_points) == 2  # the two streams only

@@ -10,7 +10,7 @@ from sidecar.config import ModelPrice, PricingConfig
 from sidecar.exchange import Usage
 from sidecar.metering.meter import Meter, time_per_output_token
 from sidecar.metering.pricing import PriceBook
-from sidecar.telemetry.metrics import Metrics
+from sidecar.telemetry.metrics import MAX_FINISH_REASONS, OTHER, Metrics
 from tests.test_meter import exchange, streamed
 
 EP = "/v1/chat/completions"
@@ -58,3 +58,43 @@ def test_no_time_per_output_token_without_a_first_token_or_a_duration() -> None:
     no_duration.duration_s = None
     assert time_per_output_token(no_first) is None
     assert time_per_output_token(no_duration) is None
+
+
+def _length(metrics: Metrics, name: str, sample: str) -> float | None:
+    return metrics.registry.get_sample_value(f"llm_request_{name}_tokens_{sample}", {"model": "m"})
+
+
+def test_prompt_and_output_lengths_are_measured_counts_only() -> None:
+    both = _record(Usage(input_tokens=7, output_tokens=300))
+    assert (_length(both, "prompt", "count"), _length(both, "prompt", "sum")) == (1, 7)
+    assert (_length(both, "output", "count"), _length(both, "output", "sum")) == (1, 300)
+    labels = {"model": "m", "le": "256.0"}
+    assert both.registry.get_sample_value("llm_request_output_tokens_bucket", labels) == 0
+    labels["le"] = "512.0"
+    assert both.registry.get_sample_value("llm_request_output_tokens_bucket", labels) == 1
+    only_input = _record(Usage(input_tokens=7))
+    assert _length(only_input, "prompt", "count") == 1
+    assert _length(only_input, "output", "count") is None  # unknown: no observation, not 0
+    nothing = _record(Usage())
+    assert _length(nothing, "prompt", "count") is None
+    assert _length(nothing, "output", "count") is None
+    refused = _record(Usage(), status=429)
+    assert _length(refused, "prompt", "count") is None
+
+
+def _reasons(metrics: Metrics) -> dict[str, float]:
+    fam = next(iter(metrics.finish_reasons.collect()))
+    return {s.labels["finish_reason"]: s.value for s in fam.samples if s.name.endswith("_total")}
+
+
+def test_finish_reasons_are_counted_per_choice_and_bounded() -> None:
+    assert _reasons(_record(Usage(input_tokens=1, output_tokens=2))) == {}
+    many = Usage(input_tokens=1, output_tokens=8, finish_reasons=("stop", "length", "stop"))
+    assert _reasons(_record(many)) == {"stop": 2, "length": 1}
+    metrics = Metrics()
+    meter = Meter(metrics, PriceBook(PricingConfig(default=PRICE)))
+    for i in range(MAX_FINISH_REASONS + 5):
+        meter.record(exchange(Usage(input_tokens=1, output_tokens=1, finish_reasons=(f"r{i}",))))
+    got = _reasons(metrics)
+    assert len(got) == MAX_FINISH_REASONS + 1 and got[OTHER] == 5
+    assert sum(got.values()) == MAX_FINISH_REASONS + 5  # every choice counted, none lost

@@ -119,9 +119,13 @@ def test_the_request_paths_families_are_lock_free() -> None:
         "duration",
         "ttft",
         "tpot",
+        "prompt_tokens",
+        "output_tokens",
+        "finish_reasons",
         "in_flight",
         "cost",
         "request_cost",
         "cost_unknown",
         "spend_today",
+        "team_spend_today",
     }

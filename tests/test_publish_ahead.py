@@ -114,9 +114,12 @@ def test_what_is_published_ahead() -> None:
         )
         == 0
     )
+    for length in ("llm_request_prompt_tokens_count", "llm_request_output_tokens_count"):
+        assert m.registry.get_sample_value(length, {"model": "b"}) == 0
     users = {s.labels.get("user_id") for s in next(iter(m.cost.collect())).samples}
     assert users == {"alice"}  # no phantom "anonymous"
-    assert n == 2 * len(eps) * (len(SIDECAR_STATUSES) + 4) + 2 * 2 * len(eps) * 2 + 1
+    assert not next(iter(m.finish_reasons.collect())).samples  # the server's words: not ahead
+    assert n == 2 * (len(eps) * (len(SIDECAR_STATUSES) + 4) + 2) + 2 * 2 * len(eps) * 2 + 1
 
 
 def test_known_users_ahead_are_bounded() -> None:

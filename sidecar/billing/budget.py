@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from ..config import AdmissionConfig, BudgetConfig, ModelPrice
+from ..config import AdmissionConfig, BudgetConfig, MeteringConfig, ModelPrice
 from ..exchange import (
     AUDIO_ROUTES,
     BudgetHold,
@@ -192,11 +192,14 @@ class Budgets:
         prices: PriceBook,
         store: BudgetStore | None = None,
         clock: Callable[[], float] = time.time,
+        teams: LabelCap | None = None,
     ) -> None:
         self.config = config
         self.chars_per_token = admission.chars_per_token
         self.metrics = metrics
         self.users = users
+        # `teams or ...` would not do: an empty LabelCap is falsy (it has a length)
+        self.teams = LabelCap(MeteringConfig().max_tracked_teams) if teams is None else teams
         self.prices = prices
         self.store: BudgetStore = store or LocalStore(
             config.max_tracked_users + 1 + len(config.teams), metrics
@@ -342,7 +345,7 @@ class Budgets:
         if hold is not None:
             self.store.settle(hold.request_id, self.charge(ex, hold, measured))
         if measured:
-            self._gauge(ex.user_id, measured, self.request_day(ex))
+            self._gauge(ex.user_id, ex.team, measured, self.request_day(ex))
 
     def request_day(self, ex: Exchange) -> int:
         """The budget day a request belongs to: the one it was admitted in (its hold's), else
@@ -368,28 +371,37 @@ class Budgets:
             return max(hold.amount, to_micros(measured))
         return to_micros(measured)
 
-    def _gauge(self, user: str, amount: float, day: int) -> None:
-        """Spend of budget day `day` on today's gauge: an earlier day's (a stream admitted before
-        the boundary that ended after it) is that day's, in the ledger and the report, not
-        today's."""
-        now = self.clock()
+    def _gauge(self, user: str | None, team: str | None, amount: float, day: int) -> None:
+        """Spend of budget day `day` on today's gauges (by user; by team when the key has one):
+        an earlier day's (a stream admitted before the boundary that ended after it) is that
+        day's, in the ledger and the report, not today's."""
+        m, now = self.metrics, self.clock()
         if not self._gauge_day <= now < self._gauge_day + DAY:  # another budget day
             self._gauge_day = self.day_start(now)
-            self.metrics.clear(self.metrics.spend_today)
-        if day >= self._gauge_day:
-            self.metrics.child(self.metrics.spend_today, self.users(user)).inc(amount)
+            m.clear(m.spend_today)
+            m.clear(m.team_spend_today)
+        if day < self._gauge_day:
+            return
+        if user is not None:
+            m.child(m.spend_today, self.users(user)).inc(amount)
+        if team:
+            m.child(m.team_spend_today, self.teams(team)).inc(amount)
 
     async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
         """Today's spend read from the ledger at start: the gauge and the store."""
-        self.restore_gauge(by_user)
+        self.restore_gauge(by_user, by_team)
         await self.store.seed(self.day_start(self.clock()), spent_by_scope(by_user, by_team))
 
-    def restore_gauge(self, by_user: Mapping[str, float]) -> None:
-        """This process's spend today (its own ledger): the gauge only. A shared store seeds
+    def restore_gauge(
+        self, by_user: Mapping[str, float], by_team: Mapping[str, float] | None = None
+    ) -> None:
+        """This process's spend today (its own ledger): the gauges only. A shared store seeds
         itself from the fleet's ledger."""
         today = self.day_start(self.clock())
         for user, amount in by_user.items():
-            self._gauge(user, amount, today)
+            self._gauge(user, None, amount, today)
+        for team, amount in (by_team or {}).items():
+            self._gauge(None, team, amount, today)
 
 
 def spent_by_scope(by_user: Mapping[str, float], by_team: Mapping[str, float]) -> dict[str, int]:

@@ -84,6 +84,7 @@ class Sidecar:
         self.upstream_auth = upstream_authorization(self.config)
         self.users = LabelCap(self.config.metering.max_tracked_users)
         self.models = LabelCap(self.config.metering.max_tracked_models, max_len=128)
+        self.teams = LabelCap(self.config.metering.max_tracked_teams)
         _init_label_sets(self)
 
     @property

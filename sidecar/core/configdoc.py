@@ -34,6 +34,7 @@ NOTES = {
     "server.max_request_body_bytes": "413 beyond this",
     "server.shutdown_grace_s": "SIGTERM drains in-flight requests this long",
     "metering.max_tracked_users": 'later users share user_id="__other__"; totals stay exact',
+    "metering.max_tracked_teams": 'on llm_team_spend_today_usd; later teams share "__other__"',
     "metering.inject_stream_usage": "see docs/traffic.md",
     "pricing": "USD per million tokens (or: tollbooth serve --pricing FILE)",
     "pricing.models": (

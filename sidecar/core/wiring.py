@@ -72,7 +72,7 @@ def wire(
     shipper = sc.shipper = _shipper(sc)
     store = _shared_store(sc, shipper)
     budgets = sc.budgets = Budgets(
-        cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
+        cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store, teams=sc.teams
     )
     sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics))  # limits, what is left
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
@@ -90,7 +90,7 @@ def wire(
             if store is None:
                 await budgets.restore(by_user, by_team)
             else:  # the shared store seeds itself from the fleet's ledger
-                budgets.restore_gauge(by_user)
+                budgets.restore_gauge(by_user, by_team)
 
         if shipper is not None:  # ships after the ledger's last rows; starts after its retention
             from ..billing.fleet_ledger import shipper_contexts

@@ -51,12 +51,16 @@ class Meter:
             c(m.ttft, ex.model, ep).observe(ttft)
             if (tpot := time_per_output_token(ex)) is not None:
                 c(m.tpot, ex.model, ep).observe(tpot)
+        for reason in u.finish_reasons:  # one a choice, as the server reported it
+            c(m.finish_reasons, ex.model, m.reason_labels(reason)).inc()
         if not consumed(ex):
             return
         if u.input_tokens is not None:
             c(m.tokens, ex.model, "input", ep, ex.user).inc(u.input_tokens)
+            c(m.prompt_tokens, ex.model).observe(u.input_tokens)
         if u.output_tokens is not None:
             c(m.tokens, ex.model, "output", ep, ex.user).inc(u.output_tokens)
+            c(m.output_tokens, ex.model).observe(u.output_tokens)
         if u.reasoning_tokens is not None:  # a part of output: sums of token_type exclude it
             c(m.tokens, ex.model, "reasoning", ep, ex.user).inc(u.reasoning_tokens)
         if u.cached_input_tokens is not None:

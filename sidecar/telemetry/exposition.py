@@ -1,7 +1,7 @@
 """What /metrics shows: the registry, with every cumulative series seen at 0 before its value.
 
 Owns: the series published ahead (`publish_ahead`), the view the admin app renders, and carrying
-the counters across a graceful restart.
+the counters and histograms across a graceful restart.
 Prometheus' increase() and rate() never count a series' first sample, so a
 series first scraped already holding its first request's cost loses that cost: the whole first
 spend of a user or model that appears mid-window, and of everything after a restart. So every
@@ -11,8 +11,8 @@ and its first request shows on the next scrape. Only a series a scrape would fir
 carrying a value (an unforeseen user, model or status) is shown as 0 from that exposure until
 `hold_s` seconds later, then with its real value. Every Prometheus that scrapes more often than
 `hold_s` (one server or an HA pair) so takes at least one sample of it at 0 and counts its first
-increment in full. At a graceful restart the counters go on from their values in the next
-process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
+increment in full. At a graceful restart the counters and histograms go on from their values in
+the next process, so no scraper loses what it had not seen yet (docs/metrics.md, "Exact increases").
 Never: changes a value in the registry (budgets, tests, the demo and `/metrics?hold=0` read the
 truth), runs on the request path, or holds a gauge.
 """
@@ -80,6 +80,9 @@ def read_by_increase(m: Metrics) -> dict[str, Any]:
         m.duration,
         m.ttft,
         m.tpot,
+        m.prompt_tokens,
+        m.output_tokens,
+        m.finish_reasons,  # the upstream's words: not known ahead, held when first seen
         m.cost,
         m.request_cost,
         m.cost_unknown,
@@ -114,11 +117,16 @@ def publish_ahead(
 
     `models` and `users` are labels already through the label caps. Per model and endpoint: the
     request series of every status in SIDECAR_STATUSES and the histograms the alerts and the
-    latency panels read; per known user in addition: tokens and cost of each token type.
+    latency panels read; per model, the prompt and output length histograms; per known user in
+    addition: tokens and cost of each token type. (Finish reasons are the server's words, not
+    known ahead.)
     """
     eps, n = tuple(endpoints), 0
     models, users = tuple(dict.fromkeys(models)), tuple(dict.fromkeys(users))
     for model in models:
+        m.child(m.prompt_tokens, model)
+        m.child(m.output_tokens, model)
+        n += 2
         for ep in eps:
             for status in SIDECAR_STATUSES:
                 m.child(m.requests, model, ep, status)
@@ -244,7 +252,8 @@ class HeldView:
 
         A counter carries its value, and whether a scraper may have seen it above 0 (`shown`);
         the next process goes on from there, so the restart is no reset at all. A histogram
-        carries its labels only: it goes on from 0 (a reset Prometheus handles).
+        carries its buckets (upper bounds and cumulative counts) and sum the same way: an
+        observation made after the last scrape is not lost in the restart.
         """
         out: list[dict[str, Any]] = []
         for fam in self._registry.collect():
@@ -252,11 +261,7 @@ class HeldView:
                 continue
             young = set(self._exposed.get(fam.name, {})) | set(self._created_since_render(fam))
             if fam.type == "histogram":
-                out += [
-                    {"family": fam.name, "labels": s.labels}
-                    for s in fam.samples
-                    if s.name == fam.name + "_count"
-                ]
+                out += _histograms(fam, young)
                 continue
             out += [
                 {
@@ -275,6 +280,40 @@ class HeldView:
         for s in fam.samples:
             if s.name == created and s.value >= self._last_render:
                 yield _labels(s)
+
+
+def _histograms(fam: Metric, young: set[Labels]) -> list[dict[str, Any]]:
+    """Each child of a histogram family: labels, bucket bounds and cumulative counts, sum."""
+    out: dict[Labels, dict[str, Any]] = {}
+    for s in fam.samples:
+        key = _labels(s)
+        if s.name == fam.name + "_count":
+            out[key] = {"family": fam.name, "labels": s.labels, "shown": key not in young}
+    for s in fam.samples:
+        if (entry := out.get(_labels(s))) is None:
+            continue
+        if s.name == fam.name + "_bucket":
+            entry.setdefault("le", []).append(float(s.labels["le"]))
+            entry.setdefault("buckets", []).append(s.value)
+        elif s.name == fam.name + "_sum":
+            entry["sum"] = s.value
+    for entry in out.values():
+        entry["labels"] = {k: v for k, v in entry["labels"].items() if k != "le"}
+    return list(out.values())
+
+
+def _go_on(child: Any, saved: dict[str, Any]) -> None:
+    """A restored histogram child goes on from its saved buckets and sum, where its bounds are
+    the saved ones (other bounds: it goes on from 0, a reset)."""
+    bounds, counts = saved.get("le"), saved.get("buckets")
+    if bounds is None or counts is None or [float(b) for b in child._upper_bounds] != bounds:
+        return
+    below = 0.0
+    for cell, cumulative in zip(child._buckets, counts, strict=True):
+        if (n := float(cumulative) - below) > 0:
+            cell.inc(n)
+        below = float(cumulative)
+    child._sum.inc(float(saved.get("sum", 0.0)))
 
 
 def _carrying(fam: Metric) -> set[Labels]:
@@ -332,7 +371,8 @@ def restore(
 ) -> int:
     """At start, before the first request and the first scrape: every saved series goes on.
 
-    A counter starts at its saved value, so a graceful restart is no reset: whatever a scraper had
+    A counter starts at its saved value (a histogram at its saved buckets and sum), so a
+    graceful restart is no reset: whatever a scraper had
     not seen yet (the last increments, a series still in its hold) it sees now, exactly once.
     `relabel` passes the labels through this process's caps. The file is removed first: a crash
     after this never counts a cost twice.
@@ -354,7 +394,9 @@ def restore(
         try:
             labels = relabel(s["labels"])
             child = families[s["family"]].labels(**labels)
-            if (value := float(s.get("value", 0.0))) > 0:
+            if "buckets" in s:
+                _go_on(child, s)
+            elif (value := float(s.get("value", 0.0))) > 0:
                 child.inc(value)
             if s.get("shown"):
                 view.shown_before(s["family"], labels)

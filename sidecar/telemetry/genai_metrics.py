@@ -33,12 +33,7 @@ from opentelemetry.semconv.attributes import server_attributes
 from .. import __version__
 from ..config import Config
 from ..exchange import Exchange
-
-# The conventions' advised explicit bucket boundaries (gen-ai-metrics.md, 0.66b2's version).
-TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
-                 16777216, 67108864)  # fmt: skip
-DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                    40.96, 81.92)  # fmt: skip
+from .metrics import GENAI_DURATION_ADVICE, GENAI_TOKEN_ADVICE
 
 
 def exporter_from_env() -> MetricExporter:
@@ -76,19 +71,19 @@ class GenAiMetrics:
             gm.GEN_AI_CLIENT_TOKEN_USAGE,
             unit="{token}",
             description="Number of input and output tokens used.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+            explicit_bucket_boundaries_advisory=GENAI_TOKEN_ADVICE,
         )
         self.duration = meter.create_histogram(
             gm.GEN_AI_CLIENT_OPERATION_DURATION,
             unit="s",
             description="GenAI operation duration.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            explicit_bucket_boundaries_advisory=GENAI_DURATION_ADVICE,
         )
         self.first_chunk = meter.create_histogram(
             gm.GEN_AI_CLIENT_OPERATION_TIME_TO_FIRST_CHUNK,
             unit="s",
             description="Time to receive the first chunk of a streamed response.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            explicit_bucket_boundaries_advisory=GENAI_DURATION_ADVICE,
         )
 
     def attributes(self, ex: Exchange) -> dict[str, Any]:

@@ -10,14 +10,24 @@ from __future__ import annotations
 import re
 import threading
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.samples import Exemplar
 
-# Bucket boundaries, in one place. Each is a superset of the OpenTelemetry GenAI
-# semantic-convention advice for the same quantity, so our histograms line up with spans and with
-# vLLM/TGI's own exports, with boundaries added where LLM serving lives and the advice is coarse.
+# Bucket boundaries, in one place.
+# The OpenTelemetry GenAI semantic conventions' advised explicit boundaries (gen-ai-metrics.md, as
+# of semconv 0.66b2), written once: the OTLP views (genai_metrics.py) use them as they are, and
+# each Prometheus histogram below keeps every one of the advice for its quantity, so our
+# histograms line up with spans and with vLLM/TGI's own exports, with boundaries added where LLM
+# serving lives and the advice is coarse (tests/test_buckets.py).
+GENAI_TOKEN_ADVICE = tuple(4**i for i in range(14))  # 1, 4, 16 ... 67108864
+GENAI_DURATION_ADVICE = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                         20.48, 40.96, 81.92)  # fmt: skip
+GENAI_TTFT_ADVICE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0)  # fmt: skip
+GENAI_TPOT_ADVICE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 # Request duration: the advice doubles (1.28 to 2.56 s put a 1.59 s p99 at 2.47 s); the steps in
 # between (x1.25 to x1.5) keep a percentile's interpolation error under a quarter of its value.
 DURATION_BUCKETS = (
@@ -48,24 +58,8 @@ DURATION_BUCKETS = (
     61.44,
     81.92,
 )
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-)
+# Time to first token: the advice resolves it as it is, from 1 ms to 10 s.
+TTFT_BUCKETS = GENAI_TTFT_ADVICE
 # Time per output token: the advice starts at 10 ms, where a fast GPU decodes (a few ms per token
 # on an H200 for a small model; the simulator's 0.5 ms): every observation fell in its first bucket.
 TPOT_BUCKETS = (
@@ -116,8 +110,20 @@ QUEUE_BUCKETS = (
 # Per-request cost in USD. 0.1 must be a boundary: the LLMRequestCostHigh alert reads the
 # 0.1 and +Inf buckets to count requests over ten cents.
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Prompt and output lengths in tokens: powers of two from 1 to 2^26, the GenAI advice for
+# gen_ai.client.token.usage (powers of four, genai_metrics.TOKEN_BUCKETS) with a boundary between
+# each two of it, so a percentile is off by under a factor of two, not four.
+TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(27))
+# Finish reasons are the upstream's words (cleaned at the boundary): the first few distinct ones
+# keep their own label, later ones share __other__. Every engine we know uses under ten.
+MAX_FINISH_REASONS = 16
 
 OTHER = "__other__"
+# Label sets several families share. Tokens and cost are read together (cost per token; the
+# series published ahead for a known user are both, per model, token type and endpoint).
+PER_REQUEST = ("model", "api_endpoint")
+PER_TOKEN_TYPE = ("model", "token_type", "api_endpoint", "user_id")
+PER_MODEL_USER = ("model", "user_id")  # GPU time and its cost
 LEDGER_STAGES = ("open", "write", "row", "kept", "make", "ship", "ship_row", "ship_kept")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+\-]")
 
@@ -275,10 +281,25 @@ class Metrics:
         for key in [k for k in self._children if k[0] == id(metric)]:
             del self._children[key]
 
+    def _per_request(self, name: str, doc: str, buckets: Sequence[float]) -> LoopHistogram:
+        """A histogram of one value per request, by model and endpoint."""
+        return LoopHistogram(name, doc, PER_REQUEST, buckets=buckets, registry=self.registry)
+
+    def _length(self, name: str, direction: str) -> LoopHistogram:
+        """A request's prompt or output length: measured counts only, by model."""
+        return LoopHistogram(
+            f"llm_request_{name}_tokens",
+            f"Each request's {name} length in tokens, as the server reported "
+            f"it (measured only: a request whose {direction} usage is unknown observes nothing).",
+            ["model"],
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=self.registry,
+        )
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = registry or CollectorRegistry()
-        ep = ("model", "api_endpoint")
+        ep = PER_REQUEST
         # --- requests and tokens (sidecar core)
         self.requests = LoopCounter(
             "llm_requests",
@@ -289,7 +310,7 @@ class Metrics:
         self.tokens = LoopCounter(
             "llm_tokens",
             "Tokens reported by the server, by direction (reasoning: a part of output).",
-            ["model", "token_type", "api_endpoint", "user_id"],
+            PER_TOKEN_TYPE,
             registry=r,
         )
         self.cached_tokens = LoopCounter(
@@ -310,27 +331,31 @@ class Metrics:
             [*ep, "reason"],
             registry=r,
         )
-        self.duration = LoopHistogram(
+        self.duration = self._per_request(
             "llm_request_duration_seconds",
             "Time from request received to response complete.",
-            ep,
-            buckets=DURATION_BUCKETS,
-            registry=r,
+            DURATION_BUCKETS,
         )
-        self.ttft = LoopHistogram(
+        self.ttft = self._per_request(
             "llm_time_to_first_token_seconds",
             "Upstream send to first token event (streams only).",
-            ep,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.tpot = LoopHistogram(
+        self.tpot = self._per_request(
             "llm_time_per_output_token_seconds",
             "Decode time per output token after the first (streams only).",
-            ep,
-            buckets=TPOT_BUCKETS,
+            TPOT_BUCKETS,
+        )
+        self.prompt_tokens = self._length("prompt", "input")
+        self.output_tokens = self._length("output", "output")
+        self.finish_reasons = LoopCounter(
+            "llm_finish_reasons",
+            "Choices finished, by the reason the server gave (stop, length, tool_calls...; the "
+            f"first {MAX_FINISH_REASONS} distinct reasons, later ones __other__).",
+            ["model", "finish_reason"],
             registry=r,
         )
+        self.reason_labels = LabelCap(MAX_FINISH_REASONS)
         self.in_flight = LoopGauge(
             "llm_in_flight_requests", "Requests being proxied now.", ["model"], registry=r
         )
@@ -386,15 +411,11 @@ class Metrics:
         self.cost = LoopCounter(
             "llm_cost_usd",
             "Spend in USD from per-token prices.",
-            ["model", "token_type", "api_endpoint", "user_id"],
+            PER_TOKEN_TYPE,
             registry=r,
         )
-        self.request_cost = LoopHistogram(
-            "llm_request_cost_usd",
-            "Each request's total cost in USD.",
-            ep,
-            buckets=COST_BUCKETS,
-            registry=r,
+        self.request_cost = self._per_request(
+            "llm_request_cost_usd", "Each request's total cost in USD.", COST_BUCKETS
         )
         self.cost_unknown = LoopCounter(
             "llm_cost_unknown", "Requests whose cost is unknown.", ["model", "reason"], registry=r
@@ -403,6 +424,13 @@ class Metrics:
             "llm_spend_today_usd",
             "Spend since the start of the budget day.",
             ["user_id"],
+            registry=r,
+        )
+        self.team_spend_today = LoopGauge(
+            "llm_team_spend_today_usd",
+            "Spend since the start of the budget day by team (the keys file's team of the "
+            "billed key; measured spend only; requests without a team are not in it).",
+            ["team"],
             registry=r,
         )
         self.ledger_errors = Counter(
@@ -587,13 +615,13 @@ class Metrics:
         self.device_seconds = Counter(
             "llm_device_seconds",
             "GPU-seconds attributed to requests.",
-            ["model", "user_id"],
+            PER_MODEL_USER,
             registry=r,
         )
         self.device_cost = Counter(
             "llm_device_cost_usd",
             "GPU-time cost attributed to requests (gpu_hour_usd).",
-            ["model", "user_id"],
+            PER_MODEL_USER,
             registry=r,
         )
         self.energy = Counter(
