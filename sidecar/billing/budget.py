@@ -2,9 +2,10 @@
 
 Owns: the budget day and month, the limits (`budgets.limits` and the day shorthands), the scopes a
 request is charged to (global, its user, team, project, each tag, its model; each in a day or a
-month window) and their limits, the hold a request reserves before it reaches the queue or the upstream (its worst-case
-cost), settling that hold to what was measured when the request ends, the `llm_spend_today_usd`
-gauge, and the 429 a request over budget receives.
+month window) and their limits, the hold a request reserves before it reaches the queue or the
+upstream (its worst-case cost) on all of them at once, settling that hold to what was measured
+when the request ends, the `llm_spend_today_usd` gauge, and the 429 a request over budget
+receives.
 The store is an interface (`BudgetStore`): `LocalStore` keeps one process's state; fleet mode puts
 the same holds in a shared store. Amounts are integer micro-dollars; holds are keyed by request id
 so a repeated reserve or settle does nothing twice.
