@@ -74,7 +74,9 @@ def wire(
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store
     )
-    sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics))  # limits, what is left
+    sc.metrics.registry.register(
+        BudgetState(cfg.budgets, sc.metrics, budgets)
+    )  # limits, what is left
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
