@@ -477,13 +477,16 @@ def _check_fleet(config: Config) -> None:
 
 
 _LIMIT_NAME = re.compile(r"[A-Za-z0-9._:@+-]{1,64}|\*")  # a principal's name (identity), or *
+_MODEL_NAME = re.compile(r"[!-~]{1,256}")  # model names carry slashes (org/model)
 
 
 def _check_limits(b: BudgetConfig) -> None:
     seen: set[tuple[str, str, str]] = set()
     for i, lim in enumerate(b.limits):
         key = f"budgets.limits[{i}]"
-        if not _LIMIT_NAME.fullmatch(lim.name):
+        if lim.scope == "model" and not _MODEL_NAME.fullmatch(lim.name):
+            _fail(f"{key}.name", lim.name, "expected * or a model name of 1-256 printable ASCII")
+        if lim.scope != "model" and not _LIMIT_NAME.fullmatch(lim.name):
             _fail(
                 f"{key}.name", lim.name, "expected * or a name of 1-64 of A-Z a-z 0-9 . _ : @ + -"
             )
