@@ -1,14 +1,14 @@
-"""Each daily budget's limit and what is left of it, read at scrape time.
+"""Each budget's limit, what is left of it and how much of it is used, read at scrape time.
 
-Owns: `llm_budget_limit_usd{scope,name}` (every configured limit: the site's, each team's, the
-per-user default as name="*", each per-user override) and `llm_budget_remaining_usd{scope,name}`
-(the site's, and each user's with spend on today's gauge: limit minus `llm_spend_today_usd`, never
-below 0); `llm_budget_used_ratio{scope,name,window}` of each limit (spent / limit, as the
-budget store holds it now: settled spend, and in a fleet the spend Redis answered at this
-sidecar's last admission to that scope) beside `llm_budget_soft_ratio{scope,name,window}` (the
-limit's `soft`, so the alert compares the two and holds no number). Bounded: the configured
-limits, the users of the spend gauge (the label cap), and at most RATIO_SERIES names per "*"
-limit (those nearest their limit).
+Owns: `llm_budget_limit_usd{scope,name}` (every configured day limit: the site's, each team's,
+project's, tag's and model's, the defaults as name="*", each named one) and
+`llm_budget_remaining_usd{scope,name}` (the site's, and each user's with spend on today's gauge:
+limit minus `llm_spend_today_usd`, never below 0); `llm_budget_used_ratio{scope,name,window}` of
+each limit (spent / limit, as the budget store holds it now: settled spend, and in a fleet the
+spend Redis answered at this sidecar's last admission to that scope) beside
+`llm_budget_soft_ratio{scope,name,window}` (the limit's `soft`, so the alert compares the two and
+holds no number). Bounded: the configured limits, the users of the spend gauge (the label cap),
+and at most RATIO_SERIES names per "*" limit (those nearest their limit).
 Never: estimates (a team's remainder is not kept per sidecar, so it is absent, not guessed), runs
 on the request path, or writes anything.
 """
@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from ..config import BudgetConfig, LimitConfig
 from ..telemetry.metrics import OTHER, Metrics
-from .budget import Budgets, Rule, Scope, to_micros
+from .budget import Budgets, Rule, Scope, limit_list, to_micros
 
 LIMIT = "llm_budget_limit_usd"
 REMAINING = "llm_budget_remaining_usd"
@@ -45,16 +45,9 @@ class BudgetState(Collector):
             'Daily budget in USD of each configured scope (user name "*": the per-user default).',
             labels=["scope", "name"],
         )
-        if c.global_daily_usd is not None:
-            limit.add_metric(["global", "*"], c.global_daily_usd)
-        if c.team_daily_usd is not None:
-            limit.add_metric(["team", "*"], c.team_daily_usd)
-        for team, usd in c.teams.items():
-            limit.add_metric(["team", team], usd)
-        if c.user_daily_usd is not None:
-            limit.add_metric(["user", "*"], c.user_daily_usd)
-        for user, usd in c.users.items():
-            limit.add_metric(["user", user], usd)
+        for lim in limit_list(c):  # the day limits (month ones: llm_budget_used_ratio)
+            if lim.window == "day":
+                limit.add_metric([lim.scope, lim.name], lim.usd)
         yield limit
         yield self._remaining()
         if self.budgets is not None and self.budgets.rules:
