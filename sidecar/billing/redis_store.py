@@ -605,11 +605,12 @@ class RedisStore:
         """Each scope's spent and held, read from Redis (None while it cannot be reached)."""
         if not scopes:
             return []
-        day_spent, day_held = day_keys(day)[:2]
+        day_spent, day_held, _, _, seeded = day_keys(day)
         month_spent, month_held = month_keys(day)[:2]
 
         async def read() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(seeded)
                 for s in scopes:
                     month = s.key.startswith(MONTH)
                     pipe.hget(month_spent if month else day_spent, s.key)
@@ -618,9 +619,13 @@ class RedisStore:
 
         try:
             raw = await self._guard("usage", read)
+            if not raw[0]:  # nothing read from the ledger yet today: read it first
+                if not await self.reseed(day):
+                    return None
+                raw = await self._guard("usage", read)
         except StoreDown:
             return None
-        values = [_micros(v) for v in raw]
+        values = [_micros(v) for v in raw[1:]]
         return [(values[2 * i], values[2 * i + 1]) for i in range(len(scopes))]
 
     def spent_now(self, day: int) -> Mapping[str, int]:
@@ -673,7 +678,9 @@ class RedisStore:
             Hold(hold.request_id, hold.day, hold.amount, tuple(share))
         )
         self.metrics.store_local.labels("admitted" if verdict.admitted else "refused").inc()
-        if verdict.admitted or verdict.scope is None:
+        if verdict.admitted:  # against this sidecar's share: not what is left, so not shown
+            return Verdict(True)
+        if verdict.scope is None:
             return verdict
         original = next(s for s in hold.scopes if s.key == verdict.scope.key)
         return Verdict(False, original, verdict.reason)
