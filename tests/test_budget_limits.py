@@ -9,6 +9,7 @@ import asyncio
 import calendar
 import hashlib
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -341,6 +342,11 @@ def utc(y: int, m: int, d: int, h: int = 0) -> int:
     return calendar.timegm((y, m, d, h, 0, 0))
 
 
+# Redis tests run on next year's dates: Redis expires a day's keys on its own clock (EXPIREAT),
+# so a day already two days gone would vanish as it is written.
+NEXT = time.gmtime().tm_year + 1
+
+
 def test_a_month_starts_at_the_day_start_hour_on_its_first_day() -> None:
     assert month_start(utc(2026, 12, 2, 6)) == utc(2026, 12, 1, 6)
     # the budget day of 1 Dec 06:00 UTC-start days that began on 30 Nov is November's
@@ -417,7 +423,7 @@ async def test_a_hold_admitted_yesterday_settles_into_this_month_not_into_today(
 async def test_the_month_boundary_in_redis(redis_server: Any) -> None:
     from sidecar.billing.redis_store import RedisStore
 
-    clock = Clock(utc(2026, 11, 30, 12))
+    clock = Clock(utc(NEXT, 11, 30, 12))
     holder: list[Budgets] = []
     config = BudgetConfig(store=redis_server.url, store_timeout_s=1.0, day_start_hour_utc=6)
     store = RedisStore(
@@ -445,10 +451,10 @@ async def test_the_month_boundary_in_redis(redis_server: Any) -> None:
         clock.now += DAY / 2  # 1 Dec 00:00: still 30 Nov's budget day
         assert await charge("b", 100_000)
         assert not await charge("c", 600_000)  # the day's 0.5 is spent
-        clock.now = utc(2026, 12, 1, 6)
+        clock.now = utc(NEXT, 12, 1, 6)
         assert await charge("d", 400_000)  # a new day and a new month
         assert await store.usage(b.day_start(clock()), scopes) == [(400_000, 0), (400_000, 0)]
-        nov = b.day_start(utc(2026, 11, 30, 12))
+        nov = b.day_start(utc(NEXT, 11, 30, 12))
         assert await store.usage(nov, scopes) == [(500_000, 0), (500_000, 0)]
     finally:
         await store.close()
@@ -599,3 +605,83 @@ def test_bad_limits_are_refused_at_load_naming_the_key(
 def test_a_model_limit_may_name_a_model_with_a_slash(tmp_path: Path) -> None:
     cfg = load(write(tmp_path, {"limits": [{"scope": "model", "name": "org/m-7b", "usd": 1}]}))
     assert cfg.budgets.limits == (LimitConfig(scope="model", name="org/m-7b", usd=1.0),)
+
+
+# --- all or nothing over day and month scopes -----------------------------------------------------
+
+
+def redis_store(redis_server: Any, clock: Clock) -> Any:
+    from sidecar.billing.redis_store import RedisStore
+
+    config = BudgetConfig(store=redis_server.url, store_timeout_s=1.0)
+    store = RedisStore(
+        config,
+        Metrics(),
+        lambda: int(clock() // DAY * DAY),
+        None,
+        max_scopes=100,
+        clock=clock,
+    )
+    store.start()
+    return store
+
+
+def hashes(redis_server: Any, day: int) -> dict[str, dict[bytes, bytes]]:
+    from sidecar.billing.redis_store import day_keys, month_keys
+
+    c = redis_server.client()
+    return {
+        "day_spent": c.hgetall(day_keys(day)[0]),
+        "day_held": c.hgetall(day_keys(day)[1]),
+        "month_spent": c.hgetall(month_keys(day)[0]),
+        "month_held": c.hgetall(month_keys(day)[1]),
+    }
+
+
+async def test_a_tight_month_limit_refuses_the_hold_on_every_scope_in_redis(
+    redis_server: Any,
+) -> None:
+    clock = Clock(utc(NEXT, 11, 29, 12))
+    day = int(clock() // DAY * DAY)
+    store = redis_store(redis_server, clock)
+    day_scope = Scope("user", "eve", to_micros(5.0))
+    month_scope = Scope("project", "atlas", to_micros(0.5), "month")
+    try:
+        first = await store.reserve(Hold("a", day, 400_000, (day_scope, month_scope)))
+        assert (first.admitted, first.left) == (True, 100_000)
+        before = hashes(redis_server, day)
+        assert before == {
+            "day_spent": {b"user:eve": b"0"},
+            "day_held": {b"user:eve": b"400000"},
+            "month_spent": {b"month:project:atlas": b"0"},
+            "month_held": {b"month:project:atlas": b"400000"},
+        }
+        refused = await store.reserve(Hold("b", day, 200_000, (day_scope, month_scope)))
+        assert (refused.admitted, refused.scope, refused.reason) == (False, month_scope, "budget")
+        assert hashes(redis_server, day) == before  # nothing held on the day's scope either
+        # yesterday's hold settles into this month, not into today
+        clock.now += DAY
+        today = day + DAY
+        assert (await store.reserve(Hold("c", today, 50_000, (day_scope, month_scope)))).admitted
+        store.settle("a", 300_000)
+        await wait_for(lambda: not store.queue, "the settlement sent")
+        assert hashes(redis_server, today) == {
+            "day_spent": {b"user:eve": b"0"},
+            "day_held": {b"user:eve": b"50000"},
+            "month_spent": {b"month:project:atlas": b"300000"},
+            "month_held": {b"month:project:atlas": b"50000"},
+        }
+    finally:
+        await store.close()
+
+
+async def test_a_tight_month_limit_refuses_the_hold_on_every_scope_in_process() -> None:
+    store = LocalStore(max_scopes=10)
+    day = utc(2026, 11, 29)
+    day_scope = Scope("user", "eve", to_micros(5.0))
+    month_scope = Scope("project", "atlas", to_micros(0.5), "month")
+    first = await store.reserve(Hold("a", day, 400_000, (day_scope, month_scope)))
+    assert (first.admitted, first.left) == (True, 100_000)
+    refused = await store.reserve(Hold("b", day, 200_000, (day_scope, month_scope)))
+    assert (refused.admitted, refused.scope, refused.reason) == (False, month_scope, "budget")
+    assert store.held == {"user:eve": 400_000, "month:project:atlas": 400_000}
