@@ -205,7 +205,9 @@ local read = redis.call('GET', seeded)
 if not read then return 'unseeded' end
 redis.call('HSET', holds, id, '["s"]')
 -- a month key counts it unless its month's seed (the ledger read) already did
-local mread = mseeded and tonumber(redis.call('GET', mseeded) or read) or tonumber(read)
+-- (a marker that is absent or not a number reads as the day's: never an error half way)
+local mread = mseeded and tonumber(redis.call('GET', mseeded) or '') or nil
+if not mread then mread = tonumber(read) end
 for i = 5, #ARGV do
   local key = ARGV[i]
   local s = pick(key, spent, mspent)
