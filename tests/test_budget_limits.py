@@ -685,3 +685,27 @@ async def test_a_tight_month_limit_refuses_the_hold_on_every_scope_in_process() 
     refused = await store.reserve(Hold("b", day, 200_000, (day_scope, month_scope)))
     assert (refused.admitted, refused.scope, refused.reason) == (False, month_scope, "budget")
     assert store.held == {"user:eve": 400_000, "month:project:atlas": 400_000}
+
+
+async def test_a_month_marker_that_is_not_a_number_never_breaks_a_settlement(
+    redis_server: Any,
+) -> None:
+    from sidecar.billing.redis_store import KEEP_S, day_keys, month_keys, script_keys
+
+    clock = Clock(utc(NEXT, 11, 29, 12))
+    day = int(clock() // DAY * DAY)
+    store = redis_store(redis_server, clock)
+    month_scope = Scope("project", "atlas", to_micros(0.5), "month")
+    try:
+        assert (await store.reserve(Hold("a", day, 1_000, (month_scope,)))).admitted
+        c = redis_server.client()
+        c.set(month_keys(day)[2], "garbage")
+        read = int(c.get(day_keys(day)[4]))
+        # a request admitted while Redis was away settles: no hold record, charged by its keys
+        args = ["zz", 5_000, read + 1, day + KEEP_S, month_scope.key]
+        reply = await store.scripts["settle"](keys=script_keys(day), args=args)
+        assert reply == b"charged"
+        assert c.hgetall(month_keys(day)[0]) == {b"month:project:atlas": b"5000"}
+        assert c.hget(day_keys(day)[2], "zz") == b'["s"]'
+    finally:
+        await store.close()
