@@ -709,3 +709,43 @@ async def test_a_month_marker_that_is_not_a_number_never_breaks_a_settlement(
         assert c.hget(day_keys(day)[2], "zz") == b'["s"]'
     finally:
         await store.close()
+
+
+async def test_redis_seeds_a_month_once_and_each_day_from_the_ledger(redis_server: Any) -> None:
+    from sidecar.billing.redis_store import RedisStore, day_keys, month_keys
+
+    clock = Clock(utc(NEXT, 11, 20, 12))
+    b = month_budgets(clock)
+    reads: list[int] = []
+
+    async def source(day: int) -> tuple[dict[str, int], float]:
+        reads.append(day)
+        # what the ledger holds: 0.25 today, 0.5 earlier this month (ledger.spend_rows' shape)
+        rows = [("eve", None, None, None, "m", 1, 0.25), ("eve", None, None, None, "m", 0, 0.5)]
+        if day > reads[0]:  # the next day: yesterday's rows are no longer today's
+            rows = [("eve", None, None, None, "m", 0, 0.75)]
+        return b.spent_by_scope(rows), clock()
+
+    config = BudgetConfig(store=redis_server.url, store_timeout_s=1.0)
+    store = RedisStore(
+        config, Metrics(), lambda: b.day_start(clock()), source, max_scopes=100, clock=clock
+    )
+    store.start()
+    scopes = b.scopes_for("eve", None, None, (), "m")
+    c = redis_server.client()
+    try:
+        day = b.day_start(clock())
+        verdict = await store.reserve(Hold("a", day, 100_000, scopes))
+        assert (verdict.admitted, verdict.left) == (True, 150_000)  # the day's 0.5 - 0.25 - 0.1
+        assert c.hgetall(day_keys(day)[0]) == {b"user:eve": b"250000"}
+        assert c.hgetall(month_keys(day)[0]) == {b"month:user:eve": b"750000"}
+        store.settle("a", 100_000)
+        await wait_for(lambda: not store.queue, "the settlement sent")
+        clock.now += DAY  # the next day: seeded again; the month runs on from Redis
+        nxt = b.day_start(clock())
+        assert (await store.reserve(Hold("b", nxt, 50_000, scopes))).admitted
+        assert reads == [day, nxt]
+        assert c.hgetall(day_keys(nxt)[0]) == {b"user:eve": b"0"}
+        assert c.hgetall(month_keys(nxt)[0]) == {b"month:user:eve": b"850000"}
+    finally:
+        await store.close()
