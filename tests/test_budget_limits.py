@@ -749,3 +749,45 @@ async def test_redis_seeds_a_month_once_and_each_day_from_the_ledger(redis_serve
         assert c.hgetall(month_keys(nxt)[0]) == {b"month:user:eve": b"850000"}
     finally:
         await store.close()
+
+
+async def test_a_full_budget_table_names_the_scope_it_refuses(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    cfg = sidecar_config(tmp_path, [{"scope": "tag", "usd": 1.0}])
+    cfg["budgets"]["max_tracked_users"] = 1  # max_scopes: 1 x 1 "*" limit + 1 limit + 1 = 3
+    run = await start_sidecar(cfg)
+    assert (await one_request(run.url, ANN))[0] == 200  # tags eu, prod: 2 of 3
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 10}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {BOB}"},
+        ) as r,
+    ):
+        assert r.status == 200  # us: 3 of 3
+    assert (await one_request(run.url, ANN))[0] == 200  # known scopes pass
+    path = Path(cfg["identity"]["keys_file"])  # a third key, with a new tag
+    keys = yaml.safe_load(path.read_text())
+    keys["keys"].append(
+        {"sha256": hashlib.sha256(b"tb-cy-0123456789").hexdigest(), "user": "cy", "tags": ["x"]}
+    )
+    path.write_text(yaml.safe_dump(keys))
+    run.sc.identity.reload()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer tb-cy-0123456789"},
+        ) as r,
+    ):
+        assert r.status == 429
+        error = (await r.json())["error"]
+    assert (error["code"], error["message"]) == (
+        "budget_exceeded",
+        "too many distinct tags today for per-tag budgets; it resets at the start of the next "
+        "budget day",
+    )

@@ -454,9 +454,11 @@ class Budgets:
         self.metrics.budget_refusals.labels(self.users(user), scope.kind, verdict.reason).inc()
         if verdict.reason == "capacity":
             log.warning(
-                "budget table full (%d users): refusing new user", self.config.max_tracked_users
+                "budget table full (%d users a limit): refusing new %s",
+                self.config.max_tracked_users,
+                scope.kind,
             )
-            message = "too many distinct users today for per-user budgets"
+            message = f"too many distinct {scope.kind}s today for per-{scope.kind} budgets"
         else:
             who = "the site" if scope.kind == "global" else f"{scope.kind} '{scope.name}'"
             message = (
