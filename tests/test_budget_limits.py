@@ -791,3 +791,43 @@ async def test_a_full_budget_table_names_the_scope_it_refuses(
         "too many distinct tags today for per-tag budgets; it resets at the start of the next "
         "budget day",
     )
+
+
+async def test_redis_emptied_reseeds_month_scopes_from_postgresql(
+    start_sidecar: StartSidecar, redis_server: Any, postgres: Any, tmp_path: Path
+) -> None:
+    from tests.test_fleet_ledger import fleet_ledger, shipped
+
+    pg = postgres.database()
+    limits = [
+        {"scope": "project", "usd": 0.05, "window": "month"},
+        {"scope": "tag", "name": "prod", "usd": 1.0, "window": "month"},
+    ]
+
+    def config(name: str) -> dict[str, Any]:
+        cfg = sidecar_config(tmp_path, limits, name)
+        cfg["budgets"]["store"] = redis_server.url
+        cfg["ledger"] = fleet_ledger(tmp_path, pg, name)
+        return cfg
+
+    a, b = await start_sidecar(config("a")), await start_sidecar(config("b"))
+    for _ in range(2):
+        assert (await one_request(a.url, ANN))[0] == 200
+    await shipped(pg, 2)
+    redis_server.client().flushall()
+    # reseeded from PostgreSQL: $0.030 of atlas's $0.05 this month; one more hold of $0.017 fits
+    # ($0.047), and then, $0.045 spent, the next does not
+    status, header = await one_request(b.url, ANN)
+    assert (status, header) == (200, f"{(50_000 - 30_000 - HOLD) / 1e6:.6f}")
+    assert (await one_request(b.url, ANN))[0] == 429
+
+    async def settled() -> bool:
+        _, body = await spend(a.url, ANN)
+        return bool(entry(body["limits"], "project", "month")["spent_usd"] == 0.045)
+
+    await wait_for(settled, "the third request settled")
+    _, body = await spend(b.url, ANN)
+    assert [(e["scope"], e["name"], e["spent_usd"]) for e in body["limits"]] == [
+        ("project", "atlas", 0.045),
+        ("tag", "prod", 0.045),
+    ]
