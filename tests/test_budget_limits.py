@@ -333,6 +333,12 @@ async def test_a_burst_over_three_sidecars_sharing_redis_stays_within_each_limit
         assert [(e["name"], e["spent_usd"]) for e in body["limits"]] == [
             (dict(user="bob", team="blue", project="zeus", tag="us")[scope], 0.0)
         ]
+    if to_micros(LIMIT) - total >= HOLD:  # room for one more: its header, and the gauge
+        status, header = await one_request(runs[0].url, ANN)
+        assert (status, header) == (200, f"{(to_micros(LIMIT) - total - HOLD) / 1e6:.6f}")
+        for n in names:  # Redis's spend as it answered this sidecar's last admission
+            ratio = ratio_of(runs[0], "llm_budget_used_ratio", scope, n, window)
+            assert ratio == total / to_micros(LIMIT)
 
 
 # --- windows, the month boundary and restore ------------------------------------------------------
