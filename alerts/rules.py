@@ -36,6 +36,16 @@ def over_limit(t: Thresholds, by: str) -> str:
     )
 
 
+def budget_soft(t: Thresholds) -> str:
+    """Each budget scope's used share at or past its own soft limit: the sidecar exports both,
+    from budgets.limits, so no threshold lives here. The most any sidecar of the job saw."""
+    sel, by = t.selector, "job, scope, name, window"
+    return (
+        f"max by ({by}) (llm_budget_used_ratio{{{sel}}})\n"
+        f">= on ({by}) max by ({by}) (llm_budget_soft_ratio{{{sel}}})"
+    )
+
+
 def queue_saturated(t: Thresholds) -> str:
     """Peak budget use in the window, while requests waited in a large enough share of it."""
     sel, w = t.selector, t.queue_saturation_window
@@ -142,6 +152,17 @@ def alerting(t: Thresholds) -> list[dict[str, Any]]:
             f"${t.user_daily_spend_usd:g}.",
             f"User {{{{ $labels.user_id }}}} spent ${money} in the last "
             f"{t.daily_spend_window} (limit ${t.user_daily_spend_usd:g}).",
+        ),
+        _alert(
+            t,
+            "LLMBudgetSoftLimit",
+            budget_soft(t),
+            t.spend_for,
+            "warning",
+            "A budget has passed its soft limit.",
+            "{{ $labels.scope }} {{ $labels.name }} has used {{ $value | humanizePercentage }} "
+            "of its {{ $labels.window }} budget on {{ $labels.job }}, at or past the soft limit "
+            "set for it in budgets.limits.",
         ),
         _alert(
             t,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -189,7 +190,23 @@ class IdentityConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LimitConfig:
+    """One budget limit (docs/budgets.md): `name` "*" is one limit for each user, team, project,
+    tag or model; a named limit replaces the "*" one of its scope and window for that name."""
+
+    scope: Literal["user", "team", "project", "tag", "model", "global"]
+    name: str = "*"
+    usd: float
+    window: Literal["day", "month"] = "day"
+    # Warn (llm_budget_used_ratio above llm_budget_soft_ratio: LLMBudgetSoftLimit) at this share.
+    soft: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetConfig:
+    # Limits by scope and window: [{scope: project, name: "*", usd: 500, window: month, soft: 0.8}].
+    # The keys below are shorthands for day limits.
+    limits: tuple[LimitConfig, ...] = ()
     global_daily_usd: float | None = None
     user_daily_usd: float | None = None
     users: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -477,6 +494,37 @@ def _check_fleet(config: Config) -> None:
         _fail("ledger.ship_batch_rows", led.ship_batch_rows, "must be >= 1")
 
 
+_LIMIT_NAME = re.compile(r"[A-Za-z0-9._:@+-]{1,64}|\*")  # a principal's name (identity), or *
+_MODEL_NAME = re.compile(r"[!-~]{1,256}")  # model names carry slashes (org/model)
+
+
+def _check_limits(b: BudgetConfig) -> None:
+    seen: set[tuple[str, str, str]] = set()
+    for i, lim in enumerate(b.limits):
+        key = f"budgets.limits[{i}]"
+        if lim.scope == "model" and not _MODEL_NAME.fullmatch(lim.name):
+            _fail(f"{key}.name", lim.name, "expected * or a model name of 1-256 printable ASCII")
+        if lim.scope != "model" and not _LIMIT_NAME.fullmatch(lim.name):
+            _fail(
+                f"{key}.name", lim.name, "expected * or a name of 1-64 of A-Z a-z 0-9 . _ : @ + -"
+            )
+        if lim.scope == "global" and lim.name != "*":
+            _fail(f"{key}.name", lim.name, "a global limit has name '*'")
+        if lim.soft is not None and not 0 < lim.soft <= 1:
+            _fail(f"{key}.soft", lim.soft, "must be in (0, 1]")
+        what = (lim.scope, lim.name, lim.window)
+        if what in seen:
+            _fail(key, f"{lim.scope}/{lim.name}/{lim.window}", "given twice")
+        seen.add(what)
+    shorthands = [("global", "*", b.global_daily_usd), ("user", "*", b.user_daily_usd)]
+    shorthands += [("team", "*", b.team_daily_usd)]
+    shorthands += [("user", n, u) for n, u in b.users.items()]
+    shorthands += [("team", n, u) for n, u in b.teams.items()]
+    for scope, name, usd in shorthands:
+        if usd is not None and (scope, name, "day") in seen:
+            _fail("budgets.limits", f"{scope}/{name}/day", "also set by a shorthand key")
+
+
 def validate(config: Config) -> Config:
     _check_url("upstream.url", config.upstream.url)
     _check_fleet(config)
@@ -519,6 +567,7 @@ def validate(config: Config) -> Config:
         _fail("metering.max_event_bytes", config.metering.max_event_bytes, "must be >= 1024")
     if not 0.0 <= config.logging.sample_success <= 1.0:
         _fail("logging.sample_success", config.logging.sample_success, "must be in [0, 1]")
+    _check_limits(config.budgets)
     if config.budgets.day_start_hour_utc > 23:
         _fail("budgets.day_start_hour_utc", config.budgets.day_start_hour_utc, "must be 0-23")
     if config.metering.max_tracked_users < 1:

@@ -252,6 +252,7 @@ class Exchange:
     key_id: str | None = None  # "key-" + 12 hex of the key's sha256; never the key
     prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
     budget_hold: BudgetHold | None = None  # reserved by the budget gate
+    budget_left_usd: float | None = None  # the least left of its limits after its hold (header)
     path: str = ""  # the normalised path: what was classified and forwarded
     # A streamed body (audio) still on its way when the request ended: the server never had a
     # whole request, so a client that left then consumed nothing.

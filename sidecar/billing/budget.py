@@ -1,9 +1,11 @@
-"""Daily budgets that hold under concurrency: reserve the worst case first, settle to the measured.
+"""Budgets that hold under concurrency: reserve the worst case first, settle to the measured.
 
-Owns: the budget day, the scopes a request is charged to (global, its team, its user) and their
-limits, the hold a request reserves before it reaches the queue or the upstream (its worst-case
-cost), settling that hold to what was measured when the request ends, the `llm_spend_today_usd`
-gauge, and the 429 a request over budget receives.
+Owns: the budget day and month, the limits (`budgets.limits` and the day shorthands), the scopes a
+request is charged to (global, its user, team, project, each tag, its model; each in a day or a
+month window) and their limits, the hold a request reserves before it reaches the queue or the
+upstream (its worst-case cost) on all of them at once, settling that hold to what was measured
+when the request ends, the `llm_spend_today_usd` gauge, and the 429 a request over budget
+receives.
 The store is an interface (`BudgetStore`): `LocalStore` keeps one process's state; fleet mode puts
 the same holds in a shared store. Amounts are integer micro-dollars; holds are keyed by request id
 so a repeated reserve or settle does nothing twice.
@@ -13,14 +15,17 @@ server (see `charge`).
 
 from __future__ import annotations
 
+import calendar
+import datetime
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from ..config import AdmissionConfig, BudgetConfig, MeteringConfig, ModelPrice
+from ..config import AdmissionConfig, BudgetConfig, LimitConfig, MeteringConfig, ModelPrice
 from ..exchange import (
     AUDIO_ROUTES,
     BudgetHold,
@@ -69,15 +74,87 @@ def money(amount: float) -> str:
     return f"${amount:.2f}" if round(amount, 2) == amount else f"${amount:.6g}"
 
 
+Kind = Literal["global", "team", "user", "project", "tag", "model"]
+Window = Literal["day", "month"]
+KINDS: tuple[Kind, ...] = ("global", "team", "user", "project", "tag", "model")
+MONTH = "month:"  # the key prefix of a month window's scope (a day's has none: keys as before)
+
+
+@functools.lru_cache(maxsize=64)
+def month_start(day: int) -> int:
+    """The start of the budget month of budget day `day`: its first day's start (UTC), at the
+    same hour as every budget day."""
+    offset = day % DAY
+    first = datetime.datetime.fromtimestamp(day - offset, datetime.UTC).date().replace(day=1)
+    return calendar.timegm(first.timetuple()) + offset
+
+
+def next_month(day: int) -> int:
+    """The start of the budget month after the one of day `day`."""
+    return month_start(month_start(day) + 32 * DAY)
+
+
 @dataclass(frozen=True, slots=True)
 class Scope:
-    kind: Literal["global", "team", "user"]
+    kind: Kind
     name: str
-    limit: int  # micro-dollars per budget day
+    limit: int  # micro-dollars per window
+    window: Window = "day"
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{self.name}"
+        base = f"{self.kind}:{self.name}"
+        return base if self.window == "day" else MONTH + base
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """The limits of one scope kind and window: the "*" one, and those by name."""
+
+    kind: Kind
+    window: Window
+    each: LimitConfig | None
+    named: Mapping[str, LimitConfig]
+
+    def limit(self, name: str) -> LimitConfig | None:
+        return self.named.get(name, self.each)
+
+
+def limit_list(config: BudgetConfig) -> tuple[LimitConfig, ...]:
+    """`budgets.limits`, with the day shorthands (global_daily_usd, user_daily_usd, users,
+    team_daily_usd, teams) expanded into day limits in front of them."""
+    c, out = config, []
+    if c.global_daily_usd is not None:
+        out.append(LimitConfig(scope="global", usd=c.global_daily_usd))
+    if c.team_daily_usd is not None:
+        out.append(LimitConfig(scope="team", usd=c.team_daily_usd))
+    out += [LimitConfig(scope="team", name=t, usd=u) for t, u in c.teams.items()]
+    if c.user_daily_usd is not None:
+        out.append(LimitConfig(scope="user", usd=c.user_daily_usd))
+    out += [LimitConfig(scope="user", name=n, usd=u) for n, u in c.users.items()]
+    return (*out, *c.limits)
+
+
+def rules(config: BudgetConfig) -> tuple[Rule, ...]:
+    """One rule per scope kind and window that has a limit, in KINDS order, day before month."""
+    limits = limit_list(config)
+    out = []
+    for kind in KINDS:
+        for window in ("day", "month"):
+            mine = [lim for lim in limits if lim.scope == kind and lim.window == window]
+            if mine:
+                each = next((lim for lim in mine if lim.name == "*"), None)
+                named = {lim.name: lim for lim in mine if lim.name != "*"}
+                out.append(Rule(kind, window, each, named))
+    return tuple(out)
+
+
+def max_scopes(config: BudgetConfig) -> int:
+    """Scopes tracked per window: max_tracked_users for each "*" limit, plus every named one (and
+    the global one). A new scope beyond this is refused (docs/budgets.md, Memory)."""
+    limits = limit_list(config)
+    each = sum(1 for lim in limits if lim.name == "*" and lim.scope != "global")
+    return config.max_tracked_users * max(1, each) + len(limits) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +170,9 @@ class Verdict:
     admitted: bool
     scope: Scope | None = None  # the scope the hold would overrun
     reason: Literal["ok", "budget", "capacity", "unavailable"] = "ok"
+    # admitted: the least left of its scopes once this hold is counted (micro-dollars), where
+    # the store decided it (None: admitted without a decision, e.g. `store_unavailable: open`)
+    left: int | None = None
 
 
 class BudgetStore(Protocol):
@@ -109,7 +189,18 @@ class BudgetStore(Protocol):
         ...
 
     async def seed(self, day: int, spent: Mapping[str, int]) -> None:
-        """Spend already in the ledger for `day`, by scope key; set only where absent."""
+        """Spend already in the ledger for `day` (and its month, for month scope keys), by scope
+        key; set only where absent."""
+        ...
+
+    async def usage(self, day: int, scopes: Sequence[Scope]) -> list[tuple[int, int]] | None:
+        """(spent, held) of each scope in day `day` (month scopes: its month); None when the
+        store cannot tell now."""
+        ...
+
+    def spent_now(self, day: int) -> Mapping[str, int]:
+        """Spend by scope key of day `day` and its month, as far as this process knows it now,
+        without waiting on anything (read at scrape time)."""
         ...
 
 
@@ -122,6 +213,7 @@ class LocalStore:
         self.max_scopes = max_scopes
         self.metrics = metrics
         self.day = -1
+        self.month = -1
         self.spent: dict[str, int] = {}
         self.held: dict[str, int] = {}
         self.holds: dict[str, Hold] = {}
@@ -135,12 +227,19 @@ class LocalStore:
         return min(max(amount, 0), MAX_MICROS)
 
     def _at(self, day: int) -> bool:
-        """Move to `day` if it is newer; False for a day already gone."""
+        """Move to `day` if it is newer (a new month: to its month too); False for a day already
+        gone. A new day forgets the day scopes; the month scopes go with their month only."""
         if day > self.day:
-            self.day = day
-            self.spent.clear()
-            self.held.clear()
-            self.holds = {k: h for k, h in self.holds.items() if h.day >= day}
+            self.day, month = day, month_start(day)
+            if month > self.month:
+                self.month = month
+                self.spent.clear()
+                self.held.clear()
+            else:
+                for table in (self.spent, self.held):
+                    for key in [k for k in table if not k.startswith(MONTH)]:
+                        del table[key]
+            self.holds = {k: h for k, h in self.holds.items() if h.day >= self.month}
         return day == self.day
 
     async def reserve(self, hold: Hold) -> Verdict:
@@ -154,21 +253,30 @@ class LocalStore:
                 False, next(s for s in hold.scopes if s.key not in self.spent), "capacity"
             )
         need = max(hold.amount, 1)  # a spent budget admits nothing, not even a $0 hold
+        left = MAX_MICROS
         for s in hold.scopes:
-            if self.spent.get(s.key, 0) + self.held.get(s.key, 0) + need > s.limit:
+            room = s.limit - self.spent.get(s.key, 0) - self.held.get(s.key, 0)
+            if need > room:
                 return Verdict(False, s, "budget")
+            left = min(left, room - hold.amount)
         for s in hold.scopes:
             self.spent.setdefault(s.key, 0)
             self.held[s.key] = self.held.get(s.key, 0) + hold.amount
         self.holds[hold.request_id] = hold
-        return Verdict(True)
+        return Verdict(True, left=left)
 
     def settle(self, request_id: str, charge: int) -> None:
         hold = self.holds.pop(request_id, None)
-        if hold is None or hold.day != self.day:
+        if hold is None:
+            return
+        if hold.day == self.day:
+            scopes: Iterable[Scope] = hold.scopes
+        elif month_start(hold.day) == self.month:  # admitted yesterday: only its month is open
+            scopes = [s for s in hold.scopes if s.window == "month"]
+        else:
             return
         charge = self._checked(charge)
-        for s in hold.scopes:
+        for s in scopes:
             self.held[s.key] = max(0, self.held.get(s.key, 0) - hold.amount)
             self.spent[s.key] = min(self.spent.get(s.key, 0) + charge, MAX_MICROS)
 
@@ -178,6 +286,55 @@ class LocalStore:
         for key, micros in spent.items():
             if key not in self.spent and len(self.spent) < self.max_scopes:
                 self.spent[key] = self._checked(micros)
+
+    async def usage(self, day: int, scopes: Sequence[Scope]) -> list[tuple[int, int]] | None:
+        return [self._usage(day, s) for s in scopes]
+
+    def _usage(self, day: int, s: Scope) -> tuple[int, int]:
+        current = day == self.day if s.window == "day" else month_start(day) == self.month
+        if not current:
+            return 0, 0
+        return self.spent.get(s.key, 0), self.held.get(s.key, 0)
+
+    def spent_now(self, day: int) -> Mapping[str, int]:
+        """Spend by scope key in day `day` and its month (the used-ratio gauge)."""
+        return _current(self.spent, self.day, self.month, day)
+
+
+def _current(spent: Mapping[str, int], at: int, month: int, day: int) -> Mapping[str, int]:
+    """What of `spent` (kept for day `at` and month `month`) belongs to day `day`."""
+    if day == at:
+        return spent
+    if month_start(day) == month:
+        return {k: v for k, v in spent.items() if k.startswith(MONTH)}
+    return {}
+
+
+class Seen:
+    """Spend by scope key as a shared store last answered it, for the current day and month,
+    at most `cap` keys (the used-ratio gauge of a fleet)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.day = self.month = -1
+        self.spent: dict[str, int] = {}
+
+    def note(self, day: int, key: str, spent: int) -> None:
+        if day < self.day:
+            return
+        if day > self.day:
+            self.spent = dict(_current(self.spent, self.day, self.month, day))
+            self.day, self.month = day, month_start(day)
+        if key in self.spent or len(self.spent) < self.cap:
+            self.spent[key] = spent
+
+    def now(self, day: int) -> Mapping[str, int]:
+        return _current(self.spent, self.day, self.month, day)
+
+
+# (user, team, project, tags comma-joined, model, 1 if in today's budget day, cost USD): spend
+# grouped from a ledger since the start of the budget month (ledger.spend_rows)
+SpendRow = tuple[str | None, str | None, str | None, str | None, str | None, int, float]
 
 
 class Budgets:
@@ -201,45 +358,54 @@ class Budgets:
         # `teams or ...` would not do: an empty LabelCap is falsy (it has a length)
         self.teams = LabelCap(MeteringConfig().max_tracked_teams) if teams is None else teams
         self.prices = prices
-        self.store: BudgetStore = store or LocalStore(
-            config.max_tracked_users + 1 + len(config.teams), metrics
-        )
+        self.rules = rules(config)
+        self.store: BudgetStore = store or LocalStore(max_scopes(config), metrics)
         self.clock = clock
         self._gauge_day = self.day_start(clock())
 
     @property
     def enforcing(self) -> bool:
-        c = self.config
-        return any(
-            (
-                c.global_daily_usd is not None,
-                c.user_daily_usd is not None,
-                bool(c.users),
-                c.team_daily_usd is not None,
-                bool(c.teams),
-            )
-        )
+        return bool(self.rules)
 
     def day_start(self, now: float) -> int:
         offset = self.config.day_start_hour_utc * 3600
         return int((now - offset) // DAY) * DAY + offset
 
-    def seconds_to_reset(self) -> float:
-        return self.day_start(self.clock()) + DAY - self.clock()
+    def seconds_to_reset(self, window: Window = "day") -> float:
+        now = self.clock()
+        day = self.day_start(now)
+        return (day + DAY if window == "day" else next_month(day)) - now
 
     # --- what a request is charged to, and its worst case
 
-    def scopes(self, user: str, team: str | None) -> tuple[Scope, ...]:
-        c, out = self.config, []
-        if c.global_daily_usd is not None:
-            out.append(Scope("global", "*", to_micros(c.global_daily_usd)))
-        team_cap = c.teams.get(team, c.team_daily_usd) if team else None
-        if team and team_cap is not None:
-            out.append(Scope("team", team, to_micros(team_cap)))
-        user_cap = c.users.get(user, c.user_daily_usd)
-        if user_cap is not None:
-            out.append(Scope("user", user, to_micros(user_cap)))
+    def scopes(self, ex: Exchange) -> tuple[Scope, ...]:
+        """Every limit that applies to the request: its user's, team's, project's, each of its
+        tags', its model's and the global one, in each window that has one."""
+        return self.scopes_for(ex.user_id, ex.team, ex.project, ex.tags, ex.model)
+
+    def scopes_for(
+        self,
+        user: str,
+        team: str | None,
+        project: str | None,
+        tags: Sequence[str],
+        model: str | None,
+    ) -> tuple[Scope, ...]:
+        out = []
+        for rule in self.rules:
+            for name in _names(rule.kind, user, team, project, tags, model):
+                lim = rule.limit(name)
+                if lim is not None:
+                    out.append(Scope(rule.kind, name, to_micros(lim.usd), rule.window))
         return tuple(out)
+
+    def named_model_scopes(self) -> tuple[Scope, ...]:
+        return tuple(
+            Scope("model", name, to_micros(lim.usd), rule.window)
+            for rule in self.rules
+            if rule.kind == "model"
+            for name, lim in rule.named.items()
+        )
 
     def worst_case_usd(self, ex: Exchange) -> float:
         """The prompt (exact when sized by the upstream, else every character of the body's text
@@ -273,7 +439,7 @@ class Budgets:
 
     async def gate(self, ex: Exchange) -> None:
         """Reserve the worst case on every scope, or refuse before the queue and the upstream."""
-        scopes = self.scopes(ex.user_id, ex.team)
+        scopes = self.scopes(ex)
         if not scopes:
             return None
         if ex.info.endpoint in AUDIO_ROUTES and priced_model(ex) is None:
@@ -297,6 +463,8 @@ class Budgets:
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
             ex.budget_hold = hold
+            if verdict.left is not None:
+                ex.budget_left_usd = usd(verdict.left)
             # The request belongs to the day it was admitted in, its ledger row (ts: the start,
             # once the body was read) too, when a boundary fell between its start and this
             # admission (a restart restores by ts).
@@ -318,24 +486,24 @@ class Budgets:
         self.metrics.budget_refusals.labels(self.users(user), scope.kind, verdict.reason).inc()
         if verdict.reason == "capacity":
             log.warning(
-                "budget table full (%d users): refusing new user", self.config.max_tracked_users
+                "budget table full (%d users a limit): refusing new %s",
+                self.config.max_tracked_users,
+                scope.kind,
             )
-            message = "too many distinct users today for per-user budgets"
+            message = f"too many distinct {scope.kind}s today for per-{scope.kind} budgets"
         else:
-            who = {
-                "global": "the site",
-                "team": f"team '{scope.name}'",
-                "user": f"user '{scope.name}'",
-            }
+            who = "the site" if scope.kind == "global" else f"{scope.kind} '{scope.name}'"
             message = (
-                f"{who[scope.kind]} would exceed the daily budget of {money(usd(scope.limit))} "
+                f"{who} would exceed the {'daily' if scope.window == 'day' else 'monthly'} "
+                f"budget of {money(usd(scope.limit))} "
                 f"(this request may cost up to {money(usd(amount))})"
             )
+        window: Window = "day" if scope.window == "day" or verdict.reason == "capacity" else "month"
         raise Refusal(
             429,
             "budget_exceeded",
-            message + "; it resets at the start of the next budget day",
-            retry_after=self.seconds_to_reset(),
+            message + f"; it resets at the start of the next budget {window}",
+            retry_after=self.seconds_to_reset(window),
         )
 
     def settle(self, ex: Exchange) -> None:
@@ -387,10 +555,11 @@ class Budgets:
         if team:
             m.child(m.team_spend_today, self.teams(team)).inc(amount)
 
-    async def restore(self, by_user: Mapping[str, float], by_team: Mapping[str, float]) -> None:
-        """Today's spend read from the ledger at start: the gauge and the store."""
-        self.restore_gauge(by_user, by_team)
-        await self.store.seed(self.day_start(self.clock()), spent_by_scope(by_user, by_team))
+    async def restore(self, rows: Iterable[SpendRow]) -> None:
+        """This month's spend read from the ledger at start: today's gauge, and the store."""
+        rows = list(rows)
+        self.restore_gauge(*today_by_user_and_team(rows))
+        await self.store.seed(self.day_start(self.clock()), self.spent_by_scope(rows))
 
     def restore_gauge(
         self, by_user: Mapping[str, float], by_team: Mapping[str, float] | None = None
@@ -403,10 +572,74 @@ class Budgets:
         for team, amount in (by_team or {}).items():
             self._gauge(None, team, amount, today)
 
+    def spent_by_scope(self, rows: Iterable[SpendRow]) -> dict[str, int]:
+        """Spend rows as micro-dollars by scope key, for each scope with a limit: day scopes from
+        today's rows, month scopes from all of them (rows since the month's start)."""
+        dollars: dict[str, float] = {}
+        for user, team, project, tags, model, in_day, cost in rows:
+            tag_list = tags.split(",") if tags else ()
+            for rule in self.rules:
+                if rule.window == "day" and not in_day:
+                    continue
+                for name in _names(rule.kind, user or "", team, project, tag_list, model):
+                    if rule.limit(name) is not None:
+                        key = Scope(rule.kind, name, 0, rule.window).key
+                        dollars[key] = dollars.get(key, 0.0) + cost
+        return {key: to_micros(amount) for key, amount in dollars.items()}
 
-def spent_by_scope(by_user: Mapping[str, float], by_team: Mapping[str, float]) -> dict[str, int]:
-    """Spend by user and team (dollars) as micro-dollars by scope key, with the global total."""
-    spent = {f"user:{u}": to_micros(a) for u, a in by_user.items()}
-    spent.update({f"team:{t}": to_micros(a) for t, a in by_team.items()})
-    spent["global:*"] = to_micros(sum(by_user.values()))
-    return spent
+    async def statement(
+        self, user: str, team: str | None, project: str | None, tags: Sequence[str]
+    ) -> list[dict[str, object]] | None:
+        """The limits that apply to one principal (its user's, team's, project's, tags', each
+        named model limit and the global one) with their spend: GET /v1/tollbooth/spend. None
+        when the store cannot be read now."""
+        scopes = self.scopes_for(user, team, project, tags, None) + self.named_model_scopes()
+        usage = await self.store.usage(self.day_start(self.clock()), scopes)
+        if usage is None:
+            return None
+        return [
+            {
+                "scope": s.kind,
+                "name": s.name,
+                "window": s.window,
+                "limit_usd": usd(s.limit),
+                "spent_usd": usd(spent),
+                "remaining_usd": usd(max(0, s.limit - spent - held)),
+            }
+            for s, (spent, held) in zip(scopes, usage, strict=True)
+        ]
+
+
+def _names(
+    kind: Kind,
+    user: str,
+    team: str | None,
+    project: str | None,
+    tags: Sequence[str],
+    model: str | None,
+) -> Sequence[str]:
+    """The scope names of kind `kind` a request or a ledger row is charged to."""
+    if kind == "global":
+        return ("*",)
+    if kind == "user":
+        return (user,) if user else ()
+    if kind == "tag":
+        return tags
+    one = {"team": team, "project": project, "model": model}[kind]
+    return (one,) if one else ()
+
+
+def today_by_user_and_team(
+    rows: Iterable[SpendRow],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Today's spend by billed user and by team, from spend rows."""
+    by_user: dict[str, float] = {}
+    by_team: dict[str, float] = {}
+    for user, team, _, _, _, in_day, cost in rows:
+        if not in_day:
+            continue
+        if user is not None:
+            by_user[user] = by_user.get(user, 0.0) + cost
+        if team is not None:
+            by_team[team] = by_team.get(team, 0.0) + cost
+    return by_user, by_team

@@ -37,6 +37,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..config import LedgerConfig
 from ..telemetry.metrics import Metrics
 from . import ledger
+from .budget import SpendRow
 
 log = logging.getLogger("tollbooth.ledger")
 
@@ -511,6 +512,33 @@ class Shipper:
             if team is not None:
                 by_team[team] = by_team.get(team, 0.0) + float(total)
         return by_user, by_team, read_at
+
+    def spend_rows(self, day: float, month: float) -> tuple[list[SpendRow], float]:
+        """The fleet's spend since the budget month's start by every scope kind (ledger.
+        spend_rows), and when it was read: PostgreSQL plus this sidecar's rows not shipped yet,
+        read with shipping paused. Blocking: call in a thread."""
+        with self.lock:
+            read_at = self.clock()
+            with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+                if not self._schema:
+                    create_schema(conn)
+                    self._schema = True
+                sql = ledger.SPEND_ROWS.format(p="%s", more="")
+                rows = conn.execute(sql, (day, month)).fetchall()
+            db = self._connect_outbox()
+            _, last = self._mark(db, "requests")
+            sql = ledger.SPEND_ROWS.format(p="?", more="AND id > ?")
+            rows += db.execute(sql, (day, month, last)).fetchall()
+        return [ledger.spend_row(r) for r in rows], read_at
+
+
+def local_spend_rows(path: str, day: float, month: float) -> list[SpendRow]:
+    """One sidecar's spend this month from its own SQLite ledger, on a connection of its own."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
+    try:
+        return ledger.spend_rows(conn, day, month)
+    finally:
+        conn.close()
 
 
 def local_spend_since(path: str, since: float) -> tuple[dict[str, float], dict[str, float]]:

@@ -34,6 +34,7 @@ from ..config import LedgerConfig
 from ..exchange import Exchange, consumed
 from ..telemetry.metrics import Metrics
 from ..text import clean
+from .budget import SpendRow
 
 log = logging.getLogger("tollbooth.ledger")
 
@@ -293,6 +294,13 @@ class Ledger:
             return {}, {}
         return spend_by_user_and_team(self._conn, since)
 
+    def spend_rows(self, day: float, month: float) -> list[SpendRow]:
+        """This month's known spend by scope (`spend_rows`); none without the file."""
+        if self._conn is None:
+            log.error("ledger unavailable: this month's spend starts from zero")
+            return []
+        return spend_rows(self._conn, day, month)
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -475,6 +483,24 @@ def spend_by_user_and_team(
         )
         by.append({key: float(total) for key, total in cur.fetchall()})
     return by[0], by[1]
+
+
+SPEND_ROWS = (
+    'SELECT "user", team, project, tags, model, CASE WHEN ts >= {p} THEN 1 ELSE 0 END, '
+    "SUM(cost_usd) FROM requests WHERE ts >= {p} AND cost_usd IS NOT NULL {more} "
+    "GROUP BY 1, 2, 3, 4, 5, 6"  # by position: the day's parameter is in the first column
+)
+
+
+def spend_rows(conn: sqlite3.Connection, day: float, month: float) -> list[SpendRow]:
+    """Known spend since the budget month's start `month`, grouped by every scope kind, each
+    row marked 1 when it is of the budget day that starts at `day` (budget.SpendRow)."""
+    sql = SPEND_ROWS.format(p="?", more="")
+    return [spend_row(r) for r in conn.execute(sql, (day, month)).fetchall()]
+
+
+def spend_row(r: Any) -> SpendRow:
+    return (r[0], r[1], r[2], r[3], r[4], int(r[5]), float(r[6]))
 
 
 def _file_id(path: str | Path | None) -> tuple[int, int] | None:

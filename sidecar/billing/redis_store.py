@@ -22,7 +22,8 @@ import math
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +34,17 @@ from redis.exceptions import RedisError
 
 from ..config import BudgetConfig, ConfigError
 from ..telemetry.metrics import Metrics
-from .budget import DAY, Hold, LocalStore, Scope, Verdict
+from .budget import (
+    DAY,
+    MAX_MICROS,
+    MONTH,
+    Hold,
+    LocalStore,
+    Scope,
+    Seen,
+    Verdict,
+    month_start,
+)
 
 log = logging.getLogger("tollbooth.budget")
 
@@ -85,6 +96,15 @@ local function put(hash, key, v)
   if v < 0 then v, clamped = 0, true elseif v > MAX then v, clamped = MAX, true end
   redis.call('HSET', hash, key, string.format('%d', v))
 end
+-- a month window's scope key ('month:user:alice') lives in its month's hashes, a day's in the day's
+local function pick(key, day_hash, month_hash)
+  if month_hash and string.sub(key, 1, 6) == 'month:' then return month_hash end
+  return day_hash
+end
+local MONTH_KEEP = 2678400  -- a month's keys outlive each write by 31 days (past the month's end)
+local function expire_month(hash, at)
+  if hash then redis.call('EXPIREAT', hash, string.format('%d', tonumber(at) + MONTH_KEEP)) end
+end
 local function record(rec)
   local ok, r = pcall(cjson.decode, rec)
   if not ok or type(r) ~= 'table' then return nil end
@@ -99,6 +119,7 @@ end
 
 RESERVE = """
 local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local mspent, mheld = KEYS[6], KEYS[7]
 local id, amount = ARGV[1], int(ARGV[2])
 local n = (#ARGV - 6) / 2
 if not (amount and int(ARGV[3]) and int(ARGV[4]) and int(ARGV[5])) or n ~= math.floor(n) then
@@ -113,28 +134,36 @@ if read ~= ARGV[6] then return {'reseeded', read} end
 if redis.call('HEXISTS', holds, id) == 1 then return {'again'} end
 local new, first_new = 0, 0
 for i = 1, n do
-  if redis.call('HEXISTS', spent, ARGV[5 + 2 * i]) == 0 then
+  local key = ARGV[5 + 2 * i]
+  if redis.call('HEXISTS', pick(key, spent, mspent), key) == 0 then
     new = new + 1
     if first_new == 0 then first_new = i end
   end
 end
-if new > 0 and redis.call('HLEN', spent) + new > int(ARGV[5]) then
+local tracked = redis.call('HLEN', spent)
+if mspent then tracked = tracked + redis.call('HLEN', mspent) end
+if new > 0 and tracked + new > int(ARGV[5]) then
   return {'capacity', first_new}
 end
 local out = {'ok'}
 for i = 1, n do
   local key = ARGV[5 + 2 * i]
-  local left = int(ARGV[6 + 2 * i]) - stored(spent, key) - stored(held, key)
+  local was = stored(pick(key, spent, mspent), key)
+  local left = int(ARGV[6 + 2 * i]) - was - stored(pick(key, held, mheld), key)
   if amount > left then return {'budget', i, string.format('%d', left)} end
   out[i + 1] = string.format('%d', left - amount)
+  out[n + i + 1] = string.format('%d', was)  -- spent before this hold: the used-ratio gauge
 end
 local scopes = {}
 for i = 1, n do
   local key = ARGV[5 + 2 * i]
-  put(held, key, stored(held, key) + amount)
-  redis.call('HSETNX', spent, key, 0)
+  local h = pick(key, held, mheld)
+  put(h, key, stored(h, key) + amount)
+  redis.call('HSETNX', pick(key, spent, mspent), key, 0)
   scopes[i] = key
 end
+expire_month(mspent, ARGV[4])
+expire_month(mheld, ARGV[4])
 redis.call('HSET', holds, id, cjson.encode({'h', ARGV[2], scopes}))
 local t = redis.call('TIME')
 local deadline = t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[3])
@@ -145,6 +174,7 @@ return out
 
 SETTLE = """
 local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local mspent, mheld, mseeded = KEYS[6], KEYS[7], KEYS[8]
 local id, charge, ended = ARGV[1], int(ARGV[2]), int(ARGV[3])
 if not (charge and ended and int(ARGV[4])) then return 'invalid' end
 for i = 5, #ARGV do
@@ -157,11 +187,12 @@ if rec then
   if r[1] == 's' then return 'again' end
   local amount = int(r[2])
   for _, key in ipairs(r[3]) do
+    local s, h = pick(key, spent, mspent), pick(key, held, mheld)
     if r[1] == 'h' then
-      put(held, key, stored(held, key) - amount)
-      put(spent, key, stored(spent, key) + charge)
+      put(h, key, stored(h, key) - amount)
+      put(s, key, stored(s, key) + charge)
     else
-      put(spent, key, stored(spent, key) + charge - amount)
+      put(s, key, stored(s, key) + charge - amount)
     end
   end
   redis.call('ZREM', leases, id)
@@ -173,11 +204,20 @@ end
 local read = redis.call('GET', seeded)
 if not read then return 'unseeded' end
 redis.call('HSET', holds, id, '["s"]')
-if ended >= tonumber(read) then
-  for i = 5, #ARGV do put(spent, ARGV[i], stored(spent, ARGV[i]) + charge) end
+-- a month key counts it unless its month's seed (the ledger read) already did
+-- (a marker that is absent or not a number reads as the day's: never an error half way)
+local mread = mseeded and tonumber(redis.call('GET', mseeded) or '') or nil
+if not mread then mread = tonumber(read) end
+for i = 5, #ARGV do
+  local key = ARGV[i]
+  local s = pick(key, spent, mspent)
+  if ended >= (s == spent and tonumber(read) or mread) then
+    put(s, key, stored(s, key) + charge)
+  end
 end
 -- after the writes: EXPIREAT on a key that does not exist yet is a no-op
 for i = 1, 3 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
+expire_month(mspent, ARGV[4])
 if ended < tonumber(read) then return 'in_seed' end
 if clamped then return 'charged:clamped' end
 return 'charged'
@@ -185,6 +225,7 @@ return 'charged'
 
 SWEEP = """
 local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local mspent, mheld = KEYS[5], KEYS[6]
 local most = int(ARGV[1])
 if not most then return 0 end
 local t = redis.call('TIME')
@@ -198,8 +239,9 @@ for _, id in ipairs(due) do
   if r and r[1] == 'h' then
     local amount = int(r[2])
     for _, key in ipairs(r[3]) do
-      put(held, key, stored(held, key) - amount)
-      put(spent, key, stored(spent, key) + amount)
+      local s, h = pick(key, spent, mspent), pick(key, held, mheld)
+      put(h, key, stored(h, key) - amount)
+      put(s, key, stored(s, key) + amount)
     end
     r[1] = 'x'
     redis.call('HSET', holds, id, cjson.encode(r))
@@ -212,6 +254,7 @@ return charged
 
 RENEW = """
 local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local mspent, mheld = KEYS[5], KEYS[6]
 if not (int(ARGV[1]) and int(ARGV[2])) then return -1 end
 local i = 3
 while i <= #ARGV do
@@ -234,8 +277,9 @@ while i <= #ARGV do
     local scopes = {}
     for j = 1, n do
       local key = ARGV[i + 2 + j]
-      put(held, key, stored(held, key) + amount)
-      redis.call('HSETNX', spent, key, 0)
+      local h = pick(key, held, mheld)
+      put(h, key, stored(h, key) + amount)
+      redis.call('HSETNX', pick(key, spent, mspent), key, 0)
       scopes[j] = key
     end
     redis.call('HSET', holds, id, cjson.encode({'h', ARGV[i + 1], scopes}))
@@ -246,6 +290,8 @@ while i <= #ARGV do
 end
 if made > 0 then
   for k = 1, 4 do redis.call('EXPIREAT', KEYS[k], ARGV[2]) end
+  expire_month(mspent, ARGV[2])
+  expire_month(mheld, ARGV[2])
 end
 return made
 """
@@ -256,10 +302,21 @@ for i = 3, #ARGV, 2 do
   if ARGV[i] == '' or not int(ARGV[i + 1]) then return -1 end
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+-- month keys go in only when their month is not seeded yet: else its total runs on from Redis
+local mspent, mseeded = KEYS[3], KEYS[4]
+local month_open = mspent and redis.call('EXISTS', mseeded) == 0
+for i = 3, #ARGV, 2 do
+  local h = pick(ARGV[i], KEYS[1], mspent)
+  if h == KEYS[1] or month_open then redis.call('HSET', h, ARGV[i], ARGV[i + 1]) end
+end
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('EXPIREAT', KEYS[1], ARGV[2])
 redis.call('EXPIREAT', KEYS[2], ARGV[2])
+if month_open then
+  redis.call('SET', mseeded, ARGV[1])
+  expire_month(mspent, ARGV[2])
+  expire_month(mseeded, ARGV[2])
+end
 return 1
 """
 
@@ -289,6 +346,18 @@ def day_keys(day: int) -> list[str]:
     """spent, held, holds, leases, seeded: the keys of one budget day."""
     tag = f"{PREFIX}:{{{day}}}"
     return [f"{tag}:{name}" for name in ("spent", "held", "holds", "leases", "seeded")]
+
+
+def month_keys(day: int) -> list[str]:
+    """spent, held, seeded of the budget month of day `day`: its month-window scopes. Another
+    hash tag than the day's: one Redis server (not a cluster) runs a script over both."""
+    tag = f"{PREFIX}:{{month:{month_start(day)}}}"
+    return [f"{tag}:{name}" for name in ("spent", "held", "seeded")]
+
+
+def script_keys(day: int) -> list[str]:
+    """The day's five keys and its month's spent and held (reserve; settle adds month seeded)."""
+    return [*day_keys(day), *month_keys(day)]
 
 
 SIDECARS = f"{PREFIX}:sidecars"
@@ -397,6 +466,7 @@ class RedisStore:
         self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
         self.alive = 1
         self.local = LocalStore(max_scopes, metrics)  # this sidecar's share while Redis is away
+        self.seen = Seen(max_scopes)  # spend by scope at this sidecar's last admission to it
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -437,7 +507,7 @@ class RedisStore:
     # --- BudgetStore
 
     async def reserve(self, hold: Hold) -> Verdict:
-        keys = day_keys(hold.day)
+        keys = script_keys(hold.day)
         try:
             if self.outage or self.settling:
                 await self._restore()
@@ -478,10 +548,14 @@ class RedisStore:
             self._refused_by_script("reserve", hold)
             return Verdict(False, None, "unavailable")
         if status in (b"ok", b"again"):
+            n = len(hold.scopes)
             for s, left in zip(hold.scopes, reply[1:], strict=False):
                 self._remember(hold.day, s.key, int(left))
+            for s, was in zip(hold.scopes, reply[1 + n :], strict=False):
+                self.seen.note(hold.day, s.key, int(was))
             self.open[hold.request_id] = hold
-            return Verdict(True)
+            least = min((int(left) for left in reply[1 : 1 + n]), default=None)
+            return Verdict(True, left=least)
         scope = hold.scopes[int(reply[1]) - 1]
         if status == b"capacity":
             return Verdict(False, scope, "capacity")
@@ -523,10 +597,41 @@ class RedisStore:
         args: list[Any] = [math.floor(read_at * 1000), day + KEEP_S]
         for key, micros in spent.items():
             args += [key, micros]
-        seeded = int(await self._call("seed", [keys[0], keys[4]], args))
+        month = month_keys(day)
+        seeded = int(await self._call("seed", [keys[0], keys[4], month[0], month[2]], args))
         if seeded < 0:
             self._refused_by_script("seed", None, f"day {day}")
         return seeded > 0
+
+    async def usage(self, day: int, scopes: Sequence[Scope]) -> list[tuple[int, int]] | None:
+        """Each scope's spent and held, read from Redis (None while it cannot be reached)."""
+        if not scopes:
+            return []
+        day_spent, day_held, _, _, seeded = day_keys(day)
+        month_spent, month_held = month_keys(day)[:2]
+
+        async def read() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(seeded)
+                for s in scopes:
+                    month = s.key.startswith(MONTH)
+                    pipe.hget(month_spent if month else day_spent, s.key)
+                    pipe.hget(month_held if month else day_held, s.key)
+                return list(await pipe.execute())
+
+        try:
+            raw = await self._guard("usage", read)
+            if not raw[0]:  # nothing read from the ledger yet today: read it first
+                if not await self.reseed(day):
+                    return None
+                raw = await self._guard("usage", read)
+        except StoreDown:
+            return None
+        values = [_micros(v) for v in raw[1:]]
+        return [(values[2 * i], values[2 * i + 1]) for i in range(len(scopes))]
+
+    def spent_now(self, day: int) -> Mapping[str, int]:
+        return self.seen.now(day)
 
     # --- without Redis
 
@@ -570,12 +675,14 @@ class RedisStore:
             if left is None:
                 self.metrics.store_refused.inc()
                 return Verdict(False, s, "unavailable")
-            share.append(Scope(s.kind, s.name, max(0, left) // max(1, self.alive)))
+            share.append(replace(s, limit=max(0, left) // max(1, self.alive)))
         verdict = await self.local.reserve(
             Hold(hold.request_id, hold.day, hold.amount, tuple(share))
         )
         self.metrics.store_local.labels("admitted" if verdict.admitted else "refused").inc()
-        if verdict.admitted or verdict.scope is None:
+        if verdict.admitted:  # against this sidecar's share: not what is left, so not shown
+            return Verdict(True)
+        if verdict.scope is None:
             return verdict
         original = next(s for s in hold.scopes if s.key == verdict.scope.key)
         return Verdict(False, original, verdict.reason)
@@ -646,7 +753,7 @@ class RedisStore:
             for hold, charge, ended_ms in batch:
                 args: list[Any] = [hold.request_id, charge, ended_ms, hold.day + KEEP_S]
                 args += [s.key for s in hold.scopes]
-                await self.scripts["settle"](keys=day_keys(hold.day), args=args, client=pipe)
+                await self.scripts["settle"](keys=script_keys(hold.day), args=args, client=pipe)
             return list(await pipe.execute())
 
     def _requeue(self, batch: list[tuple[Hold, int, int]]) -> None:
@@ -697,8 +804,8 @@ class RedisStore:
         with contextlib.suppress(StoreDown):
             today = self.today()
             for day in (today - DAY, today):
-                keys = day_keys(day)
-                charged = await self._call("sweep", keys[:4], [SWEEP_BATCH])
+                keys = day_keys(day)[:4] + month_keys(day)[:2]
+                charged = await self._call("sweep", keys, [SWEEP_BATCH])
                 self.metrics.holds_expired.inc(int(charged))
 
     async def _renew(self) -> None:
@@ -716,7 +823,8 @@ class RedisStore:
                 args: list[Any] = [self.lease_ms, day + KEEP_S]
                 for h in some[i : i + RENEW_BATCH]:
                     args += [h.request_id, h.amount, len(h.scopes), *(s.key for s in h.scopes)]
-                made = int(await self._call("renew", day_keys(day)[:4], args))
+                keys = day_keys(day)[:4] + month_keys(day)[:2]
+                made = int(await self._call("renew", keys, args))
                 if made < 0:
                     self._refused_by_script("renew", None, f"day {day}")
                 elif made:
@@ -746,6 +854,16 @@ class RedisStore:
                 async with asyncio.timeout(self.config.store_timeout_s):
                     await self.redis.zrem(SIDECARS, self.id)
         await self.redis.aclose()
+
+
+def _micros(raw: Any) -> int:
+    """A stored total read back: an integer in [0, MAX_MICROS]; anything else (absent, garbled)
+    reads as 0 here (the scripts clamp what they write)."""
+    try:
+        value = int(raw) if raw is not None else 0
+    except ValueError:
+        return 0
+    return min(max(value, 0), MAX_MICROS)
 
 
 def store_context(store: RedisStore) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -219,6 +219,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         on_start=sc.on_start,
         counter=counter,
         finishers=Finishers(),
+        statement=sc.budgets.statement if sc.budgets is not None else None,
     )
     sc.proxy = Proxy(settings, deps)
     yield

@@ -46,6 +46,7 @@ NOTES = {
     "ledger.path": "SQLite file (or --ledger); null: no ledger",
     "ledger.flush_interval_s": "at most this much is lost on a hard kill",
     "ledger.max_pending_rows": "held while the file cannot be written; then the oldest drop",
+    "budgets.limits": "[{scope, name, usd, window: day|month, soft}] (docs/budgets.md)",
     "budgets.global_daily_usd": "null: no global budget",
     "budgets.user_daily_usd": "null: no per-user budget",
     "budgets.users": "per-user overrides, e.g. {alice: 5.0}",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..billing.admission import Admission
 from ..billing.audit import Audit, audit_context
-from ..billing.budget import Budgets, spent_by_scope
+from ..billing.budget import Budgets, max_scopes, month_start, today_by_user_and_team
 from ..billing.budget_state import BudgetState
 from ..billing.ledger import Ledger, ledger_context
 from ..telemetry import thresholds, tracing
@@ -74,7 +74,9 @@ def wire(
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store, teams=sc.teams
     )
-    sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics))  # limits, what is left
+    sc.metrics.registry.register(
+        BudgetState(cfg.budgets, sc.metrics, budgets)
+    )  # limits, what is left
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
@@ -85,12 +87,12 @@ def wire(
         ledger = sc.ledger = Ledger(cfg.ledger, sc.metrics)
 
         async def restore(opened: Ledger) -> None:
-            since = budgets.day_start(budgets.clock())
-            by_user, by_team = await asyncio.to_thread(opened.spend_since, since)
+            day = budgets.day_start(budgets.clock())
+            rows = await asyncio.to_thread(opened.spend_rows, day, month_start(day))
             if store is None:
-                await budgets.restore(by_user, by_team)
+                await budgets.restore(rows)
             else:  # the shared store seeds itself from the fleet's ledger
-                budgets.restore_gauge(by_user, by_team)
+                budgets.restore_gauge(*today_by_user_and_team(rows))
 
         if shipper is not None:  # ships after the ledger's last rows; starts after its retention
             from ..billing.fleet_ledger import shipper_contexts
@@ -161,19 +163,21 @@ def _shared_store(sc: Sidecar, shipper: Shipper | None) -> RedisStore | None:
     cfg = sc.config
     if not cfg.budgets.store:
         return None
-    from ..billing.fleet_ledger import local_spend_since
+    from ..billing.fleet_ledger import local_spend_rows
     from ..billing.redis_store import RedisStore, store_context
 
     path = cfg.ledger.path
 
     async def source(day: int) -> tuple[Mapping[str, int], float]:
+        assert sc.budgets is not None
+        month = month_start(day)
         if shipper is not None:
-            by_user, by_team, read_at = await asyncio.to_thread(shipper.spend_since, day)
+            rows, read_at = await asyncio.to_thread(shipper.spend_rows, day, month)
         else:
             assert path is not None
             read_at = time.time()
-            by_user, by_team = await asyncio.to_thread(local_spend_since, path, day)
-        return spent_by_scope(by_user, by_team), read_at
+            rows = await asyncio.to_thread(local_spend_rows, path, day, month)
+        return sc.budgets.spent_by_scope(rows), read_at
 
     def today() -> int:
         assert sc.budgets is not None  # made right after the store, before it is opened
@@ -184,7 +188,7 @@ def _shared_store(sc: Sidecar, shipper: Shipper | None) -> RedisStore | None:
         sc.metrics,
         today,
         source if path else None,
-        max_scopes=cfg.budgets.max_tracked_users + 1 + len(cfg.budgets.teams),
+        max_scopes=max_scopes(cfg.budgets),
     )
     sc.extra_contexts.append(store_context(store))
     return store

@@ -70,6 +70,7 @@ from .memory import (
     parse_cost,
 )
 from .routes import AmbiguousPath, anthropic_route, classify, endpoint_class, routing_path
+from .spend import BUDGET_HEADER, SPEND_PATH, Statement, answer
 from .upstream import Upstream, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class ProxyDeps:
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)  # e.g. open a span
     counter: PromptCounter | None = None  # exact prompt size when the wire lacked usage
     finishers: Finishers = field(default_factory=Finishers)  # work after the client left
+    statement: Statement | None = None  # GET /v1/tollbooth/spend: the budgets' answer
 
 
 class Proxy:
@@ -203,6 +205,7 @@ class Proxy:
         self.on_start = deps.on_start
         self.counter = deps.counter
         self.finishers = deps.finishers
+        self.statement = deps.statement
         self._urls: dict[tuple[str, str], URL] = {}
         self.memory = RequestMemory(settings.max_buffered, settings.max_buffered_per_key)
         metrics.request_memory.set_function(lambda: self.memory.total)
@@ -212,6 +215,8 @@ class Proxy:
             path = routing_path(request.rel_url.raw_path)
         except AmbiguousPath as exc:
             return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
+        if path == SPEND_PATH:  # the sidecar's own route: answered here, never forwarded
+            return await answer(request, self.identity, self.statement)
         return in_route_shape(await self._route(request, path), anthropic_route(path))
 
     async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
@@ -571,6 +576,8 @@ class Proxy:
         if ex.endpoint is Endpoint.TGI_VERTEX and 200 <= up.status < 300:
             self._finish_later(ex, up, None)  # /vertex reports no counts: ask for the prompt's
         headers = response_headers(up.headers, drop_length=True)
+        if ex.budget_left_usd is not None:
+            headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
         cost = self._cost_now(ex)
         if cost is not None:
             headers[COST_HEADER] = f"{cost:.8f}"
@@ -589,11 +596,10 @@ class Proxy:
             max_event_bytes=self.s.max_event_bytes,
             api=info.api or self.s.api,
         )
-        resp = web.StreamResponse(
-            status=up.status,
-            reason=up.reason,
-            headers=response_headers(up.headers, drop_length=True),
-        )
+        headers = response_headers(up.headers, drop_length=True)
+        if ex.budget_left_usd is not None:
+            headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         try:
             await resp.prepare(request)
         except ConnectionResetError:
@@ -737,11 +743,10 @@ class Proxy:
     async def _relay(
         self, request: web.Request, up: UpstreamResponse, ex: Exchange | None = None
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=up.status,
-            reason=up.reason,
-            headers=response_headers(up.headers, drop_length=False),
-        )
+        headers = response_headers(up.headers, drop_length=False)
+        if ex is not None and ex.budget_left_usd is not None:
+            headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         try:
             await resp.prepare(request)
             async for chunk in up.content.iter_any():
