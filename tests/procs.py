@@ -53,7 +53,28 @@ async def start_tollbooth(
     Like the in-process sidecars, it writes its audit file under `tmp` and sees no GPU unless
     `config` says otherwise: a test's outcome never depends on the machine's GPU or working tree.
     """
-    port, admin = ports or (free_port(), free_port())
+    for attempt in range(3):
+        try:
+            chosen = ports or (free_port(), free_port())
+            return await _start_tollbooth(tmp, config, args, chosen, ready_path)
+        except PortTaken:
+            if ports is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The free port chosen was bound by someone else before tollbooth bound it."""
+
+
+async def _start_tollbooth(
+    tmp: Path,
+    config: dict[str, Any],
+    args: tuple[str, ...],
+    ports: tuple[int, int],
+    ready_path: str,
+) -> Tollbooth:
+    port, admin = ports
     config = {
         **config,
         "audit": {"path": str(tmp / f"audit-{port}.jsonl"), **config.get("audit", {})},
@@ -83,7 +104,10 @@ async def start_tollbooth(
         for _ in range(300):
             if proc.returncode is not None:
                 handle.close()
-                raise RuntimeError("tollbooth exited: " + log.read_text()[-2000:])
+                text = log.read_text()
+                if "address already in use" in text.lower():
+                    raise PortTaken(text[-2000:])
+                raise RuntimeError("tollbooth exited: " + text[-2000:])
             try:
                 async with s.get(tb.admin + ready_path) as r:
                     if r.status == 200:

@@ -121,8 +121,32 @@ class Outcome:
         return self.status == 200 and self.error is None
 
 
+_PORTS = random.SystemRandom()  # never the seeded module state: two runs pick apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, chosen below the kernel's ephemeral range: a port from that
+    range (what binding port 0 gives) may be taken by any outgoing connection before the server
+    that was told it binds it ("address already in use"); a port below it never is."""
+    high = _ephemeral_low()
+    low = max(1024, high - 20000)
+    for _ in range(200):
+        port = _PORTS.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
