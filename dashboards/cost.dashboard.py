@@ -127,6 +127,16 @@ def build(t: Thresholds) -> Dashboard:
                 )
             ],
         ),
+        top(
+            g,
+            "Budgets: share of each limit used",
+            "Spent / limit of each budget limit (llm_budget_used_ratio), day and month windows, "
+            "largest first; LLMBudgetSoftLimit warns where it passes the limit's soft share. "
+            "Empty when no budget is configured.",
+            "percentunit",
+            f"sort_desc(max by (scope, name, window) (llm_budget_used_ratio{{{INST}}}))",
+            "{{scope}} {{name}} ({{window}})",
+        ),
         stat(
             g,
             f"Spend, last {w24}",

@@ -23,7 +23,7 @@ from dashboards.lib import (
     SCHEMA_VERSION,
     TARGET_KEYS,
 )
-from sidecar.billing.budget_state import LIMIT, REMAINING
+from sidecar.billing.budget_state import LIMIT, REMAINING, SOFT, USED
 from sidecar.telemetry import metrics
 from sidecar.telemetry.exposition import read_by_increase
 from sidecar.telemetry.metrics import Metrics
@@ -163,7 +163,7 @@ def exported_metrics() -> set[str]:
             names |= {base + s for s in ("_bucket", "_sum", "_count")}
         else:
             names.add(base)
-    return names | {"up", LIMIT, REMAINING}  # the budget state, read at scrape time
+    return names | {"up", LIMIT, REMAINING, USED, SOFT}  # the budget state, read at scrape time
 
 
 # The inference server's own metrics the latency dashboard reads (the simulator exports them too:
