@@ -87,7 +87,10 @@ class FormHead:
         end = buf.find(_CRLF2, self._pos)
         if end < 0:
             return False
-        name, filename = _disposition(bytes(buf[self._pos : end]))
+        try:
+            name, filename = _disposition(bytes(buf[self._pos : end]))
+        except UnclearPart:
+            return self._malformed()
         if filename is not None or name is None:
             self.reached_file = filename is not None
             self.done = True
@@ -136,13 +139,24 @@ class FormHead:
             self.fields[name] = ""  # a name the server reads as no such model
 
 
+class UnclearPart(ValueError):
+    """A part whose name depends on the parser: two Content-Disposition headers, or a `name`
+    or `filename` parameter given twice (Starlette, vLLM's form parser, takes the last of
+    each; `email.message` the first)."""
+
+
 def _disposition(head: bytes) -> tuple[str | None, str | None]:
-    """(name, filename) of a part, from its Content-Disposition header."""
+    """(name, filename) of a part, from its Content-Disposition header. Raises UnclearPart."""
     msg = Message()
     for line in head.decode("latin-1").split("\r\n"):
         key, sep, value = line.partition(":")
         if sep and key.strip().lower() == "content-disposition":
+            if "content-disposition" in msg:
+                raise UnclearPart("a part has two Content-Disposition headers")
             msg["content-disposition"] = value.strip()
+    keys = [k.lower() for k, _ in msg.get_params([], header="content-disposition")]
+    if keys.count("name") > 1 or keys.count("filename") > 1:
+        raise UnclearPart("a part names its name or filename twice")
     name = msg.get_param("name", header="content-disposition")
     filename = msg.get_param("filename", header="content-disposition")
     return (

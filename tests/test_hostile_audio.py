@@ -1,0 +1,94 @@
+"""Breaks found by the hostile review of issue 23's audio routes (each test failed on b269492).
+
+vLLM reads a transcription's form with FastAPI's `Form()`, that is Starlette's form parser
+(python-multipart): every part of the body is read, and a field sent twice is the last one
+(`ImmutableMultiDict`); of a part's headers the last Content-Disposition, of its parameters the
+last `name`. The sidecar reads only the head before the file, and read the first of each. So a
+client could name a priced (or free, or unpriced) model to the meter and have the server serve
+another: the seconds were billed at the wrong price, under a budget at nothing.
+The simulator reads a form as vLLM does in this respect (a later field replaces an earlier one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from sidecar.metering.audio import FormHead
+from tests.conftest import StartSidecar
+from tests.test_audio import (
+    CONTENT_TYPE,
+    MODEL,
+    PER_SECOND,
+    PRICE,
+    TRANSCRIBE,
+    B,
+    _rows,
+    _start,
+    wav,
+)
+from tests.waiting import wait_for
+
+# A second model the operator prices: its seconds are free.
+PRICES = {
+    "models": {
+        MODEL: {**PRICE, "audio_per_second": PER_SECOND},
+        "free": {**PRICE, "audio_per_second": 0.0},
+    }
+}
+MODEL_PART = 'Content-Disposition: form-data; name="model"'
+FILE_PART = (
+    'Content-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav'
+)
+
+
+def part(headers: str, value: bytes) -> bytes:
+    return f"--{B}\r\n{headers}\r\n\r\n".encode() + value + b"\r\n"
+
+
+def end(*parts: bytes) -> bytes:
+    return b"".join(parts) + f"--{B}--\r\n".encode()
+
+
+UNCLEAR_HEADS = {
+    "two Content-Disposition headers": MODEL_PART + '\r\nContent-Disposition: form-data; name="x"',
+    "the second first": 'Content-Disposition: form-data; name="x"\r\n' + MODEL_PART,
+    "two name parameters": MODEL_PART + '; name="x"',
+    "two name parameters, cased": 'Content-Disposition: form-data; name="x"; NAME="model"',
+}
+
+
+@pytest.mark.parametrize("headers", UNCLEAR_HEADS.values(), ids=UNCLEAR_HEADS.keys())
+def test_a_part_whose_name_depends_on_the_parser_makes_the_head_unused(headers: str) -> None:
+    """Starlette names the part by the last header and the last parameter: `x` for the first
+    and third, `model` for the second and fourth; the sidecar took the first of each."""
+    head = FormHead(B.encode(), 64 * 1024)
+    head.feed(end(part(headers, b"free"), part(FILE_PART, wav(0.1))))
+    assert head.done and head.malformed and head.fields == {}
+
+
+async def _post(run: Any, body: bytes) -> tuple[int, str]:
+    headers = {**CONTENT_TYPE, "X-Tollbooth-User": "eve"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + TRANSCRIBE, data=body, headers=headers) as r,
+    ):
+        return r.status, await r.text()
+
+
+async def test_under_a_budget_a_part_named_two_ways_is_not_billed_as_the_first_name(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Before: billed as `free` ($0, 200) while vLLM, reading the part as `x`, served its own
+    model. Now the head is not used: a request the head does not price is refused (400)."""
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, pricing=PRICES, budgets={"user_daily_usd": 50.0}
+    )
+    headers = UNCLEAR_HEADS["two Content-Disposition headers"]
+    status, text = await _post(run, end(part(headers, b"free"), part(FILE_PART, wav(2.0))))
+    assert status == 400 and "must come before the file" in text
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db)[0][1] == "unknown" and _rows(db)[0][-1] == "400"
