@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.metering.audio import FormHead
+from sidecar.metering.audio import FormHead, FormScan, LateField
 from tests.conftest import StartSidecar
 from tests.test_audio import (
     CONTENT_TYPE,
@@ -92,3 +92,51 @@ async def test_under_a_budget_a_part_named_two_ways_is_not_billed_as_the_first_n
     assert status == 400 and "must come before the file" in text
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     assert _rows(db)[0][1] == "unknown" and _rows(db)[0][-1] == "400"
+
+
+def _scan(body: bytes, cut: int) -> str | None:
+    scan = FormScan(B.encode(), 64 * 1024)
+    try:
+        for i in range(0, len(body), cut):
+            scan.feed(body[i : i + cut])
+    except LateField as exc:
+        return str(exc)
+    return None
+
+
+TWICE = end(part(MODEL_PART, b"free"), part(FILE_PART, wav(0.1)), part(MODEL_PART, MODEL.encode()))
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 17, 4096, len(TWICE)])
+def test_a_field_sent_again_after_the_file_is_found_at_every_cut(cut: int) -> None:
+    assert _scan(TWICE, cut) == "the form field 'model' comes again after the file"
+
+
+@pytest.mark.parametrize("cut", [1, 3, 4096])
+def test_a_form_naming_each_field_once_passes_the_scan(cut: int) -> None:
+    fields = [part(MODEL_PART, MODEL.encode()), part(FILE_PART, wav(0.1))]
+    after = part('Content-Disposition: form-data; name="stream"', b"false")
+    # the file holds a delimiter-like line not followed by CRLF or `--`: content to both parsers
+    trick = part(FILE_PART, b"RIFF\r\n--" + B.encode() + b"X\r\n" + wav(0.1))
+    assert _scan(end(*fields, after), cut) is None
+    assert _scan(end(part(MODEL_PART, MODEL.encode()), trick), cut) is None
+    assert _scan(end(part(FILE_PART, wav(0.1)), part(MODEL_PART, MODEL.encode())), cut) is None
+
+
+async def test_under_a_budget_a_model_named_again_after_the_file_is_refused(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Before: the head's `free` was billed ($0 under a budget, 200) for the audio the server
+    transcribed with the later `model`. Now the upload is cut short: 400, nothing served or
+    charged."""
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, pricing=PRICES, budgets={"user_daily_usd": 50.0}
+    )
+    later = part(MODEL_PART, MODEL.encode())
+    body = end(part(MODEL_PART, b"free"), part(FILE_PART, wav(2.0)), later)
+    status, text = await _post(run, body)
+    assert status == 400 and "'model' comes again after the file" in text
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db)[0][1:] == ("free", TRANSCRIBE, None, None, None, 0.0, "400")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold released")
+    assert run.sc.budgets.store.spent.get("user:eve", 0) == 0

@@ -165,6 +165,72 @@ def _disposition(head: bytes) -> tuple[str | None, str | None]:
     )
 
 
+class LateField(ValueError):
+    """A form field the meter reads comes twice, the second past the head (where the head
+    reader does not look): vLLM's parser takes the later one, so the request is not the one
+    the head priced; or a part past the head is named two ways."""
+
+
+class FormScan:
+    """The names of a multipart body's parts, read from the whole body as it streams through.
+
+    `feed(chunk)` raises LateField at the second part named as one of READ_FIELDS (the head
+    refuses one sent twice within it: this finds the second past it), or one named two ways.
+    Holds no more than a delimiter's length of a part's content and one part's headers (at
+    most `cap` bytes: longer ones are not a form this reads, and raise too).
+    A pure object: no I/O, no clock.
+    """
+
+    def __init__(self, boundary: bytes, cap: int) -> None:
+        self._delim = b"\r\n--" + boundary
+        self._cap = cap
+        self._named: set[str] = set()  # the READ_FIELDS met so far
+        self._buf = bytearray(b"\r\n")  # the first delimiter has no CRLF before it
+        self._in_headers = False
+        self.ended = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.ended:
+            return  # python-multipart reads nothing past the form's end
+        self._buf += chunk
+        while not self.ended and self._step():
+            pass
+
+    def _step(self) -> bool:
+        buf = self._buf
+        if self._in_headers:
+            end = buf.find(_CRLF2)
+            if end < 0:
+                if len(buf) > self._cap:
+                    raise LateField("a part's headers are longer than the form head")
+                return False
+            try:
+                name, _ = _disposition(bytes(buf[:end]))
+            except UnclearPart as exc:
+                raise LateField(str(exc)) from None
+            if name in self._named:
+                raise LateField(f"the form field '{name}' comes again after the file")
+            if name in READ_FIELDS:
+                self._named.add(name)
+            del buf[: end + 4]
+            self._in_headers = False
+            return True
+        at = buf.find(self._delim)
+        if at < 0:
+            del buf[: max(0, len(buf) - len(self._delim) - 1)]  # a delimiter may be cut here
+            return False
+        if len(buf) < at + len(self._delim) + 2:
+            del buf[:at]
+            return False
+        after = at + len(self._delim)
+        mark = bytes(buf[after : after + 2])
+        # python-multipart: a delimiter is followed by CRLF (a part) or `--` (the end); any
+        # other bytes after it are the part's content
+        self.ended, self._in_headers = mark == b"--", mark == b"\r\n"
+        del buf[: after + 2 if self.ended or self._in_headers else at + 1]
+        return not self.ended
+
+
 def audio_request(
     endpoint: Endpoint, head: bytes, form: FormHead, size: int | None, audio_bytes: int
 ) -> RequestInfo:
