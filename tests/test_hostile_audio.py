@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.metering.audio import FormHead, FormScan, LateField
+from sidecar.metering.audio import FormHead, FormScan, LateField, boundary
 from tests.conftest import StartSidecar
 from tests.test_audio import (
     CONTENT_TYPE,
@@ -140,3 +140,50 @@ async def test_under_a_budget_a_model_named_again_after_the_file_is_refused(
     assert _rows(db)[0][1:] == ("free", TRANSCRIBE, None, None, None, 0.0, "400")
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold released")
     assert run.sc.budgets.store.spent.get("user:eve", 0) == 0
+
+
+# The served model's name in UTF-7, whose `+...-` runs Starlette decodes (`bytes.decode(charset)`
+# with the Content-Type's last `charset`) and UTF-8 reads as they are: `+AHc-hisper` is
+# `whisper` there. The sidecar read `+AHc...` (a name with no price: $0 held, cost unknown).
+UTF7_MODEL = MODEL.encode("utf-7").replace(b"w", b"+AHc-", 1)
+assert UTF7_MODEL.decode("utf-7") == MODEL and UTF7_MODEL.decode() != MODEL
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        "; charset=utf-7",
+        '; charset="UTF-7"',
+        "; charset=utf-8; charset=utf-7",  # Starlette takes the last
+        "; charset=no-such-codec",
+        "; boundary=other",  # two boundaries: Starlette takes the last, email the first
+    ],
+)
+def test_a_form_not_read_as_utf8_or_with_two_boundaries_has_no_boundary(params: str) -> None:
+    assert boundary(f"multipart/form-data; boundary={B}{params}") is None
+
+
+@pytest.mark.parametrize("params", ["", "; charset=utf-8", "; charset=UTF8", '; charset="utf-8"'])
+def test_a_utf8_form_keeps_its_boundary(params: str) -> None:
+    assert boundary(f"multipart/form-data; boundary={B}{params}") == B.encode()
+
+
+async def test_under_a_budget_a_utf7_form_is_not_billed_as_the_name_utf8_reads(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Before: 200, priced as the unpriced `+AHc-hisper-sim` ($0 charged under a budget) while
+    vLLM served `whisper-sim`. Now the head is not read: the unnamed model, refused (400)."""
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, budgets={"user_daily_usd": 50.0}
+    )
+    body = end(part(MODEL_PART, UTF7_MODEL), part(FILE_PART, wav(2.0)))
+    headers = {"Content-Type": f"multipart/form-data; boundary={B}; charset=utf-7"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + TRANSCRIBE, data=body, headers={**headers, "X-Tollbooth-User": "eve"}
+        ) as r,
+    ):
+        assert r.status == 400 and "must come before the file" in await r.text()
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db)[0][1] == "unknown" and _rows(db)[0][-1] == "400"

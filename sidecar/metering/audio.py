@@ -16,6 +16,7 @@ text, a stream) has no audio seconds, and its cost is from tokens, or unknown.
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Mapping
 from email.message import Message
@@ -37,17 +38,35 @@ _CRLF2 = b"\r\n\r\n"
 
 
 def boundary(content_type: str | None) -> bytes | None:
-    """The boundary of a multipart/form-data Content-Type; None for any other body."""
+    """The boundary of a multipart/form-data Content-Type; None for any other body, and for a
+    form whose fields are not read as this reads them: one naming its boundary twice, or a
+    `charset` other than UTF-8 (Starlette, vLLM's form parser, decodes the fields' names and
+    values with the last `charset` given: in UTF-7 the bytes `+AHc-hisper` are `whisper`)."""
     if not content_type:
         return None
     msg = Message()
     msg["content-type"] = content_type
     if msg.get_content_type() != "multipart/form-data":
         return None
+    params = msg.get_params([])
+    if [k.lower() for k, _ in params].count("boundary") != 1:
+        return None
+    if not all(_utf8(v) for k, v in params if k.lower() == "charset"):
+        return None
     value = msg.get_param("boundary")
     if not isinstance(value, str) or not 1 <= len(value) <= 70 or not value.isascii():
         return None  # RFC 2046: 1 to 70 characters
     return value.encode("ascii")
+
+
+def _utf8(charset: object) -> bool:
+    """Is `charset` a name Python decodes as UTF-8 (as Starlette's `bytes.decode(charset)`)?"""
+    if not isinstance(charset, str):
+        return False  # RFC 2231-encoded: not a name
+    try:
+        return codecs.lookup(charset.strip()).name == "utf-8"
+    except LookupError:
+        return False
 
 
 class FormHead:
