@@ -14,6 +14,7 @@ one part tests may fake).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,53 @@ def test_a_limit_twin_on_the_other_routes_leaves_no_cap(endpoint: Endpoint, twin
     body = {"model": MODEL, "max_tokens": 1, "messages": [], "prompt": "x", twin: 4000}
     info = inspect_request(endpoint, json.dumps(body).encode(), inject_usage=False)
     assert info.output_cap is None and twin in info.unreadable
+
+
+async def go_ollama_stream(request: web.Request) -> web.StreamResponse:
+    """/api/chat streamed as Ollama streams it, the model Go reads named on every line."""
+    obj = json.loads(await request.read())
+    model = next(v for k, v in reversed(obj.items()) if k.casefold() == "model")
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    for _ in range(int(go_decode(obj, "options").get("num_predict", 1))):
+        line = {"model": model, "message": {"role": "assistant", "content": "x"}, "done": False}
+        await resp.write(json.dumps(line).encode() + b"\n")
+        await asyncio.sleep(0.01)
+    done = {"model": model, "message": {"role": "assistant", "content": ""}, "done": True}
+    await resp.write(json.dumps(done | {"prompt_eval_count": 7, "eval_count": 0}).encode() + b"\n")
+    return resp
+
+
+async def test_a_model_twin_is_refused_as_ambiguous(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """`model` names an unpriced model (held $0), `MODEL` the served one (which Go reads). Before:
+    a client leaving mid-stream, before the final counts, was charged that $0 hold for every
+    token it read. Now the body is refused before the upstream."""
+    app = web.Application()
+    app.router.add_post("/api/chat", go_ollama_stream)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": prices(MODEL),
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "budgets": {"user_daily_usd": 5.0},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    body = {**BODY, "model": "unpriced", "MODEL": MODEL, "stream": True}
+    body["options"] = {"num_predict": 500}
+    seen = 0
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(run.url + "/api/chat", json=body, headers={"X-Tollbooth-User": "eve"})
+        if r.status == 200:
+            async for _ in r.content:
+                seen += 1
+                if seen == 20:
+                    break
+        status, text = r.status, (await r.text() if r.status != 200 else "")
+        r.close()
+    assert (status, seen) == (400, 0) and "'MODEL'" in text
+    await wait_for(lambda: len(ledger_rows(db, COLUMNS)) == 1, "the ledger row")
+    assert ledger_rows(db, COLUMNS)[0][-1] == "400"
