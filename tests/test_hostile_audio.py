@@ -121,6 +121,9 @@ def test_a_form_naming_each_field_once_passes_the_scan(cut: int) -> None:
     assert _scan(end(*fields, after), cut) is None
     assert _scan(end(part(MODEL_PART, MODEL.encode()), trick), cut) is None
     assert _scan(end(part(FILE_PART, wav(0.1)), part(MODEL_PART, MODEL.encode())), cut) is None
+    # a file named twice (plain and RFC 2231), as some clients send a non-ASCII file name
+    both = FILE_PART.replace('filename="a.wav"', "filename=\"e.wav\"; filename*=utf-8''%C3%A9.wav")
+    assert _scan(end(part(MODEL_PART, MODEL.encode()), part(both, wav(0.1))), cut) is None
 
 
 async def test_under_a_budget_a_model_named_again_after_the_file_is_refused(

@@ -160,8 +160,9 @@ class FormHead:
 
 class UnclearPart(ValueError):
     """A part whose name depends on the parser: two Content-Disposition headers, or a `name`
-    or `filename` parameter given twice (Starlette, vLLM's form parser, takes the last of
-    each; `email.message` the first)."""
+    parameter given twice (Starlette, vLLM's form parser, takes the last of each;
+    `email.message` the first). A `filename` given twice (`filename` and RFC 2231's
+    `filename*`, as some clients send a non-ASCII name) is a file to both."""
 
 
 def _disposition(head: bytes) -> tuple[str | None, str | None]:
@@ -174,8 +175,8 @@ def _disposition(head: bytes) -> tuple[str | None, str | None]:
                 raise UnclearPart("a part has two Content-Disposition headers")
             msg["content-disposition"] = value.strip()
     keys = [k.lower() for k, _ in msg.get_params([], header="content-disposition")]
-    if keys.count("name") > 1 or keys.count("filename") > 1:
-        raise UnclearPart("a part names its name or filename twice")
+    if keys.count("name") > 1:
+        raise UnclearPart("a part gives its name twice")
     name = msg.get_param("name", header="content-disposition")
     filename = msg.get_param("filename", header="content-disposition")
     return (
