@@ -190,3 +190,18 @@ async def test_under_a_budget_a_utf7_form_is_not_billed_as_the_name_utf8_reads(
         assert r.status == 400 and "must come before the file" in await r.text()
     await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
     assert _rows(db)[0][1] == "unknown" and _rows(db)[0][-1] == "400"
+
+
+async def test_a_part_named_two_ways_is_refused_where_the_head_is_not_needed(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """No budget, upstream.model_name set: the unused head would be priced as that model, and
+    vLLM may read the part as `model`; the upload is cut instead: 400, nothing served."""
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, pricing=PRICES, upstream={"model_name": MODEL}
+    )
+    headers = UNCLEAR_HEADS["the second first"]
+    status, text = await _post(run, end(part(headers, b"free"), part(FILE_PART, wav(2.0))))
+    assert status == 400 and "two Content-Disposition headers" in text
+    await wait_for(lambda: len(_rows(db)) == 1, "the ledger row")
+    assert _rows(db)[0][3:] == (None, None, None, 0.0, "400")
