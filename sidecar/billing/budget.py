@@ -455,7 +455,8 @@ class Budgets:
             raise Refusal(
                 400,
                 "invalid_request_error",
-                f"'{ex.info.unreadable[0]}' must be a non-negative integer",
+                f"'{ex.info.unreadable[0]}' must be a non-negative integer, under the "
+                "name the API gives it (a Go server reads 'MAX_TOKENS' as 'max_tokens')",
             )
         hold = Hold(
             ex.uid, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes

@@ -16,6 +16,7 @@ text, a stream) has no audio seconds, and its cost is from tokens, or unknown.
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Mapping
 from email.message import Message
@@ -37,17 +38,35 @@ _CRLF2 = b"\r\n\r\n"
 
 
 def boundary(content_type: str | None) -> bytes | None:
-    """The boundary of a multipart/form-data Content-Type; None for any other body."""
+    """The boundary of a multipart/form-data Content-Type; None for any other body, and for a
+    form whose fields are not read as this reads them: one naming its boundary twice, or a
+    `charset` other than UTF-8 (Starlette, vLLM's form parser, decodes the fields' names and
+    values with the last `charset` given: in UTF-7 the bytes `+AHc-hisper` are `whisper`)."""
     if not content_type:
         return None
     msg = Message()
     msg["content-type"] = content_type
     if msg.get_content_type() != "multipart/form-data":
         return None
+    params = msg.get_params([])
+    if [k.lower() for k, _ in params].count("boundary") != 1:
+        return None
+    if not all(_utf8(v) for k, v in params if k.lower() == "charset"):
+        return None
     value = msg.get_param("boundary")
     if not isinstance(value, str) or not 1 <= len(value) <= 70 or not value.isascii():
         return None  # RFC 2046: 1 to 70 characters
     return value.encode("ascii")
+
+
+def _utf8(charset: object) -> bool:
+    """Is `charset` a name Python decodes as UTF-8 (as Starlette's `bytes.decode(charset)`)?"""
+    if not isinstance(charset, str):
+        return False  # RFC 2231-encoded: not a name
+    try:
+        return codecs.lookup(charset.strip()).name == "utf-8"
+    except LookupError:
+        return False
 
 
 class FormHead:
@@ -87,7 +106,10 @@ class FormHead:
         end = buf.find(_CRLF2, self._pos)
         if end < 0:
             return False
-        name, filename = _disposition(bytes(buf[self._pos : end]))
+        try:
+            name, filename = _disposition(bytes(buf[self._pos : end]))
+        except UnclearPart:
+            return self._malformed()
         if filename is not None or name is None:
             self.reached_file = filename is not None
             self.done = True
@@ -136,19 +158,97 @@ class FormHead:
             self.fields[name] = ""  # a name the server reads as no such model
 
 
+class UnclearPart(ValueError):
+    """A part whose name depends on the parser: two Content-Disposition headers, or a `name`
+    parameter given twice (Starlette, vLLM's form parser, takes the last of each;
+    `email.message` the first). A `filename` given twice (`filename` and RFC 2231's
+    `filename*`, as some clients send a non-ASCII name) is a file to both."""
+
+
 def _disposition(head: bytes) -> tuple[str | None, str | None]:
-    """(name, filename) of a part, from its Content-Disposition header."""
+    """(name, filename) of a part, from its Content-Disposition header. Raises UnclearPart."""
     msg = Message()
     for line in head.decode("latin-1").split("\r\n"):
         key, sep, value = line.partition(":")
         if sep and key.strip().lower() == "content-disposition":
+            if "content-disposition" in msg:
+                raise UnclearPart("a part has two Content-Disposition headers")
             msg["content-disposition"] = value.strip()
+    keys = [k.lower() for k, _ in msg.get_params([], header="content-disposition")]
+    if keys.count("name") > 1:
+        raise UnclearPart("a part gives its name twice")
     name = msg.get_param("name", header="content-disposition")
     filename = msg.get_param("filename", header="content-disposition")
     return (
         name if isinstance(name, str) else None,
         filename if isinstance(filename, str) else None,
     )
+
+
+class LateField(ValueError):
+    """A form field the meter reads comes twice, the second past the head (where the head
+    reader does not look): vLLM's parser takes the later one, so the request is not the one
+    the head priced; or a part past the head is named two ways."""
+
+
+class FormScan:
+    """The names of a multipart body's parts, read from the whole body as it streams through.
+
+    `feed(chunk)` raises LateField at the second part named as one of READ_FIELDS (the head
+    refuses one sent twice within it: this finds the second past it), or one named two ways.
+    Holds no more than a delimiter's length of a part's content and one part's headers (at
+    most `cap` bytes: longer ones are not a form this reads, and raise too).
+    A pure object: no I/O, no clock.
+    """
+
+    def __init__(self, boundary: bytes, cap: int) -> None:
+        self._delim = b"\r\n--" + boundary
+        self._cap = cap
+        self._named: set[str] = set()  # the READ_FIELDS met so far
+        self._buf = bytearray(b"\r\n")  # the first delimiter has no CRLF before it
+        self._in_headers = False
+        self.ended = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.ended:
+            return  # python-multipart reads nothing past the form's end
+        self._buf += chunk
+        while not self.ended and self._step():
+            pass
+
+    def _step(self) -> bool:
+        buf = self._buf
+        if self._in_headers:
+            end = buf.find(_CRLF2)
+            if end < 0:
+                if len(buf) > self._cap:
+                    raise LateField("a part's headers are longer than the form head")
+                return False
+            try:
+                name, _ = _disposition(bytes(buf[:end]))
+            except UnclearPart as exc:
+                raise LateField(str(exc)) from None
+            if name in self._named:
+                raise LateField(f"the form field '{name}' comes again after the file")
+            if name in READ_FIELDS:
+                self._named.add(name)
+            del buf[: end + 4]
+            self._in_headers = False
+            return True
+        at = buf.find(self._delim)
+        if at < 0:
+            del buf[: max(0, len(buf) - len(self._delim) - 1)]  # a delimiter may be cut here
+            return False
+        if len(buf) < at + len(self._delim) + 2:
+            del buf[:at]
+            return False
+        after = at + len(self._delim)
+        mark = bytes(buf[after : after + 2])
+        # python-multipart: a delimiter is followed by CRLF (a part) or `--` (the end); any
+        # other bytes after it are the part's content
+        self.ended, self._in_headers = mark == b"--", mark == b"\r\n"
+        del buf[: after + 2 if self.ended or self._in_headers else at + 1]
+        return not self.ended
 
 
 def audio_request(

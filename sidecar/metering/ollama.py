@@ -18,6 +18,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from . import reqsize
 from .counts import INVALID_USAGE, count, loads, number
 from .reqsize import body_size, prompt_chars
 from .sse import DEFAULT_MAX_EVENT_BYTES
@@ -43,7 +44,10 @@ class OllamaAdapter:
         """Read what the request asks for; nothing is ever added to it."""
         options = obj.get("options")
         options = options if isinstance(options, dict) else {}
+        # Go matches `Options` or `OPTIONS` to `options` too, merging a later one into it
         limit, unreadable = _num_predict(options)
+        if twins := reqsize.case_twins(obj, ("options",)):
+            limit, unreadable = None, twins
         text_chars, prompt_ids = body_size(obj)
         messages = obj.get("messages")
         return RequestInfo(

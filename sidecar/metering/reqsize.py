@@ -64,11 +64,25 @@ def limit_fields(endpoint: Endpoint, api: str) -> tuple[str, ...]:
     return (_TGI_LIMITS if api == "tgi" else _VLLM_LIMITS).get(endpoint, ())
 
 
+def case_twins(values: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys of `values` that are one of `fields` only when case is ignored (`MAX_TOKENS`,
+    `Options`, `max_token\u017f`). Go's encoding/json (Ollama's server, its /v1 routes and
+    /v1/messages too) matches a key to a field so (Unicode simple folding), the last one read
+    winning, and merges a second object into a map field: a limit the sidecar read in
+    `max_tokens` is not the one such a server obeys. `casefold` folds a superset of Go's."""
+    folded = {f.casefold() for f in fields}
+    return tuple(k for k in values if k not in fields and k.casefold() in folded)
+
+
 def read_limit(
     fields: tuple[str, ...], values: Mapping[str, Any]
 ) -> tuple[int | None, tuple[str, ...]]:
     """(the first positive of `fields` in `values`, the fields present that are no integer the
-    server would read). A 0 or a missing field falls through to the next."""
+    server would read). A 0 or a missing field falls through to the next. A key that is one of
+    `fields` but for its case (`case_twins`) makes the limit unreadable."""
+    twins = case_twins(values, fields)
+    if twins:
+        return None, twins
     limit: int | None = None
     unreadable: tuple[str, ...] = ()
     for key in fields:
@@ -94,7 +108,7 @@ def output_cap(
     every other limit field in the body (a server of another version may read another one),
     or None (no cap) without a route limit or with a limit field that is 0 or no integer (a
     server may read that as no limit)."""
-    if route_limit is None:
+    if route_limit is None or case_twins(obj, _ANY_LIMIT):
         return None
     given = [obj.get(k) for k in _ANY_LIMIT] + [params.get(k) for k in _TGI_NATIVE_LIMIT]
     cap = route_limit

@@ -26,6 +26,7 @@ from .llamacpp import LlamaCppAdapter
 from .ollama import OLLAMA_ROUTES, OllamaAdapter
 from .openai import OpenAIAdapter
 from .pooling import PoolingAdapter
+from .reqsize import case_twins
 from .sglang import SGLangAdapter
 from .shape import FastChatStream
 from .sse import DEFAULT_MAX_EVENT_BYTES
@@ -160,6 +161,10 @@ def inspect_request(
     )
     if api == "sglang" and endpoint is Endpoint.TGI_GENERATE:
         info.api = api  # the response is SGLang's too, whatever upstream.api says
+    if twins := case_twins(obj, ("model",)):
+        # Go's encoding/json (Ollama) reads `MODEL` as `model`, the last one winning: the model
+        # held and priced would not be the one served
+        info.ambiguous = f"the key '{twins[0]}' is 'model' in another case; send 'model' once"
     return info
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..exchange import Endpoint, RequestInfo
-from ..metering.audio import FormHead, audio_request, boundary
+from ..metering.audio import FormHead, FormScan, LateField, audio_request, boundary
 from .memory import HELD_PER_BYTE, TooLarge
 
 # Memory a streamed body holds besides its head, at most, while it is in flight: aiohttp's
@@ -63,7 +63,9 @@ async def read_head(
 
 class Upload:
     """The body for the upstream: the head already read, then the rest as it arrives. Raises
-    (which cuts the upstream request short) past the size limit or a silence of the timeout.
+    (which cuts the upstream request short) past the size limit or a silence of the timeout,
+    and at a metered form field sent again past the head (`late`, set to why: vLLM would read
+    the later one, so what it serves is not what was priced; cut short, it serves nothing).
     `on_complete` is called once the client's last byte is read: until then the server has no
     complete request (a client that leaves mid-upload made it do nothing)."""
 
@@ -76,6 +78,9 @@ class Upload:
     ) -> None:
         self._request, self._head, self._limits = request, head, limits
         self._on_complete = on_complete
+        mark = boundary(request.headers.get("Content-Type"))
+        self._scan = FormScan(mark, limits.head_bytes) if mark is not None else None
+        self.late: str | None = None
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._chunks()
@@ -83,6 +88,7 @@ class Upload:
     async def _chunks(self) -> AsyncIterator[bytes]:
         sent, content = len(self._head), self._request.content
         if self._head:
+            self._check(self._head)
             yield self._head
         while True:
             async with asyncio.timeout(self._limits.timeout):
@@ -92,6 +98,17 @@ class Upload:
             sent += len(chunk)
             if sent > self._limits.max_body:
                 raise TooLarge
+            self._check(chunk)
             yield chunk
         if self._request.content_length is None or sent == self._request.content_length:
             self._on_complete()
+
+    def _check(self, chunk: bytes) -> None:
+        """Scan `chunk` for the parts' names before it goes upstream; LateField cuts it short."""
+        if self._scan is None:
+            return
+        try:
+            self._scan.feed(chunk)
+        except LateField as exc:
+            self.late = str(exc)
+            raise

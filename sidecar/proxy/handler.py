@@ -534,9 +534,14 @@ class Proxy:
         if ex.info.streamed:  # the head read for its form fields, then the rest as it comes
             ex.body_unsent = True
             stream = audio.Upload(request, body, self.s.audio, functools.partial(_sent, ex))
-            return await self.upstream.request(
-                request.method, target, headers, stream, length=ex.info.size
-            )
+            try:
+                return await self.upstream.request(
+                    request.method, target, headers, stream, length=ex.info.size
+                )
+            except aiohttp.ClientError:
+                if stream.late is not None:  # cut short by the sidecar: the server has nothing
+                    raise Refusal(400, "ambiguous_request", stream.late) from None
+                raise
         if body or ex.endpoint is not Endpoint.OTHER or not request.body_exists:
             return await self.upstream.request(request.method, target, headers, body)
         return await self._streamed(request, target, headers)  # an unmetered body is never read
