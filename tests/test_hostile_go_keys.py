@@ -22,8 +22,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.exchange import Endpoint
+from sidecar.metering import reqsize
 from sidecar.metering.wire import inspect_request
 from tests.conftest import Running, StartSidecar
 from tests.simulated import ledger_rows, prices, token_cost
@@ -175,3 +178,22 @@ async def test_a_model_twin_is_refused_as_ambiguous(
     assert (status, seen) == (400, 0) and "'MODEL'" in text
     await wait_for(lambda: len(ledger_rows(db, COLUMNS)) == 1, "the ledger row")
     assert ledger_rows(db, COLUMNS)[0][-1] == "400"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(st.text(max_size=12), max_size=8),
+    fields=st.lists(
+        st.sampled_from(["model", "max_tokens", "options", "Max_Tokens", "\u017f"]),
+        min_size=1,
+        max_size=3,
+        unique=True,
+    ),
+)
+def test_case_twins_is_every_key_that_folds_to_a_field_without_being_one(
+    keys: list[str], fields: list[str]
+) -> None:
+    values = dict.fromkeys(keys, 1)
+    folded = {f.casefold() for f in fields}
+    expected = tuple(k for k in values if k not in fields and k.casefold() in folded)
+    assert reqsize.case_twins(values, tuple(fields)) == expected

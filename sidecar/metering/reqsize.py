@@ -10,6 +10,7 @@ recurses (a deeply nested body must not exhaust the stack).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -70,8 +71,18 @@ def case_twins(values: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str,
     /v1/messages too) matches a key to a field so (Unicode simple folding), the last one read
     winning, and merges a second object into a map field: a limit the sidecar read in
     `max_tokens` is not the one such a server obeys. `casefold` folds a superset of Go's."""
-    folded = {f.casefold() for f in fields}
+    folded, unlike = _folds(fields)
+    joined = "".join(values)
+    if not unlike and joined.isascii() and joined.islower():
+        return ()  # every key is its own fold, and so is every field: no key is a twin
     return tuple(k for k in values if k not in fields and k.casefold() in folded)
+
+
+@functools.cache
+def _folds(fields: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]]:
+    """The folds of `fields`, and those of them that are not a field's own spelling."""
+    folded = frozenset(f.casefold() for f in fields)
+    return folded, folded - frozenset(fields)
 
 
 def read_limit(
