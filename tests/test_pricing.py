@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.config import ModelPrice
-from sidecar.metering.pricing import compute
+from sidecar.config import ModelPrice, PricingConfig
+from sidecar.metering.pricing import PriceBook, compute
 from sidecar.telemetry.metrics import COST_BUCKETS
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
@@ -148,3 +148,15 @@ async def test_sighup_rereads_the_pricing_file(upstream: Any, tmp_path: Path) ->
             assert cost == pytest.approx(10 / 1e6)
     finally:
         assert await tb.stop(signal.SIGTERM) == 0
+
+
+def test_a_name_and_its_latest_tag_are_one_ollama_model() -> None:
+    """`llama3.2` and `llama3.2:latest` are served as one model by Ollama: a price listed under
+    either spelling prices both, so the other spelling is not an unpriced (free under a budget)
+    model. Another tag is another model."""
+    price = ModelPrice(input_per_1m=1.0, output_per_1m=2.0)
+    book = PriceBook(PricingConfig(models={"llama3.2": price, "qwen3:latest": price}))
+    assert book.price("llama3.2:latest") is price
+    assert book.price("qwen3") is price
+    assert book.price("llama3.2:1b") is None
+    assert book.price(":latest") is None

@@ -13,6 +13,8 @@ from pathlib import Path
 from ..config import ConfigError, ModelPrice, PricingConfig, build, load_yaml
 from ..exchange import Cost, Usage
 
+LATEST = ":latest"  # the tag Ollama gives a name written without one
+
 
 class PriceBook:
     """The current prices. `replace()` swaps them atomically (SIGHUP reload)."""
@@ -28,9 +30,16 @@ class PriceBook:
         self._p = pricing
 
     def price(self, model: str | None) -> ModelPrice | None:
-        if model is not None and model in self._p.models:
-            return self._p.models[model]
-        return self._p.default
+        """The model's price, else the default. Ollama serves a name without a tag as its
+        `:latest` (and says so in its answers): `llama3.2` and `llama3.2:latest` are one model,
+        priced by whichever spelling the price book lists."""
+        if model is None:
+            return self._p.default
+        models = self._p.models
+        if model in models:
+            return models[model]
+        alias = model[: -len(LATEST)] if model.endswith(LATEST) else model + LATEST
+        return models.get(alias, self._p.default)
 
     def cost(self, model: str | None, usage: Usage) -> tuple[Cost | None, str | None]:
         """(cost, None) when both directions are measured and priced, else (None, reason).
