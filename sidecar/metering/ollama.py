@@ -18,6 +18,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from . import reqsize
 from .counts import INVALID_USAGE, count, loads, number
 from .reqsize import body_size, prompt_chars
 from .sse import DEFAULT_MAX_EVENT_BYTES
@@ -25,22 +26,12 @@ from .sse import DEFAULT_MAX_EVENT_BYTES
 OLLAMA_ROUTES = (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE, Endpoint.OLLAMA_EMBED)
 
 
-class OllamaAdapter:
+class OllamaAdapter(reqsize.ReadOnly):
     """Ollama's /api/chat, /api/generate and /api/embed."""
 
     api = "ollama"
 
-    def inspect(
-        self,
-        endpoint: Endpoint,
-        body: bytes,
-        text: str | None,
-        obj: Mapping[str, Any],
-        *,
-        inject_usage: bool,
-        continuous_usage: bool = False,
-    ) -> RequestInfo:
-        """Read what the request asks for; nothing is ever added to it."""
+    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         options = obj.get("options")
         options = options if isinstance(options, dict) else {}
         limit, unreadable = _num_predict(options)
@@ -59,7 +50,6 @@ class OllamaAdapter:
             tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
             messages=len(messages) if isinstance(messages, list) else 0,
             prompt_chars=prompt_chars(obj),
-            utf8=text is not None,
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=unreadable,

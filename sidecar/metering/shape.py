@@ -270,11 +270,6 @@ def _tail(suffix: bytes) -> re.Pattern[bytes]:
     return re.compile(text + re.escape(suffix) + usage + rb"\}\n\n")
 
 
-# The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
-# writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
-# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits, and no
-
-
 def _plain(text: str) -> bool:
     """Text a JSON string holds as it is: no quote, backslash or control character."""
     return '"' not in text and "\\" not in text and text.isprintable()
