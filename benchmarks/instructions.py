@@ -1,8 +1,9 @@
 """Instructions per request and per streamed chunk, of the minimal pass-through and of tollbooth,
 counted by callgrind.
 
-Run: `.venv/bin/python benchmarks/instructions.py [--compare OTHER_CHECKOUT]` (needs Debian's
-valgrind; about 5 minutes).
+Run: `.venv/bin/python benchmarks/instructions.py [--rev REV] [--tree [LABEL=]PATH]` (needs
+Debian's valgrind; about 5 minutes a tree; `--rev e714d0c --tree after=.` counts a commit beside
+this checkout, whatever the layout of either).
 
 Why: on the shared 2-core machine a throughput ratio moves by about ±0.1 from one round to the
 next (`benchmarks/overhead.py`), so a change worth a few percent cannot be seen there. An
@@ -42,6 +43,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import overhead as ov
+import pinned
 
 CONNECTIONS = 8
 
@@ -51,7 +53,7 @@ def callgrind(out: Path) -> list[str]:
 
 
 def start(
-    tmp: Path, upstream: str, compare: Path | None
+    tmp: Path, upstream: str, trees: dict[str, Path]
 ) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
     paths: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     port = ov.free_port()
@@ -60,20 +62,17 @@ def start(
         ov.spawn(callgrind(tmp / "minimal_proxy") + cmd),
         f"http://127.0.0.1:{port}",
     )
-    trees = {"tollbooth": Path(__file__).resolve().parent.parent}
-    if compare is not None:
-        trees["compare"] = compare.resolve()
     for prefix, tree in trees.items():
         for kind in ("metering", "default"):
             name = f"{prefix}_{kind}"
             conf = tmp / f"{name}.yaml"
             conf.write_text(ov.PRICES + ov.tollbooth_config(kind, tmp / name))
             port, admin = ov.free_port(), ov.free_port()
-            cmd = [sys.executable, "-m", "sidecar.core.cli", "serve", "--config", str(conf)]
-            cmd += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}"]
-            cmd += ["--admin-listen", f"127.0.0.1:{admin}"]
+            cmd, env = ov.tollbooth_command(tree)  # the tree's own CLI, wherever its layout has it
+            cmd += ["serve", "--config", str(conf), "--upstream", upstream]
+            cmd += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}"]
             paths[name] = (
-                ov.spawn(callgrind(tmp / name) + cmd, cwd=tree),
+                ov.spawn(callgrind(tmp / name) + cmd, cwd=tmp, env=env),
                 f"http://127.0.0.1:{port}",
             )
     return paths
@@ -185,12 +184,32 @@ def main() -> None:
     ap.add_argument("--pace", type=float, default=0.02, help="seconds between a stream's events")
     ap.add_argument("--out", type=Path, default=ov.RESULTS / "instructions.json")
     ap.add_argument("--compare", type=Path, help="also count tollbooth from this checkout")
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="[LABEL=]PATH",
+        help="count tollbooth from this checkout (repeatable; default: this one)",
+    )
+    ap.add_argument(
+        "--rev",
+        action="append",
+        default=[],
+        metavar="REV",
+        help="count this repository's commit REV, exported to a temporary directory",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
+    chosen = [pinned.archive_rev(rev, tmp) for rev in args.rev]
+    chosen += [pinned.parse_tree(spec) for spec in args.tree]
+    trees = {t.label: t.path for t in chosen} or {"tollbooth": pinned.ROOT}
+    commits = {t.label: t.commit for t in chosen}
+    if args.compare is not None:  # the same configurations from another checkout, in the run
+        trees["compare"] = args.compare.resolve()
     up_port = ov.free_port()
     upstream_url = f"http://127.0.0.1:{up_port}"
     upstream = ov.spawn([sys.executable, ov.__file__, "_upstream", str(up_port)])
-    paths = start(tmp, upstream_url, args.compare)
+    paths = start(tmp, upstream_url, trees)
     try:
         results = asyncio.run(measure(paths, tmp, args))
     finally:
@@ -213,7 +232,13 @@ def main() -> None:
             "streams": args.streams,
             "stream_tokens": args.tokens,
             "pace_s": args.pace,
-            "compare": str(args.compare) if args.compare else None,
+            "trees": {
+                label: {
+                    "path": str(path),
+                    "commit": commits.get(label) or pinned.git(path, "rev-parse", "HEAD"),
+                }
+                for label, path in trees.items()
+            },
         },
         "paths": results,
         "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sidecar.exchange import Endpoint, Usage
 from sidecar.metering import counts, shape, tgi
+from sidecar.metering.sse import SSEParser
 from sidecar.metering.wire import (
     StreamMeter,
     inspect_request,
@@ -776,6 +777,35 @@ def test_running_usage_chunks_take_the_wire_path() -> None:
     assert len([c for c in calls if isinstance(c, str)]) == 6
     assert m.token_events == 3
     assert (m.usage_so_far().input_tokens, m.usage_so_far().output_tokens) == (3, 3)
+
+
+def test_a_read_of_many_events_takes_the_wire_path_once_the_shape_is_met() -> None:
+    """Not a speed test: a busy server's read holds many events; once the tokens' shape is met
+    twice the rest of that read, and every later one, is read on the bytes, not decoded, with the
+    same bytes, token events and totals as one event per read (and as the reference path)."""
+    datas = [compact(e) for e in RUNNING_STREAM[:5]]
+    more = [compact(chunk(t, usage=running(4 + i))) for i, t in enumerate(["a", "", "b c"] * 3)]
+    wire = sse_of(datas + more)
+    m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    calls: list[object] = []
+    real, parse = json.loads, SSEParser.feed
+    parsed: list[bytes] = []
+    with (
+        mock.patch.object(json, "loads", lambda s: calls.append(s) or real(s)),
+        mock.patch.object(SSEParser, "feed", lambda p, b: parsed.append(b) or parse(p, b)),
+    ):
+        half = boundaries(wire)[8]
+        out = m.feed(wire[:half]) + m.feed(wire[half:])
+    cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
+    cut += [compact(chunk(t)) for t in ["a", "", "b c"] * 3]
+    assert out == sse_of(cut)
+    assert len([c for c in calls if isinstance(c, str)]) == 6  # as one event per read
+    # SSE-parsed: the role chunk, "Hello" and " x" (decoded), and [DONE]; nothing else
+    assert b"".join(parsed) == wire[: boundaries(wire)[2]] + b"data: [DONE]\n\n"
+    assert m.token_events == 3 + 6
+    assert (m.usage_so_far().input_tokens, m.usage_so_far().output_tokens) == (3, 4 + 8)
+    run_pair(Endpoint.CHAT, wire, [half], True, True)
+    run_pair(Endpoint.CHAT, wire, [half], False, False)
 
 
 TEXTS = st.text(alphabet=st.sampled_from(["a", "x", "y", '"', "\\", "\n", "\x01", "é", " ", "}"]))

@@ -46,20 +46,10 @@ COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
 
 
-class AnthropicAdapter:
+class AnthropicAdapter(reqsize.ReadOnly):
     """`/v1/messages` on any server: the format is Anthropic's, whoever serves it."""
 
-    def inspect(
-        self,
-        endpoint: Endpoint,
-        body: bytes,
-        text: str | None,
-        obj: Mapping[str, Any],
-        *,
-        inject_usage: bool,
-        continuous_usage: bool = False,
-    ) -> RequestInfo:
-        """Read what the request asks for; nothing is ever added to it."""
+    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         limit, unreadable = reqsize.read_limit(_LIMIT, obj)
         text_chars, prompt_ids = body_size(obj)  # every string: system, messages, tools too
         meta = obj.get("metadata")
@@ -77,7 +67,6 @@ class AnthropicAdapter:
             messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
             prompt_chars=prompt_chars(obj) + _system_chars(obj.get("system")),
             choices=1,
-            utf8=text is not None,
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=unreadable,

@@ -28,22 +28,12 @@ from .stream import SSEMeter
 _Counts = tuple[int | None, int | None, int | None]
 
 
-class LlamaCppAdapter:
+class LlamaCppAdapter(reqsize.ReadOnly):
     """llama.cpp's /completion and /infill (tools/server/server.cpp, server-task.cpp)."""
 
     api = "llamacpp"
 
-    def inspect(
-        self,
-        endpoint: Endpoint,
-        body: bytes,
-        text: str | None,
-        obj: Mapping[str, Any],
-        *,
-        inject_usage: bool,
-        continuous_usage: bool = False,
-    ) -> RequestInfo:
-        """Read what the request asks for; nothing is ever added to it."""
+    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         limit, unreadable = _limit(obj)
         text_chars, prompt_ids = body_size(obj)
         return RequestInfo(
@@ -58,7 +48,6 @@ class LlamaCppAdapter:
             prompt_chars=prompt_chars(obj),
             n=_prompts(obj),
             choices=_prompts(obj),
-            utf8=text is not None,
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=unreadable,

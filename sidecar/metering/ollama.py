@@ -26,22 +26,12 @@ from .sse import DEFAULT_MAX_EVENT_BYTES
 OLLAMA_ROUTES = (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE, Endpoint.OLLAMA_EMBED)
 
 
-class OllamaAdapter:
+class OllamaAdapter(reqsize.ReadOnly):
     """Ollama's /api/chat, /api/generate and /api/embed."""
 
     api = "ollama"
 
-    def inspect(
-        self,
-        endpoint: Endpoint,
-        body: bytes,
-        text: str | None,
-        obj: Mapping[str, Any],
-        *,
-        inject_usage: bool,
-        continuous_usage: bool = False,
-    ) -> RequestInfo:
-        """Read what the request asks for; nothing is ever added to it."""
+    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         options = obj.get("options")
         options = options if isinstance(options, dict) else {}
         # Go matches `Options` or `OPTIONS` to `options` too, merging a later one into it
@@ -63,7 +53,6 @@ class OllamaAdapter:
             tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
             messages=len(messages) if isinstance(messages, list) else 0,
             prompt_chars=prompt_chars(obj),
-            utf8=text is not None,
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=unreadable,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..exchange import Endpoint
+from ..exchange import Endpoint, RequestInfo
 
 _LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
 _BIG = 2**62  # any longer number of digits reads as this (a hold that large is refused)
@@ -294,3 +294,26 @@ def repeated_chars(obj: Mapping[str, Any], pairs: tuple[tuple[str, str], ...]) -
         n = len(b) if isinstance(b, list) else 1
         return (n - 1) * body_size({"input": a})[0] if n > 1 else 0
     return 0
+
+
+class ReadOnly:
+    """The `WireAdapter.inspect` of a wire family whose requests are never edited: its `read`
+    says what a JSON-object request asks for; `inspect` adds whether the body is UTF-8, and
+    ignores `inject_usage` (nothing is ever added to such a request)."""
+
+    def inspect(
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        text: str | None,
+        obj: Mapping[str, Any],
+        *,
+        inject_usage: bool,
+        continuous_usage: bool = False,
+    ) -> RequestInfo:
+        info = self.read(endpoint, body, obj)
+        info.utf8 = text is not None
+        return info
+
+    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
+        raise NotImplementedError

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from . import reqsize
 from .counts import INVALID_USAGE, count, error_type, invalid, lax_true, loads, number, total
 from .reqsize import body_size, lax_int, prompt_chars
 from .sse import Event
@@ -27,22 +28,12 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit is this
 _Counts = tuple[int | None, int | None, int | None]
 
 
-class SGLangAdapter:
+class SGLangAdapter(reqsize.ReadOnly):
     """SGLang's /generate."""
 
     api = "sglang"
 
-    def inspect(
-        self,
-        endpoint: Endpoint,
-        body: bytes,
-        text: str | None,
-        obj: Mapping[str, Any],
-        *,
-        inject_usage: bool,
-        continuous_usage: bool = False,
-    ) -> RequestInfo:
-        """Read what the request asks for; nothing is ever added to it."""
+    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         params = obj.get("sampling_params")
         # a batch may give one sampling_params per prompt: the largest limit holds for all
         given = params if isinstance(params, list) else [params]
@@ -65,7 +56,6 @@ class SGLangAdapter:
             prompt_chars=prompt_chars(obj),
             n=max(1, n),
             choices=prompts * max(1, n),
-            utf8=text is not None,
             text_chars=text_chars,
             prompt_ids=prompt_ids,
             unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),

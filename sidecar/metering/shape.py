@@ -34,14 +34,17 @@ class FastChatStream(WireMeter, ChatStream):
         if self.passthrough:
             return chunk
         shape = self._shape
-        if not (head := shape.head):
-            return self._feed_events(chunk)
-        if chunk.startswith(head) and not self._parser.mid_event and len(chunk) <= self._max_event:
+        head = shape.head  # none until the shape is wired: then `at` finds nothing, all decode
+        if (
+            head
+            and chunk.startswith(head)
+            and not self._parser.mid_event
+            and len(chunk) <= self._max_event
+        ):
             whole = shape.tail.fullmatch(chunk, len(head))
             if whole is not None:  # the usual read: exactly one event of the shape
                 return self._one_event(chunk, whole, len(head))
-        found = None if self._parser.mid_event else shape.at(chunk, 0)
-        return self._feed_wire(shape.at, chunk, found)
+        return self._feed_wire(chunk)
 
     def _one_event(self, chunk: bytes, whole: re.Match[bytes], start: int) -> bytes:
         """`_feed_wire` for the usual read, in short: exactly one whole event of the learnt
@@ -55,6 +58,42 @@ class FastChatStream(WireMeter, ChatStream):
             return chunk
         self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
         return chunk[:cut] + chunk[-3:] if self._strip_chunk else chunk
+
+    def _wire_at(self, chunk: bytes, pos: int) -> WireEvent | None:
+        return self._shape.at(chunk, pos)
+
+    def _wire_run(self, chunk: bytes, pos: int, out: list[bytes], kept: int) -> tuple[int, int]:
+        """`WireMeter._wire_run` for every event of the shape from `pos` on, in one loop: a
+        busy server's read holds many (`_wire_event` for each, in short; the last running usage
+        is the one kept)."""
+        shape = self._shape
+        found = shape.at(chunk, pos)  # the first may be written `data:` without the space
+        if found is None or found[0] - pos > self._max_event:
+            return pos, kept
+        head, tail, strip, longest = shape.head, shape.tail, self._strip_chunk, self._max_event
+        start = len(head)
+        end, text, cut = found
+        tokens, usage = 0, None
+        while True:
+            tokens += text
+            if cut >= 0:
+                usage = chunk[cut + _USAGE_KEY : end - 3]
+                if strip:
+                    out.append(chunk[kept:cut])
+                    kept = end - 3  # the object's closing brace and the blank line stay
+            pos = end
+            if not chunk.startswith(head, pos):
+                break
+            m = tail.match(chunk, pos + start)
+            if m is None or m.end() - pos > longest:
+                break
+            end, text, cut = m.end(), m.end(1) > pos + start, m.start(2)
+        if tokens:
+            self._s.token_events += tokens
+            shape.tries = _SHAPE_TRIES
+        if usage is not None:
+            self._choice_usage[shape.index] = usage
+        return pos, kept
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
         """Its token counted, its running usage kept as bytes (decoded only if it is read)."""
@@ -229,11 +268,6 @@ def _tail(suffix: bytes) -> re.Pattern[bytes]:
     text = rb"([ !#-\[\]-~\x80-\xff]*)"  # `_plain` text, and the other bytes of UTF-8
     usage = rb'(?:(,"usage":)' + _USAGE_OBJECT.pattern + b")?"
     return re.compile(text + re.escape(suffix) + usage + rb"\}\n\n")
-
-
-# The fast path for TGI's /generate_stream: a token event that is not the last, exactly as TGI
-# writes it (serde, compact, fields in this order, no top_tokens). Relies on the pattern
-# admitting only valid JSON: plain or correctly escaped text, JSON numbers, ASCII digits, and no
 
 
 def _plain(text: str) -> bool:

@@ -11,7 +11,7 @@ Never: touches sockets, clocks or metrics, or changes a byte the adapter did not
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -172,47 +172,57 @@ class SSEMeter:
 
 class WireMeter(SSEMeter):
     """The wire fast path's loop, for an adapter's fast meter: whole events of one known shape
-    read on the bytes (`_wire_event`), never SSE-parsed nor decoded; everything else on the
+    read on the bytes (`_wire_run`), never SSE-parsed nor decoded; everything else on the
     reference path. Differentially tested against the reference meter at every cut."""
+
+    def _wire_at(self, chunk: bytes, pos: int) -> WireEvent | None:
+        """An event of the known shape at `pos` in the bytes, or None."""
+        raise NotImplementedError
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
         """An event the wire path recognised: counted; True when its usage is to be cut out."""
         raise NotImplementedError
 
-    def _feed_wire(
-        self, at: Callable[[bytes, int], WireEvent | None], chunk: bytes, found: WireEvent | None
-    ) -> bytes:
-        """Whole events of one known shape (`at` recognises one on the bytes; `found` is what it
-        found at the start, None when the parser holds part of an event), neither SSE-parsed nor
-        decoded; any other event, and anything the parser holds from an earlier read, goes to
-        the general path up to the end of that event.
+    def _wire_run(self, chunk: bytes, pos: int, out: list[bytes], kept: int) -> tuple[int, int]:
+        """Events of the known shape from `pos` read (one here; an adapter may read all that
+        follow): (where they end, `kept`). What they cut is put in `out` (see `_feed_wire`).
+        Returns `pos` itself when no event of the shape (short enough to be read) starts there."""
+        found = self._wire_at(chunk, pos)
+        if found is None or found[0] - pos > self._max_event:
+            return pos, kept  # too long to be read: the parser passes it through, as in pieces
+        end, _, cut = found
+        if self._wire_event(chunk, found):
+            out.append(chunk[kept:cut])
+            kept = end - 3  # the object's closing brace and the blank line stay
+        return end, kept
 
-        Relies on: `at` matching only events whose effect is known without decoding them, and a
-        segment ending in a blank line leaving the parser holding nothing (its last `\\n` ends an
-        empty line, which dispatches), so the next event starts where reading event by event
-        would start it.
+    def _feed_wire(self, chunk: bytes) -> bytes:
+        """Whole events of one known shape (`_wire_run`), neither SSE-parsed nor decoded; any
+        other event, and anything the parser holds from an earlier read, goes to the general
+        path up to the end of that event.
+
+        Relies on: `_wire_at` matching only events whose effect is known without decoding them,
+        and a segment ending in a blank line leaving the parser holding nothing (its last `\\n`
+        ends an empty line, which dispatches), so the next event starts where reading event by
+        event would start it.
         """
         pos, size = 0, len(chunk)
         out: list[bytes] = []  # the bytes for the client, when they are not `chunk` as it came
         kept = 0  # chunk[kept:pos] goes to the client as it came
+        general = self._parser.mid_event  # the parser holds part of an event: it goes on
         while pos < size:
-            if found is not None and found[0] - pos > self._max_event:
-                found = None  # too long to be read: the parser passes it through, as in pieces
-            if found is None:  # not an event of the shape, or the parser holds part of one
+            end = pos
+            if not general:  # each position is tried once
+                end, kept = self._wire_run(chunk, pos, out, kept)
+            if end == pos:  # not an event of the shape, or the parser holds part of one
                 end = chunk.find(b"\n\n", pos) + 2
                 end = end if end > 1 else size
                 got = self._feed_events(piece := chunk[pos:end])
                 if got != piece:
                     out += (chunk[kept:pos], got)
                     kept = end
-            else:
-                end, _, cut = found
-                if self._wire_event(chunk, found):
-                    out.append(chunk[kept:cut])
-                    kept = end - 3  # the object's closing brace and the blank line stay
+                general = self._parser.mid_event
             pos = end
-            # each position is tried once; what the parser holds goes on on the general path
-            found = None if pos >= size or self._parser.mid_event else at(chunk, pos)
         if not out:
             return chunk
         out.append(chunk[kept:])

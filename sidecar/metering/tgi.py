@@ -297,10 +297,10 @@ class FastTGIStream(WireMeter, TGIStream):
     """`TGIStream`, with token events exactly as TGI writes them counted on the bytes."""
 
     def feed(self, chunk: bytes) -> bytes:
-        if self.passthrough:
-            return chunk
-        found = None if self._parser.mid_event else _tgi_at(chunk, 0)
-        return self._feed_wire(_tgi_at, chunk, found)
+        return chunk if self.passthrough else self._feed_wire(chunk)
+
+    def _wire_at(self, chunk: bytes, pos: int) -> WireEvent | None:
+        return _tgi_at(chunk, pos)
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
         self._tokens += 1  # all that `_read` does with it

@@ -80,13 +80,32 @@ class Reservation:
 
     def add(self, n: int) -> str | None:
         """Reserve `n` more bytes; None when they fit, else why not (nothing reserved)."""
-        return self.pool._add(self, n)
+        pool, bucket = self.pool, self.bucket
+        if pool.limit and pool.total + n > pool.limit:
+            return TOTAL
+        if bucket is not None and pool.per_key:
+            mine = pool.by_bucket.get(bucket, 0)
+            if mine + n > pool.per_key:
+                return PER_KEY
+            pool.by_bucket[bucket] = mine + n
+        pool.total += n
+        if pool.total > pool.peak:
+            pool.peak = pool.total
+        self.held += n
+        return None
 
     def give_back(self, n: int) -> None:
         """Return `n` of the bytes reserved (a parse that is over)."""
         n = min(n, self.held)
         self.held -= n
-        self.pool._sub(self.bucket, n)
+        pool, bucket = self.pool, self.bucket
+        pool.total -= n
+        if bucket is not None and pool.per_key:
+            left = pool.by_bucket.get(bucket, 0) - n
+            if left > 0:
+                pool.by_bucket[bucket] = left
+            else:  # bounded: only buckets holding bytes now are kept
+                pool.by_bucket.pop(bucket, None)
 
     def release(self) -> None:
         self.give_back(self.held)
@@ -104,26 +123,3 @@ class RequestMemory:
 
     def reserve(self, bucket: str | None) -> Reservation:
         return Reservation(self, bucket)
-
-    def _add(self, r: Reservation, n: int) -> str | None:
-        if self.limit and self.total + n > self.limit:
-            return TOTAL
-        bucket = r.bucket
-        if bucket is not None and self.per_key:
-            mine = self.by_bucket.get(bucket, 0)
-            if mine + n > self.per_key:
-                return PER_KEY
-            self.by_bucket[bucket] = mine + n
-        self.total += n
-        self.peak = max(self.peak, self.total)
-        r.held += n
-        return None
-
-    def _sub(self, bucket: str | None, n: int) -> None:
-        self.total -= n
-        if bucket is not None and self.per_key:
-            left = self.by_bucket.get(bucket, 0) - n
-            if left > 0:
-                self.by_bucket[bucket] = left
-            else:  # bounded: only buckets holding bytes now are kept
-                self.by_bucket.pop(bucket, None)
