@@ -209,6 +209,9 @@ class BudgetHold(Protocol):
     @property
     def amount(self) -> int: ...
 
+    @property
+    def unpriced(self) -> bool: ...
+
 
 @dataclass(slots=True)
 class Exchange:

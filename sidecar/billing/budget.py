@@ -163,6 +163,9 @@ class Hold:
     day: int  # start of the budget day it is charged to, unix seconds
     amount: int  # micro-dollars reserved
     scopes: tuple[Scope, ...]
+    # the name asked for has no price: held at the book's dearest, charged as before (nothing
+    # unless the answer names a priced model)
+    unpriced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,8 +414,10 @@ class Budgets:
         """The prompt (exact when sized by the upstream, else every character of the body's text
         over chars_per_token plus any token ids) at the input price, plus every output token the
         request may generate (its limit, or the default, times its choices: n x prompts) at the
-        output price. $0 for a model without a price: its cost is unknown and is not spend."""
-        price = self.prices.price(priced_model(ex))
+        output price. A name the price book does not list is held at the book's dearest prices:
+        the engine may answer it as a listed model, charged at that one's price. $0 only with no
+        price at all."""
+        price = self.prices.hold_price(priced_model(ex))
         if price is None:
             return 0.0
         info = ex.info
@@ -458,7 +463,11 @@ class Budgets:
                 f"'{ex.info.unreadable[0]}' must be a non-negative integer",
             )
         hold = Hold(
-            ex.uid, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
+            ex.uid,
+            self.day_start(self.clock()),
+            to_micros(self.worst_case_usd(ex)),
+            scopes,
+            unpriced=self.prices.price(priced_model(ex)) is None,
         )
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
@@ -534,6 +543,8 @@ class Budgets:
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter."""
         partial = not measured_in_full(ex.usage)
+        if hold.unpriced and self.prices.price(priced_model(ex)) is None:
+            return to_micros(measured)  # no price asked, none served: its cost is unknown
         if partial and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
             return max(hold.amount, to_micros(measured))

@@ -1,0 +1,76 @@
+"""Budgets against a client that wants to spend past its limits (issue 25, hostile review): each
+test is an attack that once worked, against the real sidecar and a real upstream's behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.billing.budget import to_micros
+from tests.conftest import StartSidecar
+from tests.fakes import MODEL
+from tests.test_budget_limits import ANN, LIMIT, MSGS, ledger_micros, sidecar_config
+from tests.waiting import wait_for
+
+
+def renaming_upstream() -> web.Application:
+    """An engine that serves one model whatever name a request gives, and names its own in the
+    answer (5 prompt and 10 output tokens), after a moment of generation."""
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(0.3)  # generation time: a burst's requests are in flight together
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "hi"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_a_model_name_the_price_book_lacks_cannot_burst_past_a_limit(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    # Attack: ask for a name with no price ("alias"), which an engine serving one model answers
+    # as its own, priced one. The hold was $0 (an unpriced model), the charge the full cost: 20
+    # at once were all admitted against $0.20 and spent $0.30 (40: $0.60), far past the bound.
+    up = await aiohttp_server(renaming_upstream())
+    run = await start_sidecar(
+        sidecar_config(tmp_path, [{"scope": "user", "usd": LIMIT}]),
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    ledger = [run.sc.config.ledger.path or ""]
+    body = {"model": "alias", "messages": MSGS, "max_tokens": 10}
+
+    async def one(s: aiohttp.ClientSession) -> int:
+        headers = {"Authorization": f"Bearer {ANN}"}
+        async with s.post(run.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        statuses = await asyncio.gather(*(one(s) for _ in range(20)))
+    admitted = statuses.count(200)
+    assert admitted + statuses.count(429) == 20
+    await wait_for(lambda: ledger_micros(ledger)[1] == admitted, "every admitted row")
+    total, _ = ledger_micros(ledger)
+    assert total == admitted * 15_000  # priced at the model the engine named
+    assert total <= to_micros(LIMIT)  # an output limit, an exact price: within the limit
+    assert admitted >= 10  # held at the book's dearest price: as many as a priced name gets
