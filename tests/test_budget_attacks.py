@@ -74,3 +74,30 @@ async def test_a_model_name_the_price_book_lacks_cannot_burst_past_a_limit(
     assert total == admitted * 15_000  # priced at the model the engine named
     assert total <= to_micros(LIMIT)  # an output limit, an exact price: within the limit
     assert admitted >= 10  # held at the book's dearest price: as many as a priced name gets
+
+
+async def test_filling_the_model_label_cap_does_not_dodge_a_named_model_limit(
+    start_sidecar: StartSidecar, tmp_path: Path
+) -> None:
+    # Attack: the model scope is the model's label, and the label cap gives the 101st distinct
+    # name `__other__`. A model limit on a model priced by `pricing.default` (so not published
+    # ahead) was dodged by first sending 100 other names: the limited model's requests then
+    # carried no model limit at all.
+    cfg = sidecar_config(tmp_path, [{"scope": "model", "name": MODEL, "usd": 0.05}])
+    cfg["pricing"] = {"default": {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}
+    cfg["metering"] = {"max_tracked_models": 8}
+    run = await start_sidecar(cfg)
+    headers = {"Authorization": f"Bearer {ANN}"}
+
+    async def one(s: aiohttp.ClientSession, model: str) -> int:
+        body = {"model": model, "messages": MSGS, "max_tokens": 10}
+        async with s.post(run.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        for i in range(8):  # each another name: the cap is full
+            assert await one(s, f"junk-{i}") == 200
+        statuses = [await one(s, MODEL) for _ in range(5)]
+    # $0.017 held, $0.015 spent each: three fit in $0.05 ($0.045), a fourth would pass it
+    assert statuses == [200, 200, 200, 429, 429]
