@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
+import yaml
 from aiohttp import web
 
 from sidecar.billing.budget import to_micros
+from sidecar.config import ConfigError, load
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_budget_limits import ANN, LIMIT, MSGS, ledger_micros, sidecar_config
@@ -101,3 +104,44 @@ async def test_filling_the_model_label_cap_does_not_dodge_a_named_model_limit(
         statuses = [await one(s, MODEL) for _ in range(5)]
     # $0.017 held, $0.015 spent each: three fit in $0.05 ($0.045), a fourth would pass it
     assert statuses == [200, 200, 200, 429, 429]
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("org/m,v2", "a comma: its label reads org/m_v2"),
+        ("m=1", "an '=': its label reads m_1"),
+        ("o/" + "m" * 140, "past the label's 128 characters"),
+    ],
+)
+def test_a_model_limit_the_model_label_could_never_match_is_refused_at_load(
+    tmp_path: Path, name: str, why: str
+) -> None:
+    # Such a limit was loaded and never applied: the request's model scope is its label
+    # (sanitised, at most 128 characters), never equal to the limit's name.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        yaml.safe_dump({"budgets": {"limits": [{"scope": "model", "name": name, "usd": 1}]}})
+    )
+    with pytest.raises(ConfigError) as err:
+        load(str(path))
+    assert str(err.value) == (
+        f"config 'budgets.limits[0].name' has value '{name}': expected * or a model name of "
+        "1-128 of A-Z a-z 0-9 . _ : / @ + - (its label)"
+    ), why
+
+
+def test_more_named_model_limits_than_the_model_label_cap_are_refused_at_load(
+    tmp_path: Path,
+) -> None:
+    limits = [{"scope": "model", "name": f"m{i}", "usd": 1} for i in range(3)]
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        yaml.safe_dump({"metering": {"max_tracked_models": 2}, "budgets": {"limits": limits}})
+    )
+    with pytest.raises(ConfigError) as err:
+        load(str(path))
+    assert str(err.value) == (
+        "config 'budgets.limits' has value '3 named model limits': more than "
+        "metering.max_tracked_models: those past it could never apply"
+    )
