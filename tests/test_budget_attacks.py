@@ -4,6 +4,7 @@ test is an attack that once worked, against the real sidecar and a real upstream
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,71 @@ def test_more_named_model_limits_than_the_model_label_cap_are_refused_at_load(
         "config 'budgets.limits' has value '3 named model limits': more than "
         "metering.max_tracked_models: those past it could never apply"
     )
+
+
+def lying_upstream() -> web.Application:
+    """An engine whose usage no meter can take (10^30 tokens): the budget charges each request
+    at least its hold, and the ledger has no measured cost for it."""
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        huge = 10**30
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+                "usage": {"prompt_tokens": huge, "completion_tokens": huge, "total_tokens": 1},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_a_restart_restores_what_the_budgets_charged_not_only_the_measured_cost(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    # Attack: spend a budget on requests whose usage is not measured (charged their holds), and
+    # wait for a restart: spend was restored from the ledger's measured cost only, so the user
+    # got the whole limit back ($0.051 charged of $0.06, then $0.00 after the restart).
+    up = await aiohttp_server(lying_upstream())
+    url = str(up.make_url("")).rstrip("/")
+    cfg = sidecar_config(tmp_path, [{"scope": "user", "usd": 0.06}])
+    first = await start_sidecar(cfg, upstream_url=url)
+    headers = {"Authorization": f"Bearer {ANN}"}
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 10}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(first.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+                await r.read()
+    path = first.sc.config.ledger.path or ""
+
+    def costs() -> list[Any]:
+        conn = sqlite3.connect(path)
+        try:
+            return [c for (c,) in conn.execute("SELECT cost_usd FROM requests")]
+        finally:
+            conn.close()
+
+    await wait_for(lambda: len(costs()) == 3, "three rows")
+    assert costs() == [None, None, None]  # no measured cost: the usage was invalid
+
+    async def charged(url: str) -> float:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(url + "/v1/tollbooth/spend", headers=headers) as r,
+        ):
+            return float((await r.json())["limits"][0]["spent_usd"])
+
+    assert await charged(first.url) == 0.051  # 3 x the $0.017 hold, settled as each ended
+    again = await start_sidecar(cfg, upstream_url=url)  # a restart on the same ledger
+    assert await charged(again.url) == 0.051
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(again.url + "/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status == 429  # $0.051 + $0.017 would pass $0.06

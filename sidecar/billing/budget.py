@@ -335,9 +335,10 @@ class Seen:
         return _current(self.spent, self.day, self.month, day)
 
 
-# (user, team, project, tags comma-joined, model, 1 if in today's budget day, cost USD): spend
+# (user, team, project, tags comma-joined, model, 1 if in today's budget day, measured cost USD,
+# what the budgets were charged USD: at least the hold where usage was not measured): spend
 # grouped from a ledger since the start of the budget month (ledger.spend_rows)
-SpendRow = tuple[str | None, str | None, str | None, str | None, str | None, int, float]
+SpendRow = tuple[str | None, str | None, str | None, str | None, str | None, int, float, float]
 
 
 class Budgets:
@@ -520,7 +521,9 @@ class Budgets:
         measured = self.measured_usd(ex)
         hold = ex.budget_hold
         if hold is not None:
-            self.store.settle(hold.request_id, self.charge(ex, hold, measured))
+            charge = self.charge(ex, hold, measured)
+            ex.budget_charge_usd = usd(charge)
+            self.store.settle(hold.request_id, charge)
         if measured:
             self._gauge(ex.user_id, ex.team, measured, self.request_day(ex))
 
@@ -587,7 +590,7 @@ class Budgets:
         """Spend rows as micro-dollars by scope key, for each scope with a limit: day scopes from
         today's rows, month scopes from all of them (rows since the month's start)."""
         dollars: dict[str, float] = {}
-        for user, team, project, tags, model, in_day, cost in rows:
+        for user, team, project, tags, model, in_day, _, cost in rows:
             tag_list = tags.split(",") if tags else ()
             for rule in self.rules:
                 if rule.window == "day" and not in_day:
@@ -646,7 +649,7 @@ def today_by_user_and_team(
     """Today's spend by billed user and by team, from spend rows."""
     by_user: dict[str, float] = {}
     by_team: dict[str, float] = {}
-    for user, team, _, _, _, in_day, cost in rows:
+    for user, team, _, _, _, in_day, cost, _ in rows:
         if not in_day:
             continue
         if user is not None:
