@@ -15,9 +15,10 @@ from aiohttp import web
 
 from sidecar.billing.budget import to_micros
 from sidecar.config import ConfigError, load
+from sidecar.proxy.spend import BUDGET_HEADER
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
-from tests.test_budget_limits import ANN, LIMIT, MSGS, ledger_micros, sidecar_config
+from tests.test_budget_limits import ANN, BOB, LIMIT, MSGS, ledger_micros, sidecar_config
 from tests.waiting import wait_for
 
 
@@ -214,3 +215,54 @@ async def test_a_restart_restores_what_the_budgets_charged_not_only_the_measured
         s.post(again.url + "/v1/chat/completions", json=body, headers=headers) as r,
     ):
         assert r.status == 429  # $0.051 + $0.017 would pass $0.06
+
+
+async def test_an_upstreams_budget_header_never_reaches_the_client(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    # Attack (a hostile engine): send x-tollbooth-budget-remaining-usd itself. Where no limit
+    # applied to the request, the client received it as the sidecar's figure ($1000000 left).
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        answer = {
+            "id": "x",
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15},
+        }
+        lie = {BUDGET_HEADER: "1000000.000000"}
+        if not body.get("stream"):
+            return web.json_response(answer, headers=lie)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **lie})
+        await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": []}, headers={BUDGET_HEADER: "1000000.000000"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    up = await aiohttp_server(app)
+    run = await start_sidecar(
+        sidecar_config(tmp_path, [{"scope": "project", "name": "zeus", "usd": 1.0}]),
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    headers = {"Authorization": f"Bearer {ANN}"}  # ann's project is atlas: no limit applies
+    async with aiohttp.ClientSession() as s:
+        for stream in (False, True):
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 10, "stream": stream}
+            async with s.post(run.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                assert r.status == 200
+                assert r.headers.getall(BUDGET_HEADER, []) == [], stream
+        async with s.get(run.url + "/v1/models", headers=headers) as r:
+            await r.read()
+            assert r.headers.getall(BUDGET_HEADER, []) == []
+        bob = {"Authorization": f"Bearer {BOB}"}  # bob's is zeus: the sidecar's figure, once
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 10, "stream": True}
+        async with s.post(run.url + "/v1/chat/completions", json=body, headers=bob) as r:
+            await r.read()
+            assert r.headers.getall(BUDGET_HEADER, []) == ["0.983000"]
