@@ -495,7 +495,9 @@ def _check_fleet(config: Config) -> None:
 
 
 _LIMIT_NAME = re.compile(r"[A-Za-z0-9._:@+-]{1,64}|\*")  # a principal's name (identity), or *
-_MODEL_NAME = re.compile(r"[!-~]{1,256}")  # model names carry slashes (org/model)
+# A model limit applies to the request's model label (telemetry/metrics.py `sanitize`, at most
+# 128 characters): a name the label would change (a comma, `=`, past 128) could never apply.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._:/@+-]{1,128}|\*")  # model names carry slashes (org/model)
 
 
 def _check_limits(b: BudgetConfig) -> None:
@@ -503,7 +505,11 @@ def _check_limits(b: BudgetConfig) -> None:
     for i, lim in enumerate(b.limits):
         key = f"budgets.limits[{i}]"
         if lim.scope == "model" and not _MODEL_NAME.fullmatch(lim.name):
-            _fail(f"{key}.name", lim.name, "expected * or a model name of 1-256 printable ASCII")
+            _fail(
+                f"{key}.name",
+                lim.name,
+                "expected * or a model name of 1-128 of A-Z a-z 0-9 . _ : / @ + - (its label)",
+            )
         if lim.scope != "model" and not _LIMIT_NAME.fullmatch(lim.name):
             _fail(
                 f"{key}.name", lim.name, "expected * or a name of 1-64 of A-Z a-z 0-9 . _ : @ + -"
@@ -568,6 +574,13 @@ def validate(config: Config) -> Config:
     if not 0.0 <= config.logging.sample_success <= 1.0:
         _fail("logging.sample_success", config.logging.sample_success, "must be in [0, 1]")
     _check_limits(config.budgets)
+    named_models = {lim.name for lim in config.budgets.limits if lim.scope == "model"} - {"*"}
+    if len(named_models) > config.metering.max_tracked_models:
+        _fail(
+            "budgets.limits",
+            f"{len(named_models)} named model limits",
+            "more than metering.max_tracked_models: those past it could never apply",
+        )
     if config.budgets.day_start_hour_utc > 23:
         _fail("budgets.day_start_hour_utc", config.budgets.day_start_hour_utc, "must be 0-23")
     if config.metering.max_tracked_users < 1:

@@ -209,6 +209,9 @@ class BudgetHold(Protocol):
     @property
     def amount(self) -> int: ...
 
+    @property
+    def unpriced(self) -> bool: ...
+
 
 @dataclass(slots=True)
 class Exchange:
@@ -253,6 +256,9 @@ class Exchange:
     prompt_tokens: int | None = None  # the prompt's exact size from the upstream's /tokenize
     budget_hold: BudgetHold | None = None  # reserved by the budget gate
     budget_left_usd: float | None = None  # the least left of its limits after its hold (header)
+    # what its budgets were charged when it settled (at least the hold where usage was not
+    # measured); the ledger keeps it so that a restart restores it (None: no hold)
+    budget_charge_usd: float | None = None
     path: str = ""  # the normalised path: what was classified and forwarded
     # A streamed body (audio) still on its way when the request ended: the server never had a
     # whole request, so a client that left then consumed nothing.

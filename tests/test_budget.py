@@ -279,7 +279,9 @@ def test_the_hold_covers_every_prompt_and_all_the_text() -> None:
 async def test_a_limit_the_hold_cannot_read_is_refused(
     start_sidecar: StartSidecar, oai: Any
 ) -> None:
-    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 1.0}})
+    # $100: the deep body below names no model the hold can read, so it holds at the book's
+    # dearest price, 200,000 characters / 4 + 4,096 output tokens at $0.001: $54.10
+    run = await start_sidecar({"pricing": PRICES, "budgets": {"user_daily_usd": 100.0}})
     async with aiohttp.ClientSession() as s:
         for bad in ({"max_tokens": "lots"}, {"n": [2]}, {"max_tokens": "²"}):
             body = {"model": MODEL, "messages": MSGS, **bad}

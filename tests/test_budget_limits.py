@@ -727,9 +727,12 @@ async def test_redis_seeds_a_month_once_and_each_day_from_the_ledger(redis_serve
     async def source(day: int) -> tuple[dict[str, int], float]:
         reads.append(day)
         # what the ledger holds: 0.25 today, 0.5 earlier this month (ledger.spend_rows' shape)
-        rows = [("eve", None, None, None, "m", 1, 0.25), ("eve", None, None, None, "m", 0, 0.5)]
+        rows = [
+            ("eve", None, None, None, "m", 1, 0.25, 0.25),
+            ("eve", None, None, None, "m", 0, 0.5, 0.5),
+        ]
         if day > reads[0]:  # the next day: yesterday's rows are no longer today's
-            rows = [("eve", None, None, None, "m", 0, 0.75)]
+            rows = [("eve", None, None, None, "m", 0, 0.75, 0.75)]
         return b.spent_by_scope(rows), clock()
 
     config = BudgetConfig(store=redis_server.url, store_timeout_s=1.0)

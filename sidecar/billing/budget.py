@@ -163,6 +163,9 @@ class Hold:
     day: int  # start of the budget day it is charged to, unix seconds
     amount: int  # micro-dollars reserved
     scopes: tuple[Scope, ...]
+    # the name asked for has no price: held at the book's dearest, charged as before (nothing
+    # unless the answer names a priced model)
+    unpriced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,9 +335,10 @@ class Seen:
         return _current(self.spent, self.day, self.month, day)
 
 
-# (user, team, project, tags comma-joined, model, 1 if in today's budget day, cost USD): spend
+# (user, team, project, tags comma-joined, model, 1 if in today's budget day, measured cost USD,
+# what the budgets were charged USD: at least the hold where usage was not measured): spend
 # grouped from a ledger since the start of the budget month (ledger.spend_rows)
-SpendRow = tuple[str | None, str | None, str | None, str | None, str | None, int, float]
+SpendRow = tuple[str | None, str | None, str | None, str | None, str | None, int, float, float]
 
 
 class Budgets:
@@ -411,8 +415,10 @@ class Budgets:
         """The prompt (exact when sized by the upstream, else every character of the body's text
         over chars_per_token plus any token ids) at the input price, plus every output token the
         request may generate (its limit, or the default, times its choices: n x prompts) at the
-        output price. $0 for a model without a price: its cost is unknown and is not spend."""
-        price = self.prices.price(priced_model(ex))
+        output price. A name the price book does not list is held at the book's dearest prices:
+        the engine may answer it as a listed model, charged at that one's price. $0 only with no
+        price at all."""
+        price = self.prices.hold_price(priced_model(ex))
         if price is None:
             return 0.0
         info = ex.info
@@ -459,7 +465,11 @@ class Budgets:
                 "name the API gives it (a Go server reads 'MAX_TOKENS' as 'max_tokens')",
             )
         hold = Hold(
-            ex.uid, self.day_start(self.clock()), to_micros(self.worst_case_usd(ex)), scopes
+            ex.uid,
+            self.day_start(self.clock()),
+            to_micros(self.worst_case_usd(ex)),
+            scopes,
+            unpriced=self.prices.price(priced_model(ex)) is None,
         )
         verdict = await self.store.reserve(hold)
         if verdict.admitted:
@@ -512,7 +522,9 @@ class Budgets:
         measured = self.measured_usd(ex)
         hold = ex.budget_hold
         if hold is not None:
-            self.store.settle(hold.request_id, self.charge(ex, hold, measured))
+            charge = self.charge(ex, hold, measured)
+            ex.budget_charge_usd = usd(charge)
+            self.store.settle(hold.request_id, charge)
         if measured:
             self._gauge(ex.user_id, ex.team, measured, self.request_day(ex))
 
@@ -535,6 +547,8 @@ class Budgets:
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter."""
         partial = not measured_in_full(ex.usage)
+        if hold.unpriced and self.prices.price(priced_model(ex)) is None:
+            return to_micros(measured)  # no price asked, none served: its cost is unknown
         if partial and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
             return max(hold.amount, to_micros(measured))
@@ -577,7 +591,7 @@ class Budgets:
         """Spend rows as micro-dollars by scope key, for each scope with a limit: day scopes from
         today's rows, month scopes from all of them (rows since the month's start)."""
         dollars: dict[str, float] = {}
-        for user, team, project, tags, model, in_day, cost in rows:
+        for user, team, project, tags, model, in_day, _, cost in rows:
             tag_list = tags.split(",") if tags else ()
             for rule in self.rules:
                 if rule.window == "day" and not in_day:
@@ -636,7 +650,7 @@ def today_by_user_and_team(
     """Today's spend by billed user and by team, from spend rows."""
     by_user: dict[str, float] = {}
     by_team: dict[str, float] = {}
-    for user, team, _, _, _, in_day, cost in rows:
+    for user, team, _, _, _, in_day, cost, _ in rows:
         if not in_day:
             continue
         if user is not None:

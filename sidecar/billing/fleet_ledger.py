@@ -78,6 +78,7 @@ REQUEST_COLUMNS = {
     "project": "TEXT",
     "tags": "TEXT",
     # chargeback (issue 25) end
+    "budget_usd": "DOUBLE PRECISION",  # the budgets' charge (restored at start)
 }
 AUDIT_COLUMNS = {
     "ts": "DOUBLE PRECISION NOT NULL",

@@ -68,7 +68,8 @@ CREATE TABLE IF NOT EXISTS requests (
     audio_seconds REAL,               -- input audio the server reported (NULL: none reported)
     -- chargeback (issue 25) begin
     project TEXT,                     -- the principal's project (keys file, trusted header)
-    tags TEXT                         -- its tags, sorted, comma-joined (a tag has no comma)
+    tags TEXT,                        -- its tags, sorted, comma-joined (a tag has no comma)
+    budget_usd REAL                   -- what its budgets were charged (NULL: no budget hold)
     -- chargeback (issue 25) end
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
@@ -99,10 +100,12 @@ INSERT = (
     ", reasoning_tokens"  # reasoning columns
     ", audio_seconds"
     ", project, tags"  # chargeback (issue 25)
+    ", budget_usd"
     ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
     ", ?"  # reasoning columns
     ", ?"  # audio_seconds
     ", ?, ?"  # chargeback (issue 25)
+    ", ?"  # budget_usd
     ")"
 )
 INSERT_AUDIT = (
@@ -143,6 +146,9 @@ class Row(NamedTuple):
     project: str | None = None  # defaults: rows built before these columns still make a Row
     tags: str | None = None  # sorted, comma-joined; NULL: none
     # chargeback (issue 25) end
+    # the budgets' charge: at least the hold where usage was not measured, so a restart
+    # restores what the budgets had counted, not only the measured cost
+    budget_usd: float | None = None
 
 
 def row_of(ex: Exchange) -> Row:
@@ -177,6 +183,7 @@ def row_of(ex: Exchange) -> Row:
         u.audio_seconds,
         ex.project,  # chargeback (issue 25)
         ",".join(ex.tags) if ex.tags else None,
+        ex.budget_charge_usd,
     )
 
 
@@ -198,6 +205,7 @@ def _add_missing_columns(conn: sqlite3.Connection) -> None:
     added |= {"reasoning_tokens": "INTEGER"}
     added |= {"audio_seconds": "REAL"}
     added |= {"project": "TEXT", "tags": "TEXT"}  # chargeback (issue 25)
+    added |= {"budget_usd": "REAL"}
     for column, kind in added.items():
         if column not in have:
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
@@ -487,7 +495,8 @@ def spend_by_user_and_team(
 
 SPEND_ROWS = (
     'SELECT "user", team, project, tags, model, CASE WHEN ts >= {p} THEN 1 ELSE 0 END, '
-    "SUM(cost_usd) FROM requests WHERE ts >= {p} AND cost_usd IS NOT NULL {more} "
+    "SUM(cost_usd), SUM(COALESCE(budget_usd, cost_usd)) FROM requests "
+    "WHERE ts >= {p} AND COALESCE(budget_usd, cost_usd) IS NOT NULL {more} "
     "GROUP BY 1, 2, 3, 4, 5, 6"  # by position: the day's parameter is in the first column
 )
 
@@ -500,7 +509,9 @@ def spend_rows(conn: sqlite3.Connection, day: float, month: float) -> list[Spend
 
 
 def spend_row(r: Any) -> SpendRow:
-    return (r[0], r[1], r[2], r[3], r[4], int(r[5]), float(r[6]))
+    """(..., measured cost, what the budgets were charged): a group of requests whose cost is
+    unknown but that were charged their holds has no measured cost (0 for the gauge)."""
+    return (r[0], r[1], r[2], r[3], r[4], int(r[5]), float(r[6] or 0.0), float(r[7]))
 
 
 def _file_id(path: str | Path | None) -> tuple[int, int] | None:

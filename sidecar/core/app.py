@@ -84,6 +84,11 @@ class Sidecar:
         self.upstream_auth = upstream_authorization(self.config)
         self.users = LabelCap(self.config.metering.max_tracked_users)
         self.models = LabelCap(self.config.metering.max_tracked_models, max_len=128)
+        # A model limit's name keeps its label first: a model scope is the request's model
+        # label, and a name past a full cap is `__other__`, where no named limit applies.
+        for lim in self.config.budgets.limits:
+            if lim.scope == "model" and lim.name != "*":
+                self.models(lim.name)
         self.teams = LabelCap(self.config.metering.max_tracked_teams)
         _init_label_sets(self)
 

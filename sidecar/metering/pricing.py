@@ -41,6 +41,29 @@ class PriceBook:
         alias = model[: -len(LATEST)] if model.endswith(LATEST) else model + LATEST
         return models.get(alias, self._p.default)
 
+    def hold_price(self, model: str | None) -> ModelPrice | None:
+        """The price a budget hold reserves at: the model's own where the book lists it, else
+        the dearest of each price in the book (its models' and the default): an engine may serve
+        a name the book lacks as a listed model and name that one in its answer, which is then
+        charged at that model's price (docs/budgets.md, "The hold"). None for an empty book."""
+        if model is not None and model in self._p.models:
+            return self._p.models[model]
+        every = [*self._p.models.values(), *([self._p.default] if self._p.default else [])]
+        if not every:
+            return None
+
+        def most(field: str) -> float | None:
+            known = [v for p in every if (v := getattr(p, field)) is not None]
+            return max(known) if known else None
+
+        return ModelPrice(
+            input_per_1m=max(p.input_per_1m for p in every),
+            output_per_1m=max(p.output_per_1m for p in every),
+            cached_input_per_1m=most("cached_input_per_1m"),
+            reasoning_per_1m=most("reasoning_per_1m"),
+            audio_per_second=most("audio_per_second"),
+        )
+
     def cost(self, model: str | None, usage: Usage) -> tuple[Cost | None, str | None]:
         """(cost, None) when both directions are measured and priced, else (None, reason).
         Audio seconds, where the server reported them, are the input: priced per second at the

@@ -115,6 +115,15 @@ NDJSON_ROUTES = frozenset({Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE})
 # --- the upstream's model name for TGI's native routes -----------------------------------------
 
 
+def budget_header(headers: CIMultiDict[str], ex: Exchange | None) -> None:
+    """The sidecar's own budget header: what its store decided for `ex`, never one the upstream
+    sent (that one would tell a client a budget figure no store decided, also where no limit
+    applies and docs/traffic.md promises none)."""
+    headers.popall(BUDGET_HEADER, None)
+    if ex is not None and ex.budget_left_usd is not None:
+        headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
+
+
 class TgiModelName:
     """`model_id` from the upstream's /info, fetched once and again after a failure."""
 
@@ -581,8 +590,7 @@ class Proxy:
         if ex.endpoint is Endpoint.TGI_VERTEX and 200 <= up.status < 300:
             self._finish_later(ex, up, None)  # /vertex reports no counts: ask for the prompt's
         headers = response_headers(up.headers, drop_length=True)
-        if ex.budget_left_usd is not None:
-            headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
+        budget_header(headers, ex)
         cost = self._cost_now(ex)
         if cost is not None:
             headers[COST_HEADER] = f"{cost:.8f}"
@@ -602,8 +610,7 @@ class Proxy:
             api=info.api or self.s.api,
         )
         headers = response_headers(up.headers, drop_length=True)
-        if ex.budget_left_usd is not None:
-            headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
+        budget_header(headers, ex)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         try:
             await resp.prepare(request)
@@ -749,8 +756,7 @@ class Proxy:
         self, request: web.Request, up: UpstreamResponse, ex: Exchange | None = None
     ) -> web.StreamResponse:
         headers = response_headers(up.headers, drop_length=False)
-        if ex is not None and ex.budget_left_usd is not None:
-            headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
+        budget_header(headers, ex)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         try:
             await resp.prepare(request)
