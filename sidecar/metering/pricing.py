@@ -20,49 +20,38 @@ class PriceBook:
     """The current prices. `replace()` swaps them atomically (SIGHUP reload)."""
 
     def __init__(self, pricing: PricingConfig) -> None:
-        self._p = pricing
+        self.replace(pricing)
 
     @property
     def config(self) -> PricingConfig:
         return self._p
 
     def replace(self, pricing: PricingConfig) -> None:
-        self._p = pricing
+        self._p, self._dearest = pricing, dearest(pricing)  # together: on the event loop
 
-    def price(self, model: str | None) -> ModelPrice | None:
-        """The model's price, else the default. Ollama serves a name without a tag as its
-        `:latest` (and says so in its answers): `llama3.2` and `llama3.2:latest` are one model,
-        priced by whichever spelling the price book lists."""
+    def listed(self, model: str | None) -> ModelPrice | None:
+        """The model's own price, where the book lists it. Ollama serves a name without a tag as
+        its `:latest` (and says so in its answers): `llama3.2` and `llama3.2:latest` are one
+        model, priced by whichever spelling the price book lists."""
         if model is None:
-            return self._p.default
+            return None
         models = self._p.models
         if model in models:
             return models[model]
-        alias = model[: -len(LATEST)] if model.endswith(LATEST) else model + LATEST
-        return models.get(alias, self._p.default)
+        return models.get(model[: -len(LATEST)] if model.endswith(LATEST) else model + LATEST)
+
+    def price(self, model: str | None) -> ModelPrice | None:
+        """The model's price, else the default."""
+        own = self.listed(model)
+        return own if own is not None else self._p.default
 
     def hold_price(self, model: str | None) -> ModelPrice | None:
         """The price a budget hold reserves at: the model's own where the book lists it, else
         the dearest of each price in the book (its models' and the default): an engine may serve
         a name the book lacks as a listed model and name that one in its answer, which is then
         charged at that model's price (docs/budgets.md, "The hold"). None for an empty book."""
-        if model is not None and model in self._p.models:
-            return self._p.models[model]
-        every = [*self._p.models.values(), *([self._p.default] if self._p.default else [])]
-        if not every:
-            return None
-
-        def most(field: str) -> float | None:
-            known = [v for p in every if (v := getattr(p, field)) is not None]
-            return max(known) if known else None
-
-        return ModelPrice(
-            input_per_1m=max(p.input_per_1m for p in every),
-            output_per_1m=max(p.output_per_1m for p in every),
-            cached_input_per_1m=most("cached_input_per_1m"),
-            reasoning_per_1m=most("reasoning_per_1m"),
-            audio_per_second=most("audio_per_second"),
-        )
+        own = self.listed(model)
+        return own if own is not None else self._dearest
 
     def cost(self, model: str | None, usage: Usage) -> tuple[Cost | None, str | None]:
         """(cost, None) when both directions are measured and priced, else (None, reason).
@@ -96,6 +85,25 @@ class PriceBook:
         if price is None or usage.input_tokens is None:
             return None
         return compute(price, usage.input_tokens, usage.cached_input_tokens, 0).input_usd
+
+
+def dearest(pricing: PricingConfig) -> ModelPrice | None:
+    """The dearest of each price in the book (its models' and the default); None when empty."""
+    every = [*pricing.models.values(), *([pricing.default] if pricing.default else [])]
+    if not every:
+        return None
+
+    def most(field: str) -> float | None:
+        known = [v for p in every if (v := getattr(p, field)) is not None]
+        return max(known) if known else None
+
+    return ModelPrice(
+        input_per_1m=max(p.input_per_1m for p in every),
+        output_per_1m=max(p.output_per_1m for p in every),
+        cached_input_per_1m=most("cached_input_per_1m"),
+        reasoning_per_1m=most("reasoning_per_1m"),
+        audio_per_second=most("audio_per_second"),
+    )
 
 
 def compute(
