@@ -226,7 +226,7 @@ class LoopCounter(Counter):
         if exemplar or not amount >= 0:  # prometheus_client's checks, on the rare path
             super().inc(amount, exemplar)
         else:
-            self._value.inc(amount)
+            self._value._value += amount  # the cell's own inc, without a call
 
 
 class LoopGauge(Gauge):
@@ -237,10 +237,10 @@ class LoopGauge(Gauge):
         self._value = _Cell()
 
     def inc(self, amount: float = 1) -> None:
-        self._value.inc(amount)
+        self._value._value += amount
 
     def dec(self, amount: float = 1) -> None:
-        self._value.inc(-amount)
+        self._value._value -= amount
 
 
 class LoopHistogram(Histogram):
@@ -255,9 +255,9 @@ class LoopHistogram(Histogram):
         if exemplar:  # a sampled trace: prometheus_client's path validates and stamps it
             super().observe(amount, exemplar)
             return
-        self._sum.inc(amount)
+        self._sum._value += amount  # the cells' own inc, without a call each
         if amount == amount:  # a NaN falls in no bucket, as in prometheus_client
-            self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+            self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1
 
 
 class RequestSeries:
