@@ -29,18 +29,27 @@ class Meter:
         self._sinks.append((stage, sink))
 
     def record(self, ex: Exchange) -> None:
-        self._guard("metrics", self._count, ex)
-        self._guard("cost", self._price, ex)
-        for stage, sink in self._sinks:
-            self._guard(stage, sink, ex)
-
-    def _guard(self, stage: str, fn: Sink, ex: Exchange) -> None:
+        # Each stage isolated from the others' failures; the try inline (free when nothing
+        # fails), not a guard function called per stage.
         try:
-            fn(ex)
+            self._count(ex)
         except Exception:
-            log.exception("metering stage %s failed for request %s", stage, ex.request_id)
-            with contextlib.suppress(Exception):  # the registry itself is broken
-                self.metrics.metering_errors.labels(stage).inc()
+            self._failed("metrics", ex)
+        try:
+            self._price(ex)
+        except Exception:
+            self._failed("cost", ex)
+        for stage, sink in self._sinks:
+            try:
+                sink(ex)
+            except Exception:
+                self._failed(stage, ex)
+
+    def _failed(self, stage: str, ex: Exchange) -> None:
+        """Called in the `except` of a failed stage: log it with its traceback, and count it."""
+        log.exception("metering stage %s failed for request %s", stage, ex.request_id)
+        with contextlib.suppress(Exception):  # the registry itself is broken
+            self.metrics.metering_errors.labels(stage).inc()
 
     def _count(self, ex: Exchange) -> None:
         m, ep, u, model = self.metrics, ex.endpoint.label, ex.usage, ex.model
