@@ -280,11 +280,11 @@ def _finish_reasons(obj: Mapping[str, Any]) -> tuple[str, ...]:
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return ()
-    return tuple(
-        r
-        for c in choices
-        if isinstance(c, dict) and (r := clean_or_none(c.get("finish_reason"), REASON_CHARS))
-    )
+    reasons = []  # a loop, not a generator: one choice is the usual case
+    for c in choices:
+        if isinstance(c, dict) and (r := clean_or_none(c.get("finish_reason"), REASON_CHARS)):
+            reasons.append(r)
+    return tuple(reasons)
 
 
 # --- streams --------------------------------------------------------------------------------------
