@@ -217,7 +217,8 @@ class Proxy:
             return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
         if path == SPEND_PATH:  # the sidecar's own route: answered here, never forwarded
             return await answer(request, self.identity, self.statement)
-        return in_route_shape(await self._route(request, path), anthropic_route(path))
+        resp = await self._route(request, path)
+        return in_route_shape(resp, True) if anthropic_route(path) else resp
 
     async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
         endpoint = classify(request.method, path)
