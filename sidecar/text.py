@@ -40,4 +40,8 @@ def clean(value: str, limit: int) -> str:
 
 def clean_or_none(value: object, limit: int) -> str | None:
     """A non-empty string made safe, None for anything else."""
-    return clean(value, limit) if isinstance(value, str) and value else None
+    if not isinstance(value, str) or not value:
+        return None
+    if len(value) <= limit and value.isprintable():  # `clean`'s usual case, without its call
+        return value
+    return clean(value, limit)

@@ -71,7 +71,8 @@ def parse(body: bytes) -> tuple[str | None, object]:
     """
     text = utf8_text(body)
     try:
-        obj = loads(body, text) if body else None
+        # `loads(body, text)`, without checking again what `utf8_text` just checked
+        obj = (json.loads(text) if text is not None else loads(body)) if body else None
     except (ValueError, UnicodeDecodeError, RecursionError):
         obj = None
     return text, obj

@@ -12,7 +12,7 @@ import contextlib
 import logging
 
 from ..exchange import UPSTREAM_FAILED, Cost, Exchange, Sink, consumed, measured, priced_model
-from ..telemetry.metrics import Metrics
+from ..telemetry.metrics import Metrics, RequestSeries
 from .pricing import PriceBook
 
 log = logging.getLogger("tollbooth.meter")
@@ -29,63 +29,87 @@ class Meter:
         self._sinks.append((stage, sink))
 
     def record(self, ex: Exchange) -> None:
-        self._guard("metrics", self._count, ex)
-        self._guard("cost", self._price, ex)
-        for stage, sink in self._sinks:
-            self._guard(stage, sink, ex)
-
-    def _guard(self, stage: str, fn: Sink, ex: Exchange) -> None:
+        # Each stage isolated from the others' failures; the try inline (free when nothing
+        # fails), not a guard function called per stage.
         try:
-            fn(ex)
+            self._count(ex)
         except Exception:
-            log.exception("metering stage %s failed for request %s", stage, ex.request_id)
-            with contextlib.suppress(Exception):  # the registry itself is broken
-                self.metrics.metering_errors.labels(stage).inc()
+            self._failed("metrics", ex)
+        try:
+            self._price(ex)
+        except Exception:
+            self._failed("cost", ex)
+        for stage, sink in self._sinks:
+            try:
+                sink(ex)
+            except Exception:
+                self._failed(stage, ex)
+
+    def _failed(self, stage: str, ex: Exchange) -> None:
+        """Called in the `except` of a failed stage: log it with its traceback, and count it."""
+        log.exception("metering stage %s failed for request %s", stage, ex.request_id)
+        with contextlib.suppress(Exception):  # the registry itself is broken
+            self.metrics.metering_errors.labels(stage).inc()
 
     def _count(self, ex: Exchange) -> None:
-        m, ep, u, c = self.metrics, ex.endpoint.label, ex.usage, self.metrics.child
-        c(m.requests, ex.model, ep, ex.status_label).inc()
+        m, ep, u, model = self.metrics, ex.endpoint.label, ex.usage, ex.model
+        s = m.series.get((model, ep, ex.user)) or _new_series(m, model, ep, ex.user)
+        status = ex.status_label
+        (s.requests.get(status) or s.status_child(status)).inc()
         if ex.duration_s is not None:
-            c(m.duration, ex.model, ep).observe(ex.duration_s, self._exemplar(ex))
+            (s.duration or s.fill("duration", m.duration, model, ep)).observe(
+                ex.duration_s, self._exemplar(ex)
+            )
         if (ttft := ex.ttft_s) is not None:
-            c(m.ttft, ex.model, ep).observe(ttft)
+            m.child(m.ttft, model, ep).observe(ttft)
             if (tpot := time_per_output_token(ex)) is not None:
-                c(m.tpot, ex.model, ep).observe(tpot)
+                m.child(m.tpot, model, ep).observe(tpot)
         for reason in u.finish_reasons:  # one a choice, as the server reported it
-            c(m.finish_reasons, ex.model, m.reason_labels(reason)).inc()
+            m.child(m.finish_reasons, model, m.reason_labels(reason)).inc()
         if not consumed(ex):
             return
         if u.input_tokens is not None:
-            c(m.tokens, ex.model, "input", ep, ex.user).inc(u.input_tokens)
-            c(m.prompt_tokens, ex.model).observe(u.input_tokens)
+            (s.input_tokens or s.fill("input_tokens", m.tokens, model, "input", ep, ex.user)).inc(
+                u.input_tokens
+            )
+            (s.prompt_len or s.fill("prompt_len", m.prompt_tokens, model)).observe(u.input_tokens)
         if u.output_tokens is not None:
-            c(m.tokens, ex.model, "output", ep, ex.user).inc(u.output_tokens)
-            c(m.output_tokens, ex.model).observe(u.output_tokens)
+            (
+                s.output_tokens or s.fill("output_tokens", m.tokens, model, "output", ep, ex.user)
+            ).inc(u.output_tokens)
+            (s.output_len or s.fill("output_len", m.output_tokens, model)).observe(u.output_tokens)
         if u.reasoning_tokens is not None:  # a part of output: sums of token_type exclude it
-            c(m.tokens, ex.model, "reasoning", ep, ex.user).inc(u.reasoning_tokens)
+            m.child(m.tokens, model, "reasoning", ep, ex.user).inc(u.reasoning_tokens)
         if u.cached_input_tokens is not None:
-            c(m.cached_tokens, ex.model, ep, ex.user).inc(u.cached_input_tokens)
+            m.child(m.cached_tokens, model, ep, ex.user).inc(u.cached_input_tokens)
         if u.audio_seconds is not None:
-            c(m.audio_seconds, ex.model, ep, ex.user).inc(u.audio_seconds)
+            m.child(m.audio_seconds, model, ep, ex.user).inc(u.audio_seconds)
         if not measured(u):
-            failed = ex.status >= 500 or ex.status_label == "stream_error"
+            failed = ex.status >= 500 or status == "stream_error"
             reason = UPSTREAM_FAILED if failed else (u.unknown_reason or "unknown")
-            c(m.usage_unknown, ex.model, ep, reason).inc()
+            m.child(m.usage_unknown, model, ep, reason).inc()
 
     def _price(self, ex: Exchange) -> None:
         if not consumed(ex):
             return
-        m, ep, c = self.metrics, ex.endpoint.label, self.metrics.child
+        m, ep, model = self.metrics, ex.endpoint.label, ex.model
         cost = price_cost(self.prices, ex)
         if cost is None:
             # Each measured direction is spent even if the other is unknown.
             if (partial := _partial_cost(self.prices, ex)) is not None:
-                c(m.cost, ex.model, "input", ep, ex.user).inc(partial)
-            c(m.cost_unknown, ex.model, ex.cost_unknown_reason or "unknown").inc()
+                m.child(m.cost, model, "input", ep, ex.user).inc(partial)
+            m.child(m.cost_unknown, model, ex.cost_unknown_reason or "unknown").inc()
             return
-        c(m.cost, ex.model, "input", ep, ex.user).inc(cost.input_usd)
-        c(m.cost, ex.model, "output", ep, ex.user).inc(cost.output_usd)
-        c(m.request_cost, ex.model, ep).observe(cost.total_usd, self._exemplar(ex))
+        s = m.series.get((model, ep, ex.user)) or _new_series(m, model, ep, ex.user)
+        (s.input_cost or s.fill("input_cost", m.cost, model, "input", ep, ex.user)).inc(
+            cost.input_usd
+        )
+        (s.output_cost or s.fill("output_cost", m.cost, model, "output", ep, ex.user)).inc(
+            cost.output_usd
+        )
+        (s.request_cost or s.fill("request_cost", m.request_cost, model, ep)).observe(
+            cost.input_usd + cost.output_usd, self._exemplar(ex)
+        )
 
     @staticmethod
     def _exemplar(ex: Exchange) -> dict[str, str] | None:
@@ -119,3 +143,8 @@ def _partial_cost(prices: PriceBook, ex: Exchange) -> float | None:
     if ex.usage.output_tokens is not None:
         return None
     return prices.input_cost(priced_model(ex), ex.usage)
+
+
+def _new_series(m: Metrics, model: str, ep: str, user: str) -> RequestSeries:
+    s = m.series[(model, ep, user)] = RequestSeries(m, model, ep)
+    return s

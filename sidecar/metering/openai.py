@@ -26,7 +26,6 @@ from .counts import (
     compared,
     count,
     error_type,
-    invalid,
     lax_true,
     loads,
     number,
@@ -241,16 +240,18 @@ def read_usage(
         out_details = usage.get("completion_tokens_details")
     raw_cached = details.get("cached_tokens") if isinstance(details, dict) else None
     raw_reasoning = out_details.get("reasoning_tokens") if isinstance(out_details, dict) else None
-    inp, out, cached = count(raw_in), count(raw_out), count(raw_cached)
-    reasoning = count(raw_reasoning)
+    # `count` of each, and `invalid` of each inlined: sent (not None) but no count read
+    inp, out = count(raw_in), count(raw_out)
+    cached = None if raw_cached is None else count(raw_cached)
+    reasoning = None if raw_reasoning is None else count(raw_reasoning)
     more_cached = cached is not None and inp is not None and cached > inp  # than there was
     # Reasoning tokens are a part of the output: more of them than output is a broken count.
     more_reasoning = reasoning is not None and (out is None or reasoning > out)
     if (
-        invalid(raw_in, inp)
-        or invalid(raw_out, out)
-        or invalid(raw_cached, cached)
-        or invalid(raw_reasoning, reasoning)
+        (inp is None and raw_in is not None)
+        or (out is None and raw_out is not None)
+        or (cached is None and raw_cached is not None)
+        or (reasoning is None and raw_reasoning is not None)
         or more_cached
         or more_reasoning
     ):
@@ -279,11 +280,11 @@ def _finish_reasons(obj: Mapping[str, Any]) -> tuple[str, ...]:
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return ()
-    return tuple(
-        r
-        for c in choices
-        if isinstance(c, dict) and (r := clean_or_none(c.get("finish_reason"), REASON_CHARS))
-    )
+    reasons = []  # a loop, not a generator: one choice is the usual case
+    for c in choices:
+        if isinstance(c, dict) and (r := clean_or_none(c.get("finish_reason"), REASON_CHARS)):
+            reasons.append(r)
+    return tuple(reasons)
 
 
 # --- streams --------------------------------------------------------------------------------------

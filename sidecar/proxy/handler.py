@@ -85,6 +85,11 @@ MAX_METERED_RESPONSE_BYTES = 64 * 1024 * 1024
 PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
+# Principals whose sanitized user id is kept (a regular expression's pass a request otherwise):
+# at most this many, of at most 256 characters each.
+_USER_IDS_KEPT = 4096
+
+
 # A request refused for want of memory may try again this much later: held bodies are read,
 # parsed and answered within seconds, or cut off at server.body_timeout_s.
 MEMORY_RETRY_AFTER_S = 1.0
@@ -216,6 +221,7 @@ class Proxy:
         self.finishers = deps.finishers
         self.statement = deps.statement
         self._urls: dict[tuple[str, str], URL] = {}
+        self._user_ids: dict[str, str] = {}  # principal.user -> sanitized, the first few only
         self.memory = RequestMemory(settings.max_buffered, settings.max_buffered_per_key)
         metrics.request_memory.set_function(lambda: self.memory.total)
 
@@ -226,7 +232,8 @@ class Proxy:
             return error_response(400, "ambiguous_path", f"{exc}; send the path unencoded")
         if path == SPEND_PATH:  # the sidecar's own route: answered here, never forwarded
             return await answer(request, self.identity, self.statement)
-        return in_route_shape(await self._route(request, path), anthropic_route(path))
+        resp = await self._route(request, path)
+        return in_route_shape(resp, True) if anthropic_route(path) else resp
 
     async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
         endpoint = classify(request.method, path)
@@ -392,7 +399,11 @@ class Proxy:
         principal: Principal,
     ) -> Exchange:
         """The record of one request, metered or not, billed to `principal`."""
-        user_id = sanitize(principal.user, 128)
+        user_id = self._user_ids.get(principal.user)
+        if user_id is None:
+            user_id = sanitize(principal.user, 128)
+            if len(self._user_ids) < _USER_IDS_KEPT and len(principal.user) <= 256:
+                self._user_ids[principal.user] = user_id
         uid = new_uid()
         return Exchange(
             uid=uid,

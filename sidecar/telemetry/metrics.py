@@ -226,7 +226,7 @@ class LoopCounter(Counter):
         if exemplar or not amount >= 0:  # prometheus_client's checks, on the rare path
             super().inc(amount, exemplar)
         else:
-            self._value.inc(amount)
+            self._value._value += amount  # the cell's own inc, without a call
 
 
 class LoopGauge(Gauge):
@@ -237,10 +237,10 @@ class LoopGauge(Gauge):
         self._value = _Cell()
 
     def inc(self, amount: float = 1) -> None:
-        self._value.inc(amount)
+        self._value._value += amount
 
     def dec(self, amount: float = 1) -> None:
-        self._value.inc(-amount)
+        self._value._value -= amount
 
 
 class LoopHistogram(Histogram):
@@ -255,9 +255,54 @@ class LoopHistogram(Histogram):
         if exemplar:  # a sampled trace: prometheus_client's path validates and stamps it
             super().observe(amount, exemplar)
             return
-        self._sum.inc(amount)
+        self._sum._value += amount  # the cells' own inc, without a call each
         if amount == amount:  # a NaN falls in no bucket, as in prometheus_client
-            self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+            self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1
+
+
+class RequestSeries:
+    """The children one (model, endpoint, user) updates on every request, each looked up in
+    the registry on its first use (a series appears when first updated, as with `.labels()`),
+    then read as an attribute: `Meter` updates about ten a request, and a `child()` lookup
+    (a key tuple, a dict get) for each cost more than the update."""
+
+    __slots__ = (
+        "_ep",
+        "_metrics",
+        "_model",
+        "duration",
+        "input_cost",
+        "input_tokens",
+        "output_cost",
+        "output_len",
+        "output_tokens",
+        "prompt_len",
+        "request_cost",
+        "requests",
+    )
+
+    def __init__(self, metrics: Metrics, model: str, ep: str) -> None:
+        self._metrics, self._model, self._ep = metrics, model, ep
+        self.requests: dict[str, Any] = {}  # by status label
+        self.duration: Any = None
+        self.input_tokens: Any = None
+        self.output_tokens: Any = None
+        self.prompt_len: Any = None
+        self.output_len: Any = None
+        self.input_cost: Any = None
+        self.output_cost: Any = None
+        self.request_cost: Any = None
+
+    def fill(self, slot: str, metric: Any, *labels: str) -> Any:
+        child = self._metrics.child(metric, *labels)
+        setattr(self, slot, child)
+        return child
+
+    def status_child(self, status: str) -> Any:
+        """The `llm_requests` child of `status` (model and endpoint are the series')."""
+        m = self._metrics
+        child = self.requests[status] = m.child(m.requests, self._model, self._ep, status)
+        return child
 
 
 class Metrics:
@@ -278,6 +323,7 @@ class Metrics:
     def clear(self, metric: Any) -> None:
         """`metric.clear()`, and its cached children: one kept takes updates never scraped."""
         metric.clear()
+        self.series.clear()  # it may hold one of them
         for key in [k for k in self._children if k[0] == id(metric)]:
             del self._children[key]
 
@@ -298,6 +344,9 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # (model, endpoint, user) -> the children the meter updates for it (bounded as the
+        # children are: by the model and user label caps)
+        self.series: dict[tuple[str, str, str], RequestSeries] = {}
         r = self.registry = registry or CollectorRegistry()
         ep = PER_REQUEST
         # --- requests and tokens (sidecar core)
