@@ -217,7 +217,9 @@ REQUEST = st.tuples(TEXT, TEXT, st.booleans())
 
 def drawn(n: int) -> list[tuple[str, str, bool]]:
     """`n` requests drawn by hypothesis (a sync collector: the sidecar runs on the test's loop,
-    which hypothesis cannot drive; no shrinking, but the failing example is in the message)."""
+    which hypothesis cannot drive; no shrinking, but the failing example is in the message).
+    Drawn before any sidecar starts: hypothesis fails a draw during which the `random` module's
+    state changed, and a sidecar's threads (the PostgreSQL pool's jitter) may change it."""
     out: list[tuple[str, str, bool]] = []
 
     @settings(max_examples=n, database=None, deadline=None)
@@ -234,8 +236,8 @@ async def test_every_answered_request_has_its_ledger_row(
 ) -> None:
     """Arbitrary model and user strings (surrogates, NUL, a megabyte), streamed or not: each
     answered request has its row, made safe."""
+    requests = drawn(60)  # before the sidecar: its threads must not touch `random` meanwhile
     run = await start_sidecar(ledger_config(tmp_path))
-    requests = drawn(60)
     for i, (model, user, stream) in enumerate(requests):
         body = {"model": model, "user": user, "messages": MSGS, "max_tokens": 1}
         assert await post(run, raw({**body, "stream": stream})), requests[i]
@@ -259,8 +261,8 @@ async def test_every_answered_request_reaches_the_fleet_ledger(
         "flush_interval_s": 0.05,
         "ship_interval_s": 0.1,
     }
+    requests = drawn(30)  # before the sidecar: its threads must not touch `random` meanwhile
     run = await start_sidecar({"ledger": led, "logging": {"access_log": "off"}})
-    requests = drawn(30)
     for model, user, stream in requests:
         body = {"model": model, "user": user, "messages": MSGS, "max_tokens": 1}
         assert await post(run, raw({**body, "stream": stream}))
