@@ -23,13 +23,13 @@ from ..text import ID_CHARS, MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_non
 from . import reqsize
 from .counts import (
     INVALID_USAGE,
+    body_value,
     bounded,
     compared,
     count,
     error_type,
     invalid,
     lax_true,
-    loads,
     number,
 )
 from .reqsize import body_size, prompt_chars
@@ -77,10 +77,7 @@ class AnthropicAdapter(reqsize.ReadOnly):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete Messages response (or its error body)."""
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         if not isinstance(obj, dict):
             return Usage(unknown_reason="no_usage")
         if obj.get("type") == "error" or obj.get("error") is not None:

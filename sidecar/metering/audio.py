@@ -24,7 +24,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import ID_CHARS, MODEL_CHARS, clean, clean_or_none
-from .counts import INVALID_USAGE, count, error_type, lax_true, loads
+from .counts import INVALID_USAGE, body_value, count, error_type, lax_true
 from .openai import ChatStream, OpenAIAdapter
 
 # The most seconds of audio one answer may report: 10 million (115 days of audio). More, a
@@ -300,10 +300,7 @@ class AudioAdapter(OpenAIAdapter):
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         if not isinstance(obj, dict):  # response_format text (or srt, vtt): no usage in it
             return Usage(unknown_reason="no_usage")
         return body_seconds(obj)

@@ -26,6 +26,15 @@ MAX_TOKEN_COUNT = 10**9
 INVALID_USAGE = "invalid_usage"
 
 
+def body_value(body: bytes) -> Any:
+    """The JSON value of a complete response body; None for an empty or undecodable one (the
+    adapters then report `no_usage`, or read what they can)."""
+    try:
+        return loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def loads(data: bytes, text: str | None = None) -> Any:
     """`json.loads(data)`: the value the server reads (vLLM parses bodies with json.loads).
     `text`, when given, is `data` decoded as UTF-8 (strict).

@@ -18,7 +18,7 @@ from typing import Any
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
-from .counts import INVALID_USAGE, count, error_type, invalid, loads, number, total
+from .counts import INVALID_USAGE, body_value, count, error_type, invalid, number, total
 from .reqsize import body_size, prompt_chars
 from .sse import Event
 from .stream import SSEMeter
@@ -58,10 +58,7 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete response: one result object, or a list (one per prompt)."""
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         given = obj if isinstance(obj, list) else [obj]
         results = [r for r in given if isinstance(r, dict)]
         if not results or len(results) != len(given):

@@ -19,7 +19,7 @@ from typing import Any
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
-from .counts import INVALID_USAGE, count, loads, number
+from .counts import INVALID_USAGE, body_value, count, number
 from .reqsize import body_size, prompt_chars
 from .sse import DEFAULT_MAX_EVENT_BYTES
 
@@ -63,10 +63,7 @@ class OllamaAdapter(reqsize.ReadOnly):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete response: the one `done: true` object (or the embed response)."""
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         if not isinstance(obj, dict):
             return Usage(unknown_reason="no_usage")
         if isinstance(obj.get("error"), str):

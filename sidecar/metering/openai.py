@@ -22,12 +22,12 @@ from ..text import ID_CHARS, MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_non
 from . import reqsize, splice
 from .counts import (
     INVALID_USAGE,
+    body_value,
     bounded,
     compared,
     count,
     error_type,
     lax_true,
-    loads,
     number,
     total,
     total_present,
@@ -114,10 +114,7 @@ class OpenAIAdapter:
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         return body_usage(endpoint, obj)
 
     def stream(

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..exchange import RERANK_ROUTES, SCORE_ROUTES, Endpoint, RequestInfo, Usage
 from . import reqsize
-from .counts import loads
+from .counts import body_value
 from .openai import OpenAIAdapter, body_usage
 
 
@@ -51,10 +51,7 @@ class PoolingAdapter(OpenAIAdapter):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """`usage.prompt_tokens` as the input; the output is 0 when the body does not say."""
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         usage = body_usage(endpoint, obj)
         if usage.input_tokens is not None and usage.output_tokens is None:
             # nothing is generated on these routes: zero is what happened, not a guess

@@ -20,7 +20,15 @@ from typing import Any
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
-from .counts import INVALID_USAGE, count, error_type, header_count, invalid, loads, number
+from .counts import (
+    INVALID_USAGE,
+    body_value,
+    count,
+    error_type,
+    header_count,
+    invalid,
+    number,
+)
 from .openai import OpenAIAdapter, one_prompt
 from .reqsize import body_size, prompt_chars
 from .sse import Event
@@ -95,10 +103,7 @@ class TGIAdapter:
     ) -> Usage:
         """Usage of a complete (non-streaming) response. `sequences`: what the request's
         `choices` says it generates (on the generate routes, `best_of`)."""
-        try:
-            obj = loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
+        obj = body_value(body)
         if endpoint is Endpoint.TGI_VERTEX:
             return _vertex_body_usage(obj)
         return _tgi_body_usage(obj, headers, sequences)
