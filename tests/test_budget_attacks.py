@@ -22,13 +22,15 @@ from tests.test_budget_limits import ANN, BOB, LIMIT, MSGS, ledger_micros, sidec
 from tests.waiting import wait_for
 
 
-def renaming_upstream() -> web.Application:
+def renaming_upstream(arrived: list[int], release: asyncio.Event) -> web.Application:
     """An engine that serves one model whatever name a request gives, and names its own in the
-    answer (5 prompt and 10 output tokens), after a moment of generation."""
+    answer (5 prompt and 10 output tokens). It answers once `release` is set, counting in
+    `arrived` the requests waiting: a burst's admitted requests are all in flight together."""
 
     async def chat(request: web.Request) -> web.Response:
         await request.read()
-        await asyncio.sleep(0.3)  # generation time: a burst's requests are in flight together
+        arrived[0] += 1
+        await release.wait()
         return web.json_response(
             {
                 "id": "x",
@@ -56,22 +58,29 @@ async def test_a_model_name_the_price_book_lacks_cannot_burst_past_a_limit(
     # Attack: ask for a name with no price ("alias"), which an engine serving one model answers
     # as its own, priced one. The hold was $0 (an unpriced model), the charge the full cost: 20
     # at once were all admitted against $0.20 and spent $0.30 (40: $0.60), far past the bound.
-    up = await aiohttp_server(renaming_upstream())
+    arrived, release = [0], asyncio.Event()
+    up = await aiohttp_server(renaming_upstream(arrived, release))
     run = await start_sidecar(
         sidecar_config(tmp_path, [{"scope": "user", "usd": LIMIT}]),
         upstream_url=str(up.make_url("")).rstrip("/"),
     )
     ledger = [run.sc.config.ledger.path or ""]
     body = {"model": "alias", "messages": MSGS, "max_tokens": 10}
+    refused: list[int] = []
 
     async def one(s: aiohttp.ClientSession) -> int:
         headers = {"Authorization": f"Bearer {ANN}"}
         async with s.post(run.url + "/v1/chat/completions", json=body, headers=headers) as r:
             await r.read()
+            if r.status != 200:
+                refused.append(r.status)
             return r.status
 
     async with aiohttp.ClientSession() as s:
-        statuses = await asyncio.gather(*(one(s) for _ in range(20)))
+        burst = asyncio.gather(*(one(s) for _ in range(20)))
+        await wait_for(lambda: arrived[0] + len(refused) == 20, "every request decided")
+        release.set()  # only now does any admitted request finish and settle
+        statuses = await burst
     admitted = statuses.count(200)
     assert admitted + statuses.count(429) == 20
     await wait_for(lambda: ledger_micros(ledger)[1] == admitted, "every admitted row")

@@ -130,16 +130,22 @@ def test_a_limit_twin_on_the_other_routes_leaves_no_cap(endpoint: Endpoint, twin
     assert info.output_cap is None and twin in info.unreadable
 
 
+SHOWN = 20  # lines a leaving client reads
+
+
 async def go_ollama_stream(request: web.Request) -> web.StreamResponse:
-    """/api/chat streamed as Ollama streams it, the model Go reads named on every line."""
+    """/api/chat streamed as Ollama streams it, the model Go reads named on every line. Past
+    `SHOWN` lines it sends nothing more until the connection closes: a client that leaves after
+    reading them always leaves before the final counts."""
     obj = json.loads(await request.read())
     model = next(v for k, v in reversed(obj.items()) if k.casefold() == "model")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
-    for _ in range(int(go_decode(obj, "options").get("num_predict", 1))):
+    for i in range(int(go_decode(obj, "options").get("num_predict", 1))):
+        if i == SHOWN:
+            await asyncio.get_running_loop().create_future()  # never done: cancelled on close
         line = {"model": model, "message": {"role": "assistant", "content": "x"}, "done": False}
         await resp.write(json.dumps(line).encode() + b"\n")
-        await asyncio.sleep(0.01)
     done = {"model": model, "message": {"role": "assistant", "content": ""}, "done": True}
     await resp.write(json.dumps(done | {"prompt_eval_count": 7, "eval_count": 0}).encode() + b"\n")
     return resp
@@ -171,7 +177,7 @@ async def test_a_model_twin_is_refused_as_ambiguous(
         if r.status == 200:
             async for _ in r.content:
                 seen += 1
-                if seen == 20:
+                if seen == SHOWN:
                     break
         status, text = r.status, (await r.text() if r.status != 200 else "")
         r.close()
