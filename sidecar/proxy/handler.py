@@ -272,14 +272,8 @@ class Proxy:
             info = await self._inspect(endpoint, body, held)
             if principal is None:
                 principal = self.identity.resolve(request.headers, info.user)
-        except (TooLarge, web.HTTPRequestEntityTooLarge):
-            return self._too_large(request)
-        except TimeoutError:
-            return self._too_slow()
-        except NoRoom as exc:
-            return self._no_room(request, exc)
-        except Unauthorized as exc:
-            return self._unauthorized(exc)
+        except (TooLarge, web.HTTPRequestEntityTooLarge, TimeoutError, NoRoom, Unauthorized) as exc:
+            return self._unread(request, exc, self.s.max_body)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
         tgi = info.endpoint.is_tgi_native and info.api is None
@@ -305,20 +299,24 @@ class Proxy:
             )
             if principal is None:
                 principal = self.identity.resolve(request.headers, None)
-        except TooLarge:
-            return self._too_large(request, self.s.audio.max_body)
-        except TimeoutError:
-            return self._too_slow()
-        except NoRoom as exc:
-            return self._no_room(request, exc)
-        except Unauthorized as exc:
-            return self._unauthorized(exc)
+        except (TooLarge, TimeoutError, NoRoom, Unauthorized) as exc:
+            return self._unread(request, exc, self.s.audio.max_body)
         size = info.size if info.size is not None else len(info.body)
         # vLLM serves the request's model or, with none, its own: the one upstream.model_name
         # names (a model past the head is one vLLM serves, else it refuses the request).
         model = info.model or self.tgi_name.configured
         ex = self._new_exchange(request, info, path, model, size, principal)
         return await self._metered(request, ex, held)
+
+    def _unread(self, request: web.Request, exc: Exception, max_body: int) -> web.StreamResponse:
+        """The answer to a request whose body or identity could not be read."""
+        if isinstance(exc, NoRoom):
+            return self._no_room(request, exc)
+        if isinstance(exc, Unauthorized):
+            return self._unauthorized(exc)
+        if isinstance(exc, TimeoutError):
+            return self._too_slow()
+        return self._too_large(request, max_body)  # TooLarge, or aiohttp's own
 
     async def _read_body(self, request: web.Request, held: Reservation) -> bytes:
         """The whole body, in memory reserved before it is read (by its Content-Length, or as a
