@@ -488,32 +488,6 @@ class Shipper:
 
     # --- reads for the budget store
 
-    def spend_since(self, since: float) -> tuple[dict[str, float], dict[str, float], float]:
-        """The fleet's spend since `since`, by user and by team, and when it was read: what is
-        in PostgreSQL plus this sidecar's rows not shipped yet, read with shipping paused so no
-        row is counted twice or missed. Blocking: call in a thread."""
-        by_user: dict[str, float] = {}
-        by_team: dict[str, float] = {}
-        sql = (
-            'SELECT "user", team, SUM(cost_usd) FROM requests WHERE ts >= {p} '
-            'AND cost_usd IS NOT NULL {more} GROUP BY "user", team'
-        )
-        with self.lock:
-            read_at = self.clock()
-            with self.pool.connection(timeout=POOL_WAIT_S) as conn:
-                if not self._schema:
-                    create_schema(conn)
-                    self._schema = True
-                rows = conn.execute(sql.format(p="%s", more=""), (since,)).fetchall()
-            db = self._connect_outbox()
-            _, last = self._mark(db, "requests")
-            rows += db.execute(sql.format(p="?", more="AND id > ?"), (since, last)).fetchall()
-        for user, team, total in rows:
-            by_user[user] = by_user.get(user, 0.0) + float(total)
-            if team is not None:
-                by_team[team] = by_team.get(team, 0.0) + float(total)
-        return by_user, by_team, read_at
-
     def spend_rows(self, day: float, month: float) -> tuple[list[SpendRow], float]:
         """The fleet's spend since the budget month's start by every scope kind (ledger.
         spend_rows), and when it was read: PostgreSQL plus this sidecar's rows not shipped yet,
@@ -538,15 +512,6 @@ def local_spend_rows(path: str, day: float, month: float) -> list[SpendRow]:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
     try:
         return ledger.spend_rows(conn, day, month)
-    finally:
-        conn.close()
-
-
-def local_spend_since(path: str, since: float) -> tuple[dict[str, float], dict[str, float]]:
-    """One sidecar's spend from its own SQLite ledger, on a connection of its own."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
-    try:
-        return ledger.spend_by_user_and_team(conn, since)
     finally:
         conn.close()
 
