@@ -15,7 +15,7 @@ from aiohttp import web
 
 from sidecar.billing.budget import to_micros
 from sidecar.config import ConfigError, load
-from sidecar.proxy.spend import BUDGET_HEADER
+from sidecar.proxy.headers import BUDGET_HEADER
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 from tests.test_budget_limits import ANN, BOB, LIMIT, MSGS, ledger_micros, sidecar_config

@@ -32,7 +32,7 @@ from sidecar.billing.budget import (
 )
 from sidecar.config import AdmissionConfig, BudgetConfig, ConfigError, LimitConfig, build, load
 from sidecar.metering.pricing import PriceBook
-from sidecar.proxy.spend import BUDGET_HEADER
+from sidecar.proxy.headers import BUDGET_HEADER
 from sidecar.telemetry.metrics import LabelCap, Metrics
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL

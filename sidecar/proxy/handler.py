@@ -51,6 +51,7 @@ from . import audio
 from .audio import AudioLimits
 from .finishers import Finishers, PromptCounter, stream_usage, with_prompt_count
 from .headers import (
+    BUDGET_HEADER,
     content_encoded,
     decoded,
     error_response,
@@ -70,7 +71,7 @@ from .memory import (
     parse_cost,
 )
 from .routes import AmbiguousPath, anthropic_route, classify, endpoint_class, routing_path
-from .spend import BUDGET_HEADER, SPEND_PATH, Statement, answer
+from .spend import SPEND_PATH, Statement, answer
 from .upstream import Upstream, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -121,10 +122,8 @@ NDJSON_ROUTES = frozenset({Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE})
 
 
 def budget_header(headers: CIMultiDict[str], ex: Exchange | None) -> None:
-    """The sidecar's own budget header: what its store decided for `ex`, never one the upstream
-    sent (that one would tell a client a budget figure no store decided, also where no limit
-    applies and docs/traffic.md promises none)."""
-    headers.popall(BUDGET_HEADER, None)
+    """The sidecar's own budget header: what its store decided for `ex` (`response_headers`
+    never keeps the upstream's)."""
     if ex is not None and ex.budget_left_usd is not None:
         headers[BUDGET_HEADER] = f"{ex.budget_left_usd:.6f}"
 

@@ -53,6 +53,12 @@ def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str
 # handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
 _LENGTH = HOP_BY_HOP | {"content-length"}
+# The header on each admitted response where limits apply: the least left of them after its
+# hold. The sidecar's alone: an upstream's is never relayed (it would tell a client a budget
+# figure no store decided, also where no limit applies).
+BUDGET_HEADER = "x-tollbooth-budget-remaining-usd"
+_RESPONSE = HOP_BY_HOP | {BUDGET_HEADER}
+_RESPONSE_LENGTH = _LENGTH | {BUDGET_HEADER}
 
 
 def request_headers(
@@ -90,7 +96,7 @@ def _joined(headers: Mapping[str, str], name: str) -> str | None:
 
 
 def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDict[str]:
-    return _end_to_end(src, _LENGTH if drop_length else HOP_BY_HOP)
+    return _end_to_end(src, _RESPONSE_LENGTH if drop_length else _RESPONSE)
 
 
 def _connection_listed(headers: Mapping[str, str]) -> set[str]:

@@ -20,8 +20,6 @@ from .headers import error_response
 from .identity import Identity, Unauthorized
 
 SPEND_PATH = "/v1/tollbooth/spend"
-# The header on each admitted response where limits apply: the least left of them after its hold.
-BUDGET_HEADER = "x-tollbooth-budget-remaining-usd"
 
 # (user, team, project, tags) -> the limits that apply with their spend; None: store unreadable
 Statement = Callable[
