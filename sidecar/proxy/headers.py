@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDict, MultiMapping
+from multidict import CIMultiDict
 
 from ..credentials import API_KEY_HEADER
 from ..telemetry.metrics import sanitize
@@ -89,8 +89,9 @@ def _one_spelling(headers: CIMultiDict[str]) -> CIMultiDict[str]:
 
 def _joined(headers: Mapping[str, str], name: str) -> str | None:
     """All the field lines of `name` as one list (RFC 9110 5.3), None when there are none."""
-    if isinstance(headers, MultiMapping):
-        values = headers.getall(name, ())
+    getall = getattr(headers, "getall", None)  # a multidict's (not isinstance: an ABC's check)
+    if getall is not None:
+        values = getall(name, ())
         return ", ".join(values) if values else None
     return headers.get(name)
 
