@@ -2,7 +2,8 @@
 
 Owns: the one UTF-8 rule for decoding JSON bodies (`parse`, `loads`), the token-count ceiling
 (`MAX_TOKEN_COUNT`) and `INVALID_USAGE`, the range checks every count passes (`count`,
-`header_count`), lax booleans as vLLM reads them, error types, and the sums of usage parts.
+`header_count`), lax booleans as vLLM reads them, error types, and the sums of usage parts
+(`summed`: the usage of results that each carry their prompt's `Counts`).
 Every wire adapter reads its numbers through these.
 Never: invents a count: one that cannot be read is None.
 """
@@ -10,7 +11,7 @@ Never: invents a count: one that cannot be read is None.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +26,11 @@ from ..text import REASON_CHARS, clean
 MAX_TOKEN_COUNT = 10**9
 INVALID_USAGE = "invalid_usage"
 
+# (input, output, cached input) of one prompt's result, each read with `count`: what llama.cpp and
+# SGLang send in every result and every stream event.
+Counts = tuple[int | None, int | None, int | None]
+NO_COUNTS: Counts = (None, None, None)
+
 
 def body_value(body: bytes) -> Any:
     """The JSON value of a complete response body; None for an empty or undecodable one (the
@@ -33,6 +39,15 @@ def body_value(body: bytes) -> Any:
         return loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def body_results(body: bytes) -> list[dict[str, Any]] | None:
+    """The results of a complete body that is one object or a list of them (one per prompt);
+    None for an empty or undecodable body, or one holding anything else."""
+    obj = body_value(body)
+    given = obj if isinstance(obj, list) else [obj]
+    results = [r for r in given if isinstance(r, dict)]
+    return results if results and len(results) == len(given) else None
 
 
 def loads(data: bytes, text: str | None = None) -> Any:
@@ -127,6 +142,15 @@ def invalid(raw: object, read: int | None) -> bool:
     return raw is not None and read is None
 
 
+def counts_of(raw: tuple[object, object, object]) -> Counts | None:
+    """(input, output, cached input) as sent, read as `Counts`; None when one was sent but is no
+    count."""
+    read = (count(raw[0]), count(raw[1]), count(raw[2]))
+    if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
+        return None
+    return read
+
+
 def bounded(u: Usage) -> Usage:
     """A stream's totals (the sum of several usage objects) under the same ceiling."""
     counts = (u.input_tokens, u.output_tokens, u.cached_input_tokens, u.reasoning_tokens)
@@ -163,6 +187,23 @@ def total(values: Iterable[int | None]) -> int | None:
             return None
         acc += v
     return acc
+
+
+def summed(counts: Sequence[Counts | None], model: str | None, reasons: tuple[str, ...]) -> Usage:
+    """The usage of results taken together (one per prompt, each with its `Counts`, None where
+    they were invalid): invalid usage if any was."""
+    read = [c for c in counts if c is not None]
+    if len(read) != len(counts):
+        return Usage(unknown_reason=INVALID_USAGE)
+    inp, out = total(c[0] for c in read), total(c[1] for c in read)
+    return Usage(
+        input_tokens=inp,
+        output_tokens=out,
+        cached_input_tokens=total(c[2] for c in read),
+        model=model,
+        finish_reasons=reasons,
+        unknown_reason=None if inp is not None and out is not None else "no_usage",
+    )
 
 
 def total_present(values: Iterable[int | None]) -> int | None:

@@ -12,20 +12,14 @@ after the request (`n_past`: prompt plus output), so the cached prefix is `timin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
-from .counts import INVALID_USAGE, body_value, count, error_type, invalid, number, total
+from .counts import Counts, body_results, counts_of, error_type, number, summed
 from .reqsize import body_size, prompt_chars
-from .sse import Event
-from .stream import SSEMeter
-
-# A `stop: true` result's counts: tokens_evaluated is the whole prompt (cache included),
-# tokens_predicted the output; timings.cache_n the prompt tokens reused from the cache.
-_Counts = tuple[int | None, int | None, int | None]
+from .stream import CountsStream
 
 
 class LlamaCppAdapter(reqsize.ReadOnly):
@@ -58,19 +52,15 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete response: one result object, or a list (one per prompt)."""
-        obj = body_value(body)
-        given = obj if isinstance(obj, list) else [obj]
-        results = [r for r in given if isinstance(r, dict)]
-        if not results or len(results) != len(given):
+        results = body_results(body)
+        if results is None:
             return Usage(unknown_reason="no_usage")
         first = results[0]
         if "error" in first and "content" not in first:
             return Usage(error=error_type(first), unknown_reason="error_response")
-        counts = [c for c in (_final_counts(r) for r in results) if c is not None]
-        if len(counts) != len(results):
-            return Usage(unknown_reason=INVALID_USAGE)
         reasons = tuple(r for r in (_reason(x) for x in results) if r)
-        return _usage(counts, clean_or_none(first.get("model"), MODEL_CHARS), reasons)
+        model = clean_or_none(first.get("model"), MODEL_CHARS)
+        return summed([_final_counts(r) for r in results], model, reasons)
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> LlamaCppStream:
         """The meter for a streamed response (the reference SSE path: no fast path yet)."""
@@ -109,52 +99,23 @@ def _reason(obj: Mapping[str, Any]) -> str | None:
     return clean_or_none(obj.get("stop_type"), REASON_CHARS)
 
 
-def _final_counts(obj: Mapping[str, Any]) -> _Counts | None:
-    """(prompt, output, cached prompt) of one result; None when one was sent but is no count."""
+def _final_counts(obj: Mapping[str, Any]) -> Counts | None:
+    """A result's counts: tokens_evaluated is the whole prompt (cache included), tokens_predicted
+    the output, timings.cache_n the prompt tokens reused from the cache."""
     timings = obj.get("timings")
-    raw = (
-        obj.get("tokens_evaluated"),
-        obj.get("tokens_predicted"),
-        timings.get("cache_n") if isinstance(timings, dict) else None,
-    )
-    read = (count(raw[0]), count(raw[1]), count(raw[2]))
-    if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
-        return None
-    return read
+    cache_n = timings.get("cache_n") if isinstance(timings, dict) else None
+    return counts_of((obj.get("tokens_evaluated"), obj.get("tokens_predicted"), cache_n))
 
 
-def _usage(counts: list[_Counts], model: str | None, reasons: tuple[str, ...]) -> Usage:
-    inp, out = total(c[0] for c in counts), total(c[1] for c in counts)
-    cached = total(c[2] for c in counts)
-    return Usage(
-        input_tokens=inp,
-        output_tokens=out,
-        cached_input_tokens=cached,
-        model=model,
-        finish_reasons=reasons,
-        unknown_reason=None if inp is not None and out is not None else "no_usage",
-    )
-
-
-class LlamaCppStream(SSEMeter):
+class LlamaCppStream(CountsStream):
     """A streamed /completion or /infill: one `data:` event per step of output, each with the
     running `tokens_predicted` and `tokens_evaluated` of its prompt (`index`); the prompt's last,
     `stop: true`, holds its totals. `:` lines (keep-alive) are SSE comments."""
 
-    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
-        super().__init__(endpoint, **options)
-        self._counts: dict[int, _Counts] = {}  # per prompt: the latest counts read
-        self._invalid = False
+    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
+        return _final_counts(obj)
 
-    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
-        index = obj.get("index", 0)
-        index = index if type(index) is int and 0 <= index < self._choices else 0
-        read = _final_counts(obj)
-        if read is None:
-            self._invalid = True
-            return False
-        if read[0] is not None or read[1] is not None:
-            self._counts[index] = read
+    def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
         if obj.get("stop") is True:
             self._s.finish[index] = _reason(obj) or "stop"
             if self._s.model is None:
@@ -162,12 +123,3 @@ class LlamaCppStream(SSEMeter):
             self.done = len(self._s.finish) >= self._choices
         elif obj.get("content"):
             self._s.token_events += 1
-        return False
-
-    def _counted_usage(self) -> Usage:
-        base = self._base()
-        if self._invalid:
-            return replace(base, unknown_reason=INVALID_USAGE)
-        counts = [self._counts.get(i, (None, None, None)) for i in range(self._choices)]
-        got = _usage(counts, base.model, base.finish_reasons)
-        return replace(got, error=base.error)

@@ -13,28 +13,16 @@ tokenizer_manager.py` (`meta_info`), `srt/sampling/sampling_params.py` (`max_new
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
-from .counts import (
-    INVALID_USAGE,
-    body_value,
-    count,
-    error_type,
-    invalid,
-    lax_true,
-    number,
-    total,
-)
+from .counts import NO_COUNTS, Counts, body_results, counts_of, error_type, lax_true, number, summed
 from .reqsize import body_size, lax_int, prompt_chars
-from .sse import Event
-from .stream import SSEMeter
+from .stream import CountsStream
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit is this one
-_Counts = tuple[int | None, int | None, int | None]
 
 
 class SGLangAdapter(reqsize.ReadOnly):
@@ -75,18 +63,13 @@ class SGLangAdapter(reqsize.ReadOnly):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete response: one object with `meta_info`, or a list (a batch)."""
-        obj = body_value(body)
-        given = obj if isinstance(obj, list) else [obj]
-        results = [r for r in given if isinstance(r, dict)]
-        if not results or len(results) != len(given):
+        results = body_results(body)
+        if results is None:
             return Usage(unknown_reason="no_usage")
         if "error" in results[0] or results[0].get("object") == "error":
             return Usage(error=error_type(results[0]), unknown_reason="error_response")
-        counts = [c for c in (_counts(r) for r in results) if c is not None]
-        if len(counts) != len(results):
-            return Usage(unknown_reason=INVALID_USAGE)
         reasons = tuple(r for r in (_reason(x) for x in results) if r)
-        return _usage(counts, reasons)
+        return summed([_counts(r) for r in results], None, reasons)
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> SGLangStream:
         """The meter for a streamed /generate (the reference SSE path)."""
@@ -132,55 +115,22 @@ def _reason(obj: Mapping[str, Any]) -> str | None:
     return clean_or_none(finish.get("type"), REASON_CHARS) if isinstance(finish, dict) else None
 
 
-def _counts(obj: Mapping[str, Any]) -> _Counts | None:
+def _counts(obj: Mapping[str, Any]) -> Counts | None:
     meta = _meta(obj)
-    raw = (meta.get("prompt_tokens"), meta.get("completion_tokens"), meta.get("cached_tokens"))
-    read = (count(raw[0]), count(raw[1]), count(raw[2]))
-    if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
-        return None
-    return read
-
-
-def _usage(counts: list[_Counts], reasons: tuple[str, ...]) -> Usage:
-    inp, out = total(c[0] for c in counts), total(c[1] for c in counts)
-    cached = total(c[2] for c in counts)
-    return Usage(
-        input_tokens=inp,
-        output_tokens=out,
-        cached_input_tokens=cached,
-        finish_reasons=reasons,
-        unknown_reason=None if inp is not None and out is not None else "no_usage",
+    return counts_of(
+        (meta.get("prompt_tokens"), meta.get("completion_tokens"), meta.get("cached_tokens"))
     )
 
 
-class SGLangStream(SSEMeter):
+class SGLangStream(CountsStream):
     """A streamed /generate: `data:` chunks, each with its prompt's (`index`) `meta_info` so far
     (cumulative), then `data: [DONE]`."""
 
-    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
-        super().__init__(endpoint, **options)
-        self._counts: dict[int, _Counts] = {}
-        self._invalid = False
+    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
+        return _counts(obj)
 
-    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
-        index = obj.get("index", 0)
-        index = index if type(index) is int and 0 <= index < self._choices else 0
-        read = _counts(obj)
-        if read is None:
-            self._invalid = True
-            return False
-        before = self._counts.get(index, (None, None, None))[1] or 0
-        if read[0] is not None or read[1] is not None:
-            self._counts[index] = read
-        if (read[1] or 0) > before:
+    def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
+        if (read[1] or 0) > (self._counts.get(index, NO_COUNTS)[1] or 0):
             self._s.token_events += 1
         if (reason := _reason(obj)) is not None:
             self._s.finish[index] = reason
-        return False
-
-    def _counted_usage(self) -> Usage:
-        base = self._base()
-        if self._invalid:
-            return replace(base, unknown_reason=INVALID_USAGE)
-        counts = [self._counts.get(i, (None, None, None)) for i in range(self._choices)]
-        return replace(_usage(counts, base.finish_reasons), error=base.error)

@@ -3,8 +3,9 @@
 Owns: the plain reference path of every SSE adapter (the upstream's bytes through the SSE parser,
 each event's data decoded by `json.loads`, the object handed to the adapter's `_read`), dropping
 or cutting the events the adapter says we caused, the state all readers share (model, id, error,
-token events, finish reasons), the `event_too_large` rule, and the wire fast path's loop
-(`WireMeter`), which fast adapters use beside their reference path.
+token events, finish reasons), the `event_too_large` rule, the wire fast path's loop
+(`WireMeter`), which fast adapters use beside their reference path, and the meter of streams
+whose every event carries its prompt's counts so far (`CountsStream`).
 Never: touches sockets, clocks or metrics, or changes a byte the adapter did not ask to cut.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..exchange import Endpoint, Usage
-from .counts import error_type
+from .counts import INVALID_USAGE, NO_COUNTS, Counts, error_type, summed
 from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, SSEParser
 
 # What a wire fast path found at a position: (the event's end, whether its text is not empty,
@@ -168,6 +169,44 @@ class SSEMeter:
 
     def _counted_usage(self) -> Usage:
         raise NotImplementedError
+
+
+class CountsStream(SSEMeter):
+    """A stream whose every event carries its prompt's (`index`) counts so far: the latest counts
+    of each prompt are its usage (llama.cpp's and SGLang's native streams). The adapter reads an
+    event's counts (`_counts_of`) and what else it says (`_step`)."""
+
+    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+        super().__init__(endpoint, **options)
+        self._counts: dict[int, Counts] = {}  # per prompt: the latest counts read
+        self._invalid = False
+
+    def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
+        index = obj.get("index", 0)
+        index = index if type(index) is int and 0 <= index < self._choices else 0
+        read = self._counts_of(obj)
+        if read is None:
+            self._invalid = True
+            return False
+        self._step(index, read, obj)
+        if read[0] is not None or read[1] is not None:
+            self._counts[index] = read
+        return False
+
+    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
+        """The event's counts; None when one was sent but is no count."""
+        raise NotImplementedError
+
+    def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
+        """The rest of an event of prompt `index` (its counts `read`, not yet the prompt's)."""
+        raise NotImplementedError
+
+    def _counted_usage(self) -> Usage:
+        base = self._base()
+        if self._invalid:
+            return replace(base, unknown_reason=INVALID_USAGE)
+        counts = [self._counts.get(i, NO_COUNTS) for i in range(self._choices)]
+        return replace(summed(counts, base.model, base.finish_reasons), error=base.error)
 
 
 class WireMeter(SSEMeter):
