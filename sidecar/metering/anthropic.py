@@ -98,10 +98,7 @@ class AnthropicAdapter(reqsize.ReadOnly):
     def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
         """The server's own /v1/messages/count_tokens counts the prompt as the route renders it
         (`{"input_tokens": N}`); the body is the request less what only generation reads."""
-        try:
-            obj = json.loads(info.body)
-        except (ValueError, UnicodeDecodeError):
-            return None
+        obj = body_value(info.body)
         if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
             return None
         keep = {k: obj[k] for k in _COUNTED_KEYS if k in obj}

@@ -43,10 +43,7 @@ class TGIOpenAIAdapter(OpenAIAdapter):
     def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
         """TGI's /chat_tokenize takes the chat request; its completions generate from the prompt
         as given, which /tokenize counts as a generate request's `inputs`."""
-        try:
-            obj = json.loads(info.body)
-        except (ValueError, UnicodeDecodeError):
-            return None
+        obj = body_value(info.body)
         if not isinstance(obj, dict):
             return None
         if info.endpoint is Endpoint.CHAT and isinstance(obj.get("messages"), list):
@@ -117,10 +114,7 @@ class TGIAdapter:
     def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
         """TGI's /tokenize takes a generate request, /chat_tokenize a chat request; /vertex asks
         once per instance."""
-        try:
-            obj = json.loads(info.body)
-        except (ValueError, UnicodeDecodeError):
-            return None
+        obj = body_value(info.body)
         if not isinstance(obj, dict):
             return None
         if info.endpoint is Endpoint.TGI_VERTEX:
