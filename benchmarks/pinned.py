@@ -21,6 +21,19 @@ every response body in wrk (benchmarks/pinned.lua) and requires each to be whole
 for a stream, exactly `--tokens` content chunks ending with `data: [DONE]`; in the rounds, the
 bytes wrk read must cover that many whole responses.
 
+What one write and one read carry, in the streams: the lean upstream writes each stream's next
+`--events-per-write` events (default 8) in one write, every event still its own HTTP chunk. With
+one event a write, the upstream's write(2) and wrk's read(2) per event cost the load CPU about as
+much per chunk as the minimal proxy costs its own (measured on 2 vCPUs: the load CPU ~0.9-1.0
+busy with every target, direct under 1x the minimal proxy, so the streams measured the load
+side). A saturated proxy reads many events at once whatever the upstream's writes (measured, one
+event a write: 7 to 40 a read), and with 8 a write more (about 50 a read for the minimal proxy, 60
+to 110 for tollbooth): per-read costs, which the minimal proxy mostly is, are spread over more
+chunks, per-event ones (tollbooth's metering) are not, so the ratio to the minimal proxy is the
+stricter for tollbooth, and CPU per chunk is of that many events a read, not of one (a real engine
+at decode pace sends one event a read: a proxy's CPU per chunk is then higher). Each run records
+the proxy's and the upstream's read/write calls per chunk (/proc/PID/io); the conditions say N.
+
 Reported: medians of rounds, and per target the median and quartiles of its per-round ratio to the
 minimal proxy's figure in the same round. Whether the load side was the bottleneck is checked
 and said: wrk's CPU per run (must stay well below a core), the proxy's CPU (near one core when it
@@ -107,11 +120,16 @@ FRAMED = {e: _framed(e) for e in [ov.ROLE, ov.ROLE_RUNNING, *ov.TOKENS, *ov.TOKE
 class Engine:
     """Every open stream gets its next event in each step, as a batched engine's decode step
     gives each sequence its next token; a step runs as soon as the last one has: the fastest
-    this fake can go. The events are overhead.py's (stream_events); each is one write."""
+    this fake can go. The events are overhead.py's (stream_events). With `per_write` 1 each
+    event is one write; with N, a step gives each stream its next N consecutive events in one
+    write (an engine N decode steps ahead of the proxy's reads, as when it outruns them), so
+    the load side's syscalls per chunk fall N-fold and every read behind it carries N events
+    or more (pinned.py measures and reports how many)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_write: int = 1) -> None:
         self.streams: list[tuple[asyncio.Transport, list[bytes]]] = []
         self.stepping = False
+        self.per_write = per_write
 
     def add(self, transport: asyncio.Transport, events: list[bytes], done: Any) -> None:
         self.streams.append((transport, [done, *reversed(events)]))  # popped from the end
@@ -124,11 +142,15 @@ class Engine:
         for transport, events in self.streams:
             if transport.is_closing():
                 continue
-            event = events.pop()
-            if callable(event):
-                event()  # the stream has ended: the connection takes its next request
+            if callable(events[-1]):
+                events.pop()()  # the stream has ended: the connection takes its next request
                 continue
-            transport.write(event)
+            if self.per_write == 1:
+                transport.write(events.pop())
+            else:
+                n = min(self.per_write, len(events) - 1)  # never the end marker
+                transport.write(b"".join(events[: -n - 1 : -1]))
+                del events[-n:]
             alive.append((transport, events))
         self.streams = alive
         self.stepping = bool(alive)
@@ -188,9 +210,9 @@ class LeanHTTP(asyncio.Protocol):
         self.transport = None
 
 
-def run_lean_upstream(port: int) -> None:
+def run_lean_upstream(port: int, per_write: int) -> None:
     async def serve() -> None:
-        engine = Engine()
+        engine = Engine(per_write)
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
         loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
@@ -201,10 +223,11 @@ def run_lean_upstream(port: int) -> None:
     ov._run(serve())
 
 
-def start_upstream(kind: str, port: int, cpu: int) -> subprocess.Popen[bytes]:
+def start_upstream(kind: str, port: int, cpu: int, per_write: int) -> subprocess.Popen[bytes]:
     if kind == "aiohttp":
         return ov.start_upstream(port, pin(cpu))
-    return ov.spawn([*pin(cpu), sys.executable, __file__, "_lean_upstream", str(port)])
+    argv = [sys.executable, __file__, "_lean_upstream", str(port), str(per_write)]
+    return ov.spawn([*pin(cpu), *argv])
 
 
 # --- the trees under test -------------------------------------------------------------------------
@@ -274,7 +297,7 @@ def start_targets(
 ) -> tuple[list[Target], subprocess.Popen[bytes]]:
     up_port, min_port = ov.free_port(), ov.free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    up = start_upstream(args.upstream, up_port, args.load_cpu)
+    up = start_upstream(args.upstream, up_port, args.load_cpu, args.events_per_write)
     targets = [Target("direct", upstream, up)]
     minimal = ov.start_minimal(min_port, upstream, pin(args.proxy_cpu))
     targets.append(Target("minimal_proxy", f"http://127.0.0.1:{min_port}", minimal))
@@ -331,6 +354,13 @@ def cpu_use(
     r[f"{role}_other_tasks"] = max(0.0, tasks - ours)
 
 
+def syscalls(pid: int) -> tuple[int, int]:
+    """read(2)- and write(2)-family calls of `pid`, every thread (/proc/PID/io syscr, syscw: uvloop
+    reads and writes its sockets with read and write/writev; recv/send calls are not counted)."""
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(io["syscr"]), int(io["syscw"])
+
+
 def children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -359,11 +389,13 @@ def wrk(
         env["TB_CHECK"] = "1"
     cmd = [*pin(args.load_cpu), "wrk", "-t1", f"-c{connections}", f"-d{seconds}s"]
     cmd += ["--timeout", "30s", "-s", str(LUA), t.url + "/v1/chat/completions"]
+    calls = (syscalls(t.proc.pid), syscalls(up))
     before = (children_cpu(), ov.cpu_seconds(t.proc.pid), ov.cpu_seconds(up), cpu_times())
     start = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
     wall = time.perf_counter() - start
     after = (children_cpu(), ov.cpu_seconds(t.proc.pid), ov.cpu_seconds(up), cpu_times())
+    calls_after = (syscalls(t.proc.pid), syscalls(up))
     line = next((s for s in out.stdout.splitlines() if s.startswith("TBJSON ")), None)
     if out.returncode != 0 or line is None:
         sys.exit(f"wrk against {t.name} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
@@ -381,6 +413,13 @@ def wrk(
     units = r["requests"] * (args.tokens if stream else 1)
     r["proxy_cpu_us_per_unit"] = (after[1] - before[1]) / units * 1e6 if units else 0.0
     r["upstream_cores"] = (after[2] - before[2]) / wall
+    # what one read or write carried: calls per unit served (a chunk, or a request)
+    for role, (b, a) in (
+        ("proxy", (calls[0], calls_after[0])),
+        ("upstream", (calls[1], calls_after[1])),
+    ):
+        r[f"{role}_reads_per_unit"] = (a[0] - b[0]) / units if units else 0.0
+        r[f"{role}_writes_per_unit"] = (a[1] - b[1]) / units if units else 0.0
     ours = r["wrk_cores"] + r["upstream_cores"]
     cpus = (("proxy_cpu", args.proxy_cpu, r["proxy_cores"]), ("load_cpu", args.load_cpu, ours))
     for role, cpu, mine in cpus:
@@ -554,6 +593,13 @@ def conditions(
         "stream_tokens": args.tokens,
         "wrk_threads": 1,
         "upstream": args.upstream,
+        "upstream_events_per_write": args.events_per_write,
+        "stream_writes": f"the upstream writes each stream's next {args.events_per_write} "
+        "event(s) in one write (the HTTP chunk framing stays one chunk per event); a proxy's read "
+        "from it carries that many events or more: *_reads_per_unit, *_writes_per_unit are the "
+        "read(2)/write(2) calls of the process per chunk (per request in the requests half), from "
+        "/proc/PID/io, so 1/proxy_reads_per_unit is the chunks one read carried on average (its "
+        "reads of the client's requests included)",
         "note": "the process under test alone on proxy_cpu; the upstream and wrk on load_cpu; "
         "medians of rounds; x minimal: each round's figure over the minimal proxy's in the same "
         "round, median (quartiles); *_cores: CPU seconds per second of the run; *_cpu_other: "
@@ -576,7 +622,7 @@ def table(paths: dict[str, Any]) -> str:
     head = (
         f"{'target':<24} {'req/s':>7} {'x min (quartiles)':>17} {'chunks/s':>8} "
         f"{'x min (quartiles)':>17} {'CPU/req':>7} {'CPU/ch':>6} "
-        f"{'proxy':>9} {'wrk':>9} {'other':>9}"
+        f"{'proxy':>9} {'wrk':>9} {'other':>9} {'ch/read':>7}"
     )
     lines = [head]
     for name, p in paths.items():
@@ -586,16 +632,20 @@ def table(paths: dict[str, Any]) -> str:
         ]
         req, st = p["requests"], p["stream"]
         other = [max(r["proxy_cpu_other_tasks"], r["load_cpu_other_tasks"]) for r in (req, st)]
+        reads = st["proxy_reads_per_unit"] if name != "direct" else 0
+        per_read = f"{1 / reads:7.1f}" if reads else f"{'-':>7}"
         lines.append(
             f"{name:<24} {req['rps']:7.0f} {cells[0]} {st['chunks_per_s']:8.0f} {cells[1]} "
             f"{cpu['per_request']:7.2f} {cpu['per_chunk']:6.2f} "
             f"{req['proxy_cores']:4.2f}/{st['proxy_cores']:4.2f} "
-            f"{req['wrk_cores']:4.2f}/{st['wrk_cores']:4.2f} {other[0]:4.2f}/{other[1]:4.2f}"
+            f"{req['wrk_cores']:4.2f}/{st['wrk_cores']:4.2f} {other[0]:4.2f}/{other[1]:4.2f} "
+            f"{per_read}"
         )
     lines.append(
         "x min: over the minimal proxy's, per round, median (quartiles); CPU/req, CPU/ch: the "
         "proxy's CPU per request, per chunk, x the minimal proxy's; proxy, wrk: cores used "
-        "(requests/streams, medians); other: of a core, what other processes took on the busier CPU"
+        "(requests/streams, medians); other: of a core, what other processes took on the busier "
+        "CPU; ch/read: stream chunks per read(2) of the proxy (median)"
     )
     return "\n".join(lines)
 
@@ -637,8 +687,19 @@ def main() -> None:
         help="the fake engine: lean (raw asyncio, cheap per event, so it is not the limit) or "
         "overhead.py's aiohttp one",
     )
+    ap.add_argument(
+        "--events-per-write",
+        type=int,
+        default=8,
+        metavar="N",
+        help="the lean upstream writes each stream's next N events in one write (1: one event a "
+        "write, which costs the load CPU more per chunk than the minimal proxy); each read "
+        "behind it then carries N events or more",
+    )
     ap.add_argument("--out", type=Path, default=ov.RESULTS / "pinned.json")
     args = ap.parse_args()
+    if args.events_per_write < 1 or (args.upstream == "aiohttp" and args.events_per_write != 1):
+        sys.exit("--events-per-write: at least 1, and only 1 with --upstream aiohttp")
     if shutil.which("wrk") is None:
         sys.exit(NO_WRK)
     if (
@@ -714,6 +775,6 @@ def report(
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_lean_upstream":
-        run_lean_upstream(int(sys.argv[2]))
+        run_lean_upstream(int(sys.argv[2]), int(sys.argv[3]))
     else:
         main()

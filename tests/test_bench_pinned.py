@@ -37,9 +37,9 @@ BODIES: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture
-async def lean() -> AsyncIterator[str]:
-    engine = pinned.Engine()
+@pytest.fixture(params=[1, 8, 5])  # one event a write (as the aiohttp one), and several
+async def lean(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    engine = pinned.Engine(request.param)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: pinned.LeanHTTP(engine), "127.0.0.1", 0)
     yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -84,6 +84,36 @@ async def test_concurrent_streams_are_each_whole(lean: str) -> None:
     for reply in replies:
         assert reply.count(b'"delta":{"content":"') == 64
         assert reply.endswith(b"data: [DONE]\n\n")
+
+
+class Recorder:
+    """Stands in for a transport: keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("per_write", "writes"),
+    [
+        (1, [b"e0", b"e1", b"e2", b"e3", b"e4"]),
+        (2, [b"e0e1", b"e2e3", b"e4"]),
+        (8, [b"e0e1e2e3e4"]),
+    ],
+)
+async def test_each_write_carries_the_streams_next_events(
+    per_write: int, writes: list[bytes]
+) -> None:
+    engine, sent, ended = pinned.Engine(per_write), Recorder(), asyncio.Event()
+    engine.add(sent, [b"e%d" % i for i in range(5)], ended.set)  # type: ignore[arg-type]
+    await asyncio.wait_for(ended.wait(), 5)
+    assert sent.writes == writes
 
 
 def wrk_check(url: str, chunks: int, counted: int) -> dict[str, Any]:
