@@ -142,8 +142,9 @@ class Engine:
         for transport, events in self.streams:
             if transport.is_closing():
                 continue
-            if callable(events[-1]):
-                events.pop()()  # the stream has ended: the connection takes its next request
+            ended = events[-1]
+            if callable(ended):
+                ended()  # the stream has ended: the connection takes its next request
                 continue
             if self.per_write == 1:
                 transport.write(events.pop())
