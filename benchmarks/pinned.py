@@ -27,7 +27,7 @@ one event a write, the upstream's write(2) and wrk's read(2) per event cost the 
 much per chunk as the minimal proxy costs its own (measured on 2 vCPUs: the load CPU ~0.9-1.0
 busy with every target, direct under 1x the minimal proxy, so the streams measured the load
 side). A saturated proxy reads many events at once whatever the upstream's writes (measured, one
-event a write: 7 to 40 a read), and with 8 a write more (about 50 a read for the minimal proxy, 60
+event a write: 7 to 40 a read), and with 8 a write more (50 to 60 a read for the minimal proxy, 70
 to 110 for tollbooth): per-read costs, which the minimal proxy mostly is, are spread over more
 chunks, per-event ones (tollbooth's metering) are not, so the ratio to the minimal proxy is the
 stricter for tollbooth, and CPU per chunk is of that many events a read, not of one (a real engine
@@ -691,14 +691,16 @@ def main() -> None:
     ap.add_argument(
         "--events-per-write",
         type=int,
-        default=8,
+        default=None,
         metavar="N",
-        help="the lean upstream writes each stream's next N events in one write (1: one event a "
-        "write, which costs the load CPU more per chunk than the minimal proxy); each read "
-        "behind it then carries N events or more",
+        help="the lean upstream writes each stream's next N events in one write (default 8; 1: "
+        "one event a write, which costs the load CPU more per chunk than the minimal proxy; "
+        "aiohttp: always 1); each read behind it then carries N events or more",
     )
     ap.add_argument("--out", type=Path, default=ov.RESULTS / "pinned.json")
     args = ap.parse_args()
+    if args.events_per_write is None:
+        args.events_per_write = 8 if args.upstream == "lean" else 1
     if args.events_per_write < 1 or (args.upstream == "aiohttp" and args.events_per_write != 1):
         sys.exit("--events-per-write: at least 1, and only 1 with --upstream aiohttp")
     if shutil.which("wrk") is None:
