@@ -226,8 +226,11 @@ _SHAPE_TRIES = 8
 
 # The running totals vLLM puts last on each chunk (`continuous_usage_stats`): a flat object of
 # integers (or null), as pydantic writes it. Nothing else is learnt past or cut by the wire path.
+# Possessive (`++`, `{0,17}+`, `*+`): what follows each part can never be a byte it takes, so
+# giving one back never finds another match; without the states kept for that, the usage object
+# matched in about 0.35 us against 0.5 us (once per chunk that carries running usage).
 _USAGE_OBJECT = re.compile(
-    rb'\{"[a-z_]+":(?:[1-9][0-9]{0,17}|0|null)(?:,"[a-z_]+":(?:[1-9][0-9]{0,17}|0|null))*\}'
+    rb'\{"[a-z_]++":(?:[1-9][0-9]{0,17}+|0|null)(?:,"[a-z_]++":(?:[1-9][0-9]{0,17}+|0|null))*+\}'
 )
 _USAGE_KEY = len(b',"usage":')
 _RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
@@ -265,7 +268,7 @@ def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes]]:
 def _tail(suffix: bytes) -> re.Pattern[bytes]:
     """The part of the shape after the prefix, compiled once per suffix. A chunk's suffix holds
     no id (vLLM's: `"},"logprobs":null,"finish_reason":null}]`), so streams share it."""
-    text = rb"([ !#-\[\]-~\x80-\xff]*)"  # `_plain` text, and the other bytes of UTF-8
+    text = rb"([ !#-\[\]-~\x80-\xff]*+)"  # `_plain` text, the other bytes of UTF-8; no quote
     usage = rb'(?:(,"usage":)' + _USAGE_OBJECT.pattern + b")?"
     return re.compile(text + re.escape(suffix) + usage + rb"\}\n\n")
 
