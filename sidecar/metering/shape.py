@@ -73,14 +73,14 @@ class FastChatStream(WireMeter, ChatStream):
         head, tail, strip, longest = shape.head, shape.tail, self._strip_chunk, self._max_event
         start = len(head)
         end, text, cut = found
-        tokens, usage = 0, None
+        tokens, usage_at = 0, -1  # where the last running usage is: sliced once, after the loop
         while True:
             tokens += text
             if cut >= 0:
-                usage = chunk[cut + _USAGE_KEY : end - 3]
+                usage_at, usage_end = cut + _USAGE_KEY, end - 3
                 if strip:
                     out.append(chunk[kept:cut])
-                    kept = end - 3  # the object's closing brace and the blank line stay
+                    kept = usage_end  # the object's closing brace and the blank line stay
             pos = end
             if not chunk.startswith(head, pos):
                 break
@@ -91,8 +91,8 @@ class FastChatStream(WireMeter, ChatStream):
         if tokens:
             self._s.token_events += tokens
             shape.tries = _SHAPE_TRIES
-        if usage is not None:
-            self._choice_usage[shape.index] = usage
+        if usage_at >= 0:
+            self._choice_usage[shape.index] = chunk[usage_at:usage_end]
         return pos, kept
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
