@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sidecar.billing.ledger import INSERT as INSERT_ROWS
 from sidecar.billing.ledger import Ledger, Row, connect
 from sidecar.telemetry.metrics import Metrics
 from tests.fakes import MODEL
@@ -301,3 +302,24 @@ def test_rows_go_in_many_per_statement_all_of_them_in_order(tmp_path: Path, limi
         sent += [r[1] for r in rows]
     got = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY id")]
     assert got == sent
+
+
+def test_none_is_stored_as_null_and_every_other_value_as_it_was(tmp_path: Path) -> None:
+    """Values bound as NULL through the None adapter (bind_none_directly) and as before: each
+    column's stored type and value, row by row, read back."""
+    conn = connect(tmp_path / "l.db")
+    assert sqlite3.adapters[(type(None), sqlite3.PrepareProtocol)](None) is None
+    n = len(Row._fields)
+    rows = [
+        (1.5, "r1", None, "m", "/e", "u", 3, None, 2**62, 1e-300, "200", 0, *(None,) * (n - 12)),
+        (2.0, "r2", "t" * 32, "mé", "/e", "ü", 0, 7, None, None, "stream_error", 1,
+         0.1, 0.25, 3.0000001, "x", "team", "end", 0.5, 10.0, 0.01, 4, 1.5, "p", "a,b", 0.02),
+    ]  # fmt: skip
+    with conn:
+        Ledger._insert(conn, INSERT_ROWS, rows)
+    cols = ", ".join(Row._fields)
+    kinds = ", ".join(f"typeof({c})" for c in Row._fields)
+    got = conn.execute(f"SELECT {cols}, {kinds} FROM requests ORDER BY id").fetchall()
+    want_kind = {type(None): "null", int: "integer", float: "real", str: "text"}
+    assert [g[:n] for g in got] == rows
+    assert [list(g[n:]) for g in got] == [[want_kind[type(v)] for v in r] for r in rows]

@@ -389,3 +389,32 @@ def test_batch_writer_is_bounded_counts_what_it_loses_and_drains_on_stop() -> No
     writer.stop()  # long before the interval: stopping writes what waits
     assert written == ["line 10", "line 5", "line 3", "line 2"]
     assert (len(dropped), len(errors)) == (3, 1)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_json_access_line_is_its_head_then_fields_of(case: int) -> None:
+    """`line_of` makes the line's dict in one step; it equals the head merged with `fields_of`,
+    key order and encoded bytes included."""
+    from sidecar.exchange import Cost, Endpoint, Exchange, RequestInfo, Usage
+    from sidecar.telemetry.accesslog import LOGGER, fields_of, line_of, render_json, snapshot
+    from sidecar.telemetry.logs import iso_time, json_line
+
+    endpoint = [Endpoint.CHAT, Endpoint.TGI_GENERATE, Endpoint.OTHER, Endpoint.RERANK_V2][case]
+    info = RequestInfo(endpoint=endpoint, body=b"{}", parsed=True, stream=case % 2 == 1)
+    ex = Exchange(f"r{case}", endpoint, info, "ü", "ü" * 3, MODEL, status=[200, 502, 0, 499][case])
+    ex.usage = [
+        Usage(input_tokens=3, output_tokens=5, reasoning_tokens=2),
+        Usage(),
+        Usage(unknown_reason="no_usage", audio_seconds=1.5),
+        Usage(cached_input_tokens=1),
+    ][case]
+    ex.cost = Cost(1e-05, 3e-7) if case == 0 else None
+    ex.error = None if case == 0 else "upstream"
+    ex.queue_s, ex.upstream_start, ex.first_token_at = 0.0012345678, 1.0, 1.25 + case
+    ex.duration_s, ex.trace_id, ex.team = 2.0000004 * case, "ab" * 16, "t" if case else None
+    for failed in (False, True):
+        record = (1.7e9 + 0.123 * case, failed, snapshot(ex))
+        head = {"time": iso_time(record[0]), "level": "warning" if failed else "info"}
+        want = {**head, "logger": LOGGER, "message": "request", **fields_of(record[2])}
+        assert list(line_of(record).items()) == list(want.items())
+        assert render_json(record) == json_line(want)

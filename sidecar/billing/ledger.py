@@ -187,7 +187,22 @@ def row_of(ex: Exchange) -> Row:
     )
 
 
+def bind_none_directly() -> None:
+    """NULL bound without the driver's adapter search. The driver binds an exact int, float or
+    str at once but sends every other value, None too, through `sqlite3.adapters`: a lookup
+    that misses, then two attribute lookups, one raising an AttributeError it discards. A row
+    has a dozen or more None, so that search was most of the CPU of an insert (callgrind,
+    benchmarks/writers.py). Registered for None, the lookup hits and the adapter returns None,
+    bound as NULL as before; it is the sqlite3 module's registry, so every connection of the
+    process gets it, with the same result. `{}.get` is a C callable: None for None."""
+    sqlite3.register_adapter(type(None), _NO_ADAPTER.get)
+
+
+_NO_ADAPTER: dict[Any, Any] = {}
+
+
 def connect(path: str | Path) -> sqlite3.Connection:
+    bind_none_directly()
     # A short busy timeout: a locked file makes the writer retry later, not stall the flushes.
     conn = sqlite3.connect(str(path), timeout=1.0, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
