@@ -54,10 +54,15 @@ def snapshot(ex: Exchange) -> Snapshot:
     )
 
 
-def fields_of(s: Snapshot) -> dict[str, Any]:
+_NO_HEAD: dict[str, Any] = {}
+
+
+def fields_of(s: Snapshot, head: dict[str, Any] = _NO_HEAD) -> dict[str, Any]:
+    """The record's fields, after `head`'s (one dict, made in one step)."""
     rid, trace, span, user, team, end_user, model, endpoint, status, stream, u, cost, *rest = s
     queue, ttft, dur, bytes_in, bytes_out, upstream, error, unknown = rest
     return {
+        **head,
         "request_id": rid,
         "trace_id": trace,
         "span_id": span,
@@ -108,41 +113,13 @@ def render_json(record: Record) -> str:
 
 def line_of(record: Record) -> dict[str, Any]:
     """The line's dict: the head (time, level, logger, message), then `fields_of`'s fields, made
-    as one dict in one step (the head merged into a copy of `fields_of`'s dict cost about as much
-    again, benchmarks/writers.py); tests/test_logs_audit.py checks it equals that merge."""
+    as one dict (the head merged into a copy of `fields_of`'s dict cost about 1 us a line more,
+    benchmarks/writers.py); tests/test_logs_audit.py checks it equals that merge."""
     ts, failed, s = record
-    rid, trace, span, user, team, end_user, model, endpoint, status, stream, u, cost, *rest = s
-    queue, ttft, dur, bytes_in, bytes_out, upstream, error, unknown = rest
-    return {
-        "time": iso_time(ts),
-        "level": "warning" if failed else "info",
-        "logger": LOGGER,
-        "message": "request",
-        "request_id": rid,
-        "trace_id": trace,
-        "span_id": span,
-        "user": user,
-        "team": team,
-        "end_user": end_user,
-        "model": model,
-        "endpoint": endpoint.label,
-        "status": status,
-        "stream": stream,
-        "input_tokens": u.input_tokens,
-        "cached_input_tokens": u.cached_input_tokens,
-        "output_tokens": u.output_tokens,
-        "reasoning_tokens": u.reasoning_tokens,
-        "audio_seconds": u.audio_seconds,
-        "cost_usd": cost.total_usd if cost is not None else None,
-        "queue_wait_s": _round(queue),
-        "ttft_s": _round(ttft),
-        "duration_s": _round(dur),
-        "bytes_in": bytes_in,
-        "bytes_out": bytes_out,
-        "upstream": upstream,
-        "error": error,
-        "usage_unknown": unknown,
-    }
+    level = "warning" if failed else "info"
+    return fields_of(
+        s, {"time": iso_time(ts), "level": level, "logger": LOGGER, "message": "request"}
+    )
 
 
 def render_text(record: Record) -> str:
