@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,21 +86,29 @@ def per_record(spent: float, n: int) -> float:
     return spent / n * 1e6
 
 
-def ledger_round(exs: list[Exchange], batch: int, tmp: Path, k: int) -> tuple[float, float]:
-    ledger = Ledger(LedgerConfig(path=str(tmp / f"ledger{k}.db")), Metrics())
-    assert ledger._try_connect()
-    put = flush = 0.0
+def batches(
+    exs: list[Exchange], batch: int, put: Callable[[Exchange], object], flush: Callable[[], object]
+) -> tuple[float, float]:
+    """CPU per record of `put` (each record) and of `flush` (after each batch), this thread's."""
+    putting = flushing = 0.0
     for i in range(0, len(exs), batch):
         t = time.thread_time()
         for ex in exs[i : i + batch]:
-            ledger.append(ex)
-        put += time.thread_time() - t
+            put(ex)
+        putting += time.thread_time() - t
         t = time.thread_time()
-        ledger._flush()
-        flush += time.thread_time() - t
+        flush()
+        flushing += time.thread_time() - t
+    return per_record(putting, len(exs)), per_record(flushing, len(exs))
+
+
+def ledger_round(exs: list[Exchange], batch: int, tmp: Path, k: int) -> tuple[float, float]:
+    ledger = Ledger(LedgerConfig(path=str(tmp / f"ledger{k}.db")), Metrics())
+    assert ledger._try_connect()
+    timed = batches(exs, batch, ledger.append, ledger._flush)
     assert not ledger._pending and ledger.problem is None
     ledger.close()
-    return per_record(put, len(exs)), per_record(flush, len(exs))
+    return timed
 
 
 def access_round(exs: list[Exchange], batch: int, tmp: Path, k: int) -> tuple[float, float]:
@@ -110,17 +119,9 @@ def access_round(exs: list[Exchange], batch: int, tmp: Path, k: int) -> tuple[fl
     writer._stop.set()  # the thread ends; this thread drains
     assert writer._thread is not None
     writer._thread.join()
-    put = drain = 0.0
-    for i in range(0, len(exs), batch):
-        t = time.thread_time()
-        for ex in exs[i : i + batch]:
-            log.write(ex)
-        put += time.thread_time() - t
-        t = time.thread_time()
-        writer.drain()
-        drain += time.thread_time() - t
+    timed = batches(exs, batch, log.write, writer.drain)
     log.stop()
-    return per_record(put, len(exs)), per_record(drain, len(exs))
+    return timed
 
 
 def audit_round(exs: list[Exchange], prices: PriceBook, tmp: Path, k: int) -> float:
