@@ -194,7 +194,8 @@ def bind_none_directly() -> None:
     has a dozen or more None, so that search was most of the CPU of an insert (callgrind,
     benchmarks/writers.py). Registered for None, the lookup hits and the adapter returns None,
     bound as NULL as before; it is the sqlite3 module's registry, so every connection of the
-    process gets it, with the same result. `{}.get` is a C callable: None for None."""
+    process gets it, with the same result (and `sqlite3.adapt(None)` returns None instead of
+    raising; nothing here calls it). `{}.get` is a C callable: None for None."""
     sqlite3.register_adapter(type(None), _NO_ADAPTER.get)
 
 
