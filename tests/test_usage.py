@@ -920,6 +920,7 @@ def test_fast_path_is_not_fooled(datas: list[str]) -> None:
 
 TOP = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"}}]%s}'
 RUNNING = ',"usage":{"prompt_tokens":3,"completion_tokens":%d}'
+CHOICE_USAGE = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"},"usage":{"x":1}}]%s}'
 
 
 @pytest.mark.parametrize(
@@ -934,6 +935,9 @@ RUNNING = ',"usage":{"prompt_tokens":3,"completion_tokens":%d}'
             TOP % ("b", ',"usage":{"x":1}' + RUNNING % 2),
         ],
         [TOP % ("a", ',"usage":null'), TOP % ("b", ',"usage":{"x":{"y":1}}' + RUNNING % 2)],
+        # a choice's own member of that name, in every event: not the running totals
+        [CHOICE_USAGE % ("a", RUNNING % 1), CHOICE_USAGE % ("b", RUNNING % 2)] * 2,
+        [CHOICE_USAGE % ("a", RUNNING % 1), CHOICE_USAGE % ("b", "")] * 2,
         [
             '{"usage":{"x":1},' + (TOP % ("a", RUNNING % 1))[1:],
             '{"usage":{"x":1},' + (TOP % ("b", ""))[1:],

@@ -63,37 +63,30 @@ class FastChatStream(WireMeter, ChatStream):
         return self._shape.at(chunk, pos)
 
     def _wire_run(self, chunk: bytes, pos: int, out: list[bytes], kept: int) -> tuple[int, int]:
-        """`WireMeter._wire_run` for every event of the shape from `pos` on, in one loop: a
-        busy server's read holds many (`_wire_event` for each, in short; the last running usage
-        is the one kept)."""
+        """`WireMeter._wire_run` for every event of the shape from `pos` on, in one match: a busy
+        server's read holds many. `_TokenShape.run` matches them (each head the first's), within
+        `max_event_bytes` of `pos` so none is longer; then their tokens are counted and their
+        running usage cut on the bytes (`_wire_event` for each, in short; the last usage kept).
+        An event written `data:` without the space, or with empty text, is read alone (`at`)."""
         shape = self._shape
-        found = shape.at(chunk, pos)  # the first may be written `data:` without the space
-        if found is None or found[0] - pos > self._max_event:
-            return pos, kept
-        head, tail, strip, longest = shape.head, shape.tail, self._strip_chunk, self._max_event
-        start = len(head)
-        end, text, cut = found
-        tokens, usage_at = 0, -1  # where the last running usage is: sliced once, after the loop
-        while True:
-            tokens += text
-            if cut >= 0:
-                usage_at, usage_end = cut + _USAGE_KEY, end - 3
-                if strip:
-                    out.append(chunk[kept:cut])
-                    kept = usage_end  # the object's closing brace and the blank line stay
-            pos = end
-            if not chunk.startswith(head, pos):
-                break
-            m = tail.match(chunk, pos + start)
-            if m is None or m.end() - pos > longest:
-                break
-            end, text, cut = m.end(), m.end(1) > pos + start, m.start(2)
-        if tokens:
-            self._s.token_events += tokens
-            shape.tries = _SHAPE_TRIES
-        if usage_at >= 0:
-            self._choice_usage[shape.index] = chunk[usage_at:usage_end]
-        return pos, kept
+        head = shape.head
+        if not head or not chunk.startswith(head, pos):
+            return super()._wire_run(chunk, pos, out, kept)
+        m = shape.run.match(chunk, pos, pos + self._max_event)
+        if m is None:
+            return super()._wire_run(chunk, pos, out, kept)
+        end = m.end()
+        # each event's text is not empty (`run`'s); a head is in no text (which has no quote)
+        # nor suffix, so there is one per event
+        self._s.token_events += chunk.count(head, pos, end)
+        shape.tries = _SHAPE_TRIES
+        at = chunk.rfind(b',"usage":', pos, end)  # nowhere else in the shape: the last usage
+        if at >= 0:
+            self._choice_usage[shape.index] = chunk[at + _USAGE_KEY : chunk.index(b"}", at) + 1]
+            if self._strip_chunk:
+                out += (chunk[kept:pos], _RUNNING_USAGE.sub(b"", chunk[pos:end]))
+                kept = end
+        return end, kept
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
         """Its token counted, its running usage kept as bytes (decoded only if it is read)."""
@@ -143,13 +136,13 @@ class _TokenShape:
     is not empty. Every other event is decoded.
     """
 
-    __slots__ = ("head", "index", "prefix", "suffix", "tail", "tries", "wired")
+    __slots__ = ("head", "index", "prefix", "run", "suffix", "tail", "tries", "wired")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = ""
         self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
         self.head = b""  # the shape on the wire (see `at`); no head: not usable there
-        self.tail = _NEVER
+        self.tail = self.run = _NEVER
         self.wired = False  # `head` and `tail` made for this shape (see `wire`)
         self.index = 0  # the choice's index: running usage is kept per choice
 
@@ -184,7 +177,7 @@ class _TokenShape:
             met_before = data[end:] == self.suffix
             self.prefix, self.suffix = data[:start], data[end:]
             self.index = count(obj["choices"][0].get("index")) or 0
-            self.head, self.tail = b"", _NEVER
+            self.head, self.tail, self.run = b"", _NEVER, _NEVER
             self.wired = False
             if met_before:
                 self.wire()
@@ -193,7 +186,7 @@ class _TokenShape:
         """Make the shape's wire form, once it has been met twice: a compiled pattern is worth it
         only for a shape that repeats (a chunk with logprobs has a new suffix every time)."""
         self.wired = True
-        self.head, self.tail = _on_the_wire(self.prefix, self.suffix)
+        self.head, self.tail, self.run = _on_the_wire(self.prefix, self.suffix)
 
     def at(self, chunk: bytes, pos: int) -> WireEvent | None:
         """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional
@@ -233,6 +226,9 @@ _USAGE_OBJECT = re.compile(
     rb'\{"[a-z_]++":(?:[1-9][0-9]{0,17}+|0|null)(?:,"[a-z_]++":(?:[1-9][0-9]{0,17}+|0|null))*+\}'
 )
 _USAGE_KEY = len(b',"usage":')
+# A running usage member within events `_TokenShape.run` matched: there it is nothing else (no
+# text holds a quote, and no shape with that key elsewhere gets a `run`) and its object is flat.
+_RUNNING_USAGE = re.compile(rb',"usage":\{[^}]*+\}')
 _RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
 _NEVER = re.compile(rb"(?!)")
 
@@ -254,23 +250,39 @@ def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapp
 _WIRE_SUFFIX_MAX = 512
 
 
-def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes]]:
-    """(head, tail) for `_TokenShape.at`: `data: ` and the prefix; the text, the suffix and
-    optional running usage before its closing brace. No head when the shape is not one `data:`
-    line of a JSON object."""
+def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes], re.Pattern[bytes]]:
+    """(head, tail, run) for `_TokenShape.at` and `FastChatStream._wire_run`: `data: ` and the
+    prefix; the text, the suffix and optional running usage before its closing brace; events of
+    the shape one after another. No head when the shape is not one `data:` line of an object."""
     p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
     if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s or len(s) > _WIRE_SUFFIX_MAX:
-        return b"", _NEVER
-    return b"data: " + p, _tail(s[:-1])
+        return b"", _NEVER, _NEVER
+    # `run`'s events are cut by searching their bytes for the running usage: only where no
+    # other member of that name (`"usage":null`, a choice's own) is in the shape
+    run = _NEVER if b'"usage"' in p + s else _run(len(p) + 6, s[:-1])
+    return b"data: " + p, _tail(s[:-1]), run
 
 
 @functools.lru_cache(maxsize=64)
 def _tail(suffix: bytes) -> re.Pattern[bytes]:
     """The part of the shape after the prefix, compiled once per suffix. A chunk's suffix holds
     no id (vLLM's: `"},"logprobs":null,"finish_reason":null}]`), so streams share it."""
-    text = rb"([ !#-\[\]-~\x80-\xff]*+)"  # `_plain` text, the other bytes of UTF-8; no quote
     usage = rb'(?:(,"usage":)' + _USAGE_OBJECT.pattern + b")?"
-    return re.compile(text + re.escape(suffix) + usage + rb"\}\n\n")
+    return re.compile(b"(" + _TEXT + b"*+)" + re.escape(suffix) + usage + rb"\}\n\n")
+
+
+@functools.lru_cache(maxsize=64)
+def _run(head: int, suffix: bytes) -> re.Pattern[bytes]:
+    """Events of the shape with text (an empty one is read alone, by `at`) one after another,
+    the first's head (`head` bytes, checked by the caller) repeated by reference: compiled once
+    per head length and suffix, not per stream (a head holds the stream's id)."""
+    event = (
+        _TEXT + b"++" + re.escape(suffix) + rb'(?:,"usage":' + _USAGE_OBJECT.pattern + rb")?+\}\n\n"
+    )
+    return re.compile(rb"((?s:.{%d}))" % head + event + rb"(?:\1" + event + rb")*+")
+
+
+_TEXT = rb"[ !#-\[\]-~\x80-\xff]"  # a byte of `_plain` text, or of UTF-8's others; no quote
 
 
 def _plain(text: str) -> bool:
