@@ -920,6 +920,7 @@ def test_fast_path_is_not_fooled(datas: list[str]) -> None:
 
 TOP = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"}}]%s}'
 RUNNING = ',"usage":{"prompt_tokens":3,"completion_tokens":%d}'
+NAMED_USAGE = ',"usage":{"prompt_tokens":3,"usage":%d}'
 CHOICE_USAGE = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"},"usage":{"x":1}}]%s}'
 
 
@@ -935,6 +936,8 @@ CHOICE_USAGE = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"},"usage"
             TOP % ("b", ',"usage":{"x":1}' + RUNNING % 2),
         ],
         [TOP % ("a", ',"usage":null'), TOP % ("b", ',"usage":{"x":{"y":1}}' + RUNNING % 2)],
+        # running totals with a member of that name: inside them, not a second running usage
+        [TOP % ("a", NAMED_USAGE % 1), TOP % ("b", NAMED_USAGE % 2)],
         # a choice's own member of that name, in every event: not the running totals
         [CHOICE_USAGE % ("a", RUNNING % 1), CHOICE_USAGE % ("b", RUNNING % 2)] * 2,
         [CHOICE_USAGE % ("a", RUNNING % 1), CHOICE_USAGE % ("b", "")] * 2,

@@ -80,7 +80,9 @@ class FastChatStream(WireMeter, ChatStream):
         # nor suffix, so there is one per event
         self._s.token_events += chunk.count(head, pos, end)
         shape.tries = _SHAPE_TRIES
-        at = chunk.rfind(b',"usage":', pos, end)  # nowhere else in the shape: the last usage
+        # nowhere else in the shape: the last usage; the brace, as the totals may hold a member
+        # of that name (`{"prompt_tokens":3,"usage":1}`), whose value is never an object
+        at = chunk.rfind(b',"usage":{', pos, end)
         if at >= 0:
             self._choice_usage[shape.index] = chunk[at + _USAGE_KEY : chunk.index(b"}", at) + 1]
             if self._strip_chunk:
