@@ -936,6 +936,11 @@ CHOICE_USAGE = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"},"usage"
             TOP % ("b", ',"usage":{"x":1}' + RUNNING % 2),
         ],
         [TOP % ("a", ',"usage":null'), TOP % ("b", ',"usage":{"x":{"y":1}}' + RUNNING % 2)],
+        # the same key written escaped: a JSON reader's "usage" all the same
+        [
+            TOP % ("a", ',"\\u0075sage":{"x":1}' + RUNNING % 1),
+            TOP % ("b", ',"\\u0075sage":{"x":1}'),
+        ],
         # running totals with a member of that name: inside them, not a second running usage
         [TOP % ("a", NAMED_USAGE % 1), TOP % ("b", NAMED_USAGE % 2)],
         # a choice's own member of that name, in every event: not the running totals

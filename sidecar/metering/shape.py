@@ -240,7 +240,10 @@ def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapp
     if not isinstance(obj.get("usage"), dict) or not (m := _RUNNING_USAGE_TEXT.search(data)):
         return data, obj
     base = data[: m.start()] + "}"
-    if '"usage"' in base:  # another member of that name: the dict left out is not its value
+    # another member of that name: the dict left out is not its value. A key may be written
+    # with escapes (`"\\u0075sage"`), and a learnt chunk's text has none: one in `base` is in its
+    # other members, which are then left as they are
+    if '"usage"' in base or "\\" in base:
         return data, obj
     return base, {k: v for k, v in obj.items() if k != "usage"}
 
