@@ -294,7 +294,7 @@ async def _readyz(request: web.Request) -> web.Response:
 # --- the process ----------------------------------------------------------------------------------
 
 
-async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None:
+async def serve(sc: Sidecar) -> None:
     """Run the proxy and admin listeners until SIGTERM/SIGINT; drain, then close resources."""
     cfg = sc.config.server
     grace = cfg.shutdown_grace_s
@@ -332,8 +332,6 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
             cfg.admin_listen,
             sc.config.upstream.url,
         )
-        if ready:
-            ready()
         await stop.wait()
         log.info("shutting down: draining in-flight requests (grace %.0fs)", grace)
         sc.draining = True
