@@ -51,7 +51,6 @@ class Admission:
         config: AdmissionConfig,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
-        decision_log: int = 10_000,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -60,7 +59,7 @@ class Admission:
         self.in_use = 0  # estimated tokens (token-budget) or requests (serial, fixed-batch)
         self.waiting_tokens = 0  # estimated tokens of the queue, kept as it changes
         self.running = 0
-        self.decisions: collections.deque[Decision] = collections.deque(maxlen=decision_log)
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=10_000)
         self._timer: asyncio.TimerHandle | None = None
         self._group_open = True  # fixed-batch: may a new group start?
         metrics.budget_limit.set(self.limit)
