@@ -13,8 +13,9 @@ import aiohttp
 import openai
 import pytest
 
+from sidecar.billing.chargeback import build, render
 from sidecar.billing.ledger import SCHEMA
-from sidecar.billing.report import chargeback, parse_since, percentile, render
+from sidecar.billing.report import chargeback, parse_since, percentile
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 
@@ -191,7 +192,7 @@ def test_report_groups_and_marks_unknown(tmp_path: Path) -> None:
     by_model = chargeback(str(db), parse_since("7d"), "model")
     assert [r["model"] for r in by_model] == ["m1", "m2"]
     assert by_model[0]["cost_usd"] == 9.75
-    table = render(by_user, "table")
+    table = render(build(str(db), parse_since("24h"), None, "user"), "table")
     assert "unknown" in table and "$0.7500" in table
     assert "0.0000" not in table.splitlines()[2]  # bob's unknown cost is not shown as zero
 

@@ -10,9 +10,6 @@ a group with any unknown cost has `cost_usd` null and says how many requests wer
 from __future__ import annotations
 
 import calendar
-import csv
-import io
-import json
 import math
 import re
 import sqlite3
@@ -204,26 +201,6 @@ def percentile(values: list[float], p: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, math.ceil(p / 100 * len(ordered)))
     return round(ordered[rank - 1], 6)
-
-
-def render(rows: list[dict[str, Any]], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(rows, indent=2)
-    if fmt == "csv":
-        buf = io.StringIO()
-        if rows:
-            w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
-        return buf.getvalue()
-    return table(rows)
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "(no requests in this period)"
-    cols = list(rows[0])
-    return columns(cols, [[cell(r[c], c) for c in cols] for r in rows])
 
 
 def columns(cols: list[str], cells: list[list[str]]) -> str:
