@@ -1,10 +1,10 @@
 """`tollbooth report`: spend, tokens, requests and latency from the ledger, grouped.
 
 Owns: reading the ledger (read-only), grouping by any chargeback dimension over a period or a
-budget month (`chargeback`: with each group's device-seconds and device cost), and the
-table/csv/json of groups. The whole chargeback report
-(period, price book, idle GPU line, html) is `chargeback.py`'s. Never: shows an unknown cost as 0;
-a group with any unknown cost has `cost_usd` null and says how many requests were unknown.
+budget month (`chargeback`: with each group's device-seconds and device cost), and the text
+columns and cells of a table. The whole chargeback report (period, price book, idle GPU line,
+table, csv, json, html) is `chargeback.py`'s. Never: shows an unknown cost as 0; a group with
+any unknown cost has `cost_usd` null and says how many requests were unknown.
 """
 
 from __future__ import annotations
