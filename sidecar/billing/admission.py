@@ -92,7 +92,7 @@ class Admission:
 
     async def acquire(self, tokens: int, model: str) -> Callable[[], None]:
         """Wait for admission. Returns the release function; raises Refusal."""
-        cost = self._cost(tokens)
+        cost = tokens if self.strategy == "token-budget" else 1  # what it takes of `in_use`
         if self.strategy == "token-budget" and tokens > self.config.token_budget:
             self._refuse("never_fits", tokens)
             raise Refusal(
@@ -153,9 +153,6 @@ class Admission:
         if self._timer is not None:
             self._timer.cancel()
         self._export()
-
-    def _cost(self, tokens: int) -> int:
-        return tokens if self.strategy == "token-budget" else 1
 
     def _refuse(self, reason: str, tokens: int) -> None:
         self.metrics.admission_rejections.labels(reason).inc()
