@@ -169,12 +169,11 @@ class Shipper:
         self,
         config: LedgerConfig,
         metrics: Metrics,
-        pool: ConnectionPool[Any] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         assert config.path and config.postgres_url
         self.config, self.metrics, self.clock = config, metrics, clock
-        self.pool = pool or ConnectionPool(
+        self.pool = ConnectionPool(
             conninfo(config.postgres_url),
             min_size=1,
             max_size=2,
