@@ -92,11 +92,6 @@ class Sidecar:
         self.teams = LabelCap(self.config.metering.max_tracked_teams)
         _init_label_sets(self)
 
-    @property
-    def upstream_base(self) -> str:
-        """The upstream URL without a trailing slash; request paths are appended to it."""
-        return self.config.upstream.url.rstrip("/")
-
     def reload(self) -> None:
         """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
         self._reload_keys()
@@ -171,7 +166,7 @@ PROXY_SERVER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     up = sc.config.upstream
-    base = sc.upstream_base
+    base = up.url.rstrip("/")  # request paths are appended to it
     metering = sc.config.metering
     settings = ProxySettings(
         upstream=base,
