@@ -13,8 +13,9 @@ import aiohttp
 import openai
 import pytest
 
+from sidecar.billing.chargeback import build, render
 from sidecar.billing.ledger import SCHEMA
-from sidecar.billing.report import parse_since, percentile, render, summarize
+from sidecar.billing.report import chargeback, parse_since, percentile
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
 
@@ -159,7 +160,7 @@ def make_ledger(path: Path) -> None:
 def test_report_groups_and_marks_unknown(tmp_path: Path) -> None:
     db = tmp_path / "l.db"
     make_ledger(db)
-    by_user = summarize(str(db), parse_since("24h"), "user")
+    by_user = chargeback(str(db), parse_since("24h"), "user")
     assert by_user == [
         {
             "user": "alice",
@@ -169,6 +170,8 @@ def test_report_groups_and_marks_unknown(tmp_path: Path) -> None:
             "cost_usd": 0.75,
             "unknown_cost_requests": 0,
             "unknown_token_requests": 0,
+            "device_seconds": None,
+            "device_cost_usd": None,
             "p50_duration_s": 1.0,
             "p99_duration_s": 3.0,
         },
@@ -180,14 +183,16 @@ def test_report_groups_and_marks_unknown(tmp_path: Path) -> None:
             "cost_usd": None,
             "unknown_cost_requests": 1,
             "unknown_token_requests": 1,
+            "device_seconds": None,
+            "device_cost_usd": None,
             "p50_duration_s": 2.0,
             "p99_duration_s": 2.0,
         },
     ]
-    by_model = summarize(str(db), parse_since("7d"), "model")
+    by_model = chargeback(str(db), parse_since("7d"), "model")
     assert [r["model"] for r in by_model] == ["m1", "m2"]
     assert by_model[0]["cost_usd"] == 9.75
-    table = render(by_user, "table")
+    table = render(build(str(db), parse_since("24h"), None, "user"), "table")
     assert "unknown" in table and "$0.7500" in table
     assert "0.0000" not in table.splitlines()[2]  # bob's unknown cost is not shown as zero
 

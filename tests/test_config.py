@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from sidecar.billing.report import summarize
+from sidecar.billing.report import chargeback
 from sidecar.config import Config, ConfigError, load
 from sidecar.core import configdoc
 
@@ -222,5 +222,5 @@ def test_a_report_from_a_postgresql_url_in_any_case_never_echoes_it() -> None:
         ("postgresq://u:S3CRET@127.0.0.1:9/t", "a URL must start with postgresql://"),
     ):
         with pytest.raises(ValueError) as err:
-            summarize(url, 0.0, "user")
+            chargeback(url, 0.0, "user")
         assert message in str(err.value) and "S3CRET" not in str(err.value)

@@ -16,7 +16,7 @@ import pytest
 from sidecar.billing import redis_store as budget_redis
 from sidecar.billing.budget import DAY
 from sidecar.billing.redis_store import day_keys
-from sidecar.billing.report import summarize
+from sidecar.billing.report import chargeback
 from tests.conftest import StartSidecar
 from tests.procs import Tollbooth, start_tollbooth
 from tests.test_fleet_ledger import MSGS, PRICES, fleet_ledger, send, shipped
@@ -103,7 +103,7 @@ async def test_a_burst_spread_over_sidecars_stays_within_the_budget_and_the_repo
         await until(lambda: held(redis_server) == 0, "every hold settled")
         assert spent(redis_server) == admitted * 15_000 <= 200_000
         await shipped(pg, 30)
-        report = summarize(pg, 0, "user")  # `tollbooth report --ledger URL` (see test_fleet_ledger)
+        report = chargeback(pg, 0, "user")  # the groups of `tollbooth report --ledger URL`
         assert report == [
             {
                 "user": "eve",
@@ -113,6 +113,8 @@ async def test_a_burst_spread_over_sidecars_stays_within_the_budget_and_the_repo
                 "cost_usd": pytest.approx(admitted * 0.015),
                 "unknown_cost_requests": 0,
                 "unknown_token_requests": 30 - admitted,
+                "device_seconds": None,
+                "device_cost_usd": None,
                 "p50_duration_s": report[0]["p50_duration_s"],
                 "p99_duration_s": report[0]["p99_duration_s"],
             }

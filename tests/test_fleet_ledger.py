@@ -18,7 +18,7 @@ import psycopg
 
 from sidecar.billing import ledger as sqlite_ledger
 from sidecar.billing.fleet_ledger import Shipper
-from sidecar.billing.report import summarize
+from sidecar.billing.report import chargeback
 from sidecar.config import LedgerConfig
 from sidecar.telemetry.metrics import Metrics
 from tests.conftest import Running, StartSidecar
@@ -103,9 +103,9 @@ async def test_the_fleet_report_and_audit_read_postgresql_with_the_same_output(
     await shipped(url, 5)
     await shipped(url, 5, "audit")
     for by in ("user", "model", "day"):
-        assert summarize(url, 0, by) == summarize(led["path"], 0, by)
+        assert chargeback(url, 0, by) == chargeback(led["path"], 0, by)
     for hour in (7, 23):  # budget days that start later than midnight UTC
-        assert summarize(url, 0, "day", hour) == summarize(led["path"], 0, "day", hour)
+        assert chargeback(url, 0, "day", hour) == chargeback(led["path"], 0, "day", hour)
     report = json.loads(cli("report", "--ledger", url, "--since", "1d", "--format", "json"))
     assert {r["user"]: r["requests"] for r in report} == {"ann": 3, "bob": 2}
     assert cli("audit", "--ledger", url, "--since", "1d") == cli(

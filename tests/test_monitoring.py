@@ -3,6 +3,7 @@ promtool and amtool, linted like grafana/dashboard-linter, and regenerated witho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -27,7 +28,7 @@ from sidecar.billing.budget_state import LIMIT, REMAINING, SOFT, USED
 from sidecar.telemetry import metrics
 from sidecar.telemetry.exposition import read_by_increase
 from sidecar.telemetry.metrics import Metrics
-from sidecar.telemetry.thresholds import DEFAULT, Thresholds, as_dict, load
+from sidecar.telemetry.thresholds import DEFAULT, Thresholds, load
 
 ROOT = Path(__file__).parents[1]
 needs_promtool = pytest.mark.skipif(
@@ -127,13 +128,14 @@ def test_no_alert_hides_a_number_that_belongs_in_the_config() -> None:
     base, new = alerts_of(DEFAULT), alerts_of(changed)
     literal = re.compile(r"(?<![\w.\[])(\d+(?:\.\d+)?)(?![\w\]])")
     allowed = {"0", "1"}  # `> 0` on a count; `up == 0`
+    values = dataclasses.asdict(changed).values()
     for old_rule, new_rule in zip(base, new, strict=True):
         expr = re.sub(r'"[^"]*"', '""', new_rule["expr"])  # label values are not thresholds
         numbers = set(literal.findall(expr)) - allowed
-        config_numbers = {str(v) for v in as_dict(changed).values() if isinstance(v, float)}
+        config_numbers = {str(v) for v in values if isinstance(v, float)}
         assert numbers <= config_numbers, (new_rule["alert"], numbers)
         windows = set(re.findall(r"\[(\w+):?\]", new_rule["expr"])) - {"5m"}
-        assert windows <= {str(v) for v in as_dict(changed).values()}, new_rule["alert"]
+        assert windows <= {str(v) for v in values}, new_rule["alert"]
         if "for" in old_rule:
             assert new_rule["for"] != old_rule["for"], new_rule["alert"]
 

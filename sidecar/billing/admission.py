@@ -51,7 +51,6 @@ class Admission:
         config: AdmissionConfig,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
-        decision_log: int = 10_000,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -60,7 +59,7 @@ class Admission:
         self.in_use = 0  # estimated tokens (token-budget) or requests (serial, fixed-batch)
         self.waiting_tokens = 0  # estimated tokens of the queue, kept as it changes
         self.running = 0
-        self.decisions: collections.deque[Decision] = collections.deque(maxlen=decision_log)
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=10_000)
         self._timer: asyncio.TimerHandle | None = None
         self._group_open = True  # fixed-batch: may a new group start?
         metrics.budget_limit.set(self.limit)
@@ -93,7 +92,7 @@ class Admission:
 
     async def acquire(self, tokens: int, model: str) -> Callable[[], None]:
         """Wait for admission. Returns the release function; raises Refusal."""
-        cost = self._cost(tokens)
+        cost = tokens if self.strategy == "token-budget" else 1  # what it takes of `in_use`
         if self.strategy == "token-budget" and tokens > self.config.token_budget:
             self._refuse("never_fits", tokens)
             raise Refusal(
@@ -154,9 +153,6 @@ class Admission:
         if self._timer is not None:
             self._timer.cancel()
         self._export()
-
-    def _cost(self, tokens: int) -> int:
-        return tokens if self.strategy == "token-budget" else 1
 
     def _refuse(self, reason: str, tokens: int) -> None:
         self.metrics.admission_rejections.labels(reason).inc()

@@ -61,10 +61,6 @@ def to_micros(usd: float) -> int:
     return MAX_MICROS if micros >= MAX_MICROS else max(0, math.ceil(micros))
 
 
-def valid_micros(amount: int) -> bool:
-    return 0 <= amount <= MAX_MICROS
-
-
 def usd(micros: int) -> float:
     return micros / MICRO
 
@@ -222,7 +218,7 @@ class LocalStore:
         self.holds: dict[str, Hold] = {}
 
     def _checked(self, amount: int) -> int:
-        if valid_micros(amount):
+        if 0 <= amount <= MAX_MICROS:
             return amount
         log.error("budget amount %r out of range: clamped", amount)
         if self.metrics is not None:

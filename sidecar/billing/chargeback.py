@@ -22,7 +22,7 @@ from typing import Any
 from ..config import ConfigError, load
 from . import idle as idle_mod
 from .idle import Capacity, Idle
-from .report import Group, cell, check_dimension, columns, group_rows, keys_of, ledger_rows, table
+from .report import Group, cell, check_dimension, columns, group_rows, keys_of, ledger_rows
 
 NO_GPU_COUNT = "not in the ledger; pass --gpus N (the GPUs the engine held through the period)"
 
@@ -209,7 +209,7 @@ def csv_value(v: Any) -> Any:
 
 def _table(rep: Report) -> str:
     if not rep.groups and rep.idle is None:
-        return table([]) + "\n" + _footer(rep)
+        return "(no requests in this period)\n" + _footer(rep)
     cols = report_columns(rep)
     cells = [[cell(r[c], c) for c in cols] for r in rep.groups]
     if rep.idle is not None:

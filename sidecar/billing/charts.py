@@ -48,11 +48,11 @@ def colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
-def nice_step(top: float, ticks: int = 4) -> float:
-    """A round tick step (1, 2 or 5 x 10^n) so that `ticks` of them reach `top`."""
+def nice_step(top: float) -> float:
+    """A round tick step (1, 2 or 5 x 10^n) so that four of them reach `top`."""
     if top <= 0:
         return 1.0
-    raw = top / ticks
+    raw = top / 4
     mag = 10.0 ** math.floor(math.log10(raw))
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
@@ -91,7 +91,6 @@ def stacked_columns(
     title: str,
     categories: Sequence[str],
     series: Sequence[tuple[str, Sequence[float]]],
-    fmt: Fmt = usd,
     colours: Sequence[str] | None = None,
 ) -> str:
     """One column per category (a day), stacked by series (a group), with a y axis and a legend."""
@@ -103,14 +102,14 @@ def stacked_columns(
     totals = [sum(s[1][i] for s in series) for i in range(len(categories))]
     step = nice_step(max(totals, default=0.0))
     ymax = step * max(1, math.ceil(max(totals, default=0.0) / step))
-    body = _y_axis(left, top, plot_w, plot_h, step, ymax, fmt)
+    body = _y_axis(left, top, plot_w, plot_h, step, ymax)
     for i, day in enumerate(categories):
         x, base = left + i * col_w + 1, float(top + plot_h)
         for (name, values), fill in zip(series, colours, strict=True):
             h = values[i] / ymax * plot_h
             if values[i] > 0:
                 body.append(
-                    _rect(x, base - h, col_w - 2, h, fill, name, f"{day} {name}: {fmt(values[i])}")
+                    _rect(x, base - h, col_w - 2, h, fill, name, f"{day} {name}: {usd(values[i])}")
                 )
             base -= h
         if len(categories) <= 16 or i % math.ceil(len(categories) / 16) == 0:
@@ -120,16 +119,12 @@ def stacked_columns(
     return _svg("stacked", title, width, height, body)
 
 
-def _y_axis(
-    left: float, top: float, w: float, h: float, step: float, ymax: float, fmt: Fmt
-) -> list[str]:
+def _y_axis(left: float, top: float, w: float, h: float, step: float, ymax: float) -> list[str]:
     out = []
     for k in range(round(ymax / step) + 1):
         y = top + h - k * step / ymax * h
         out.append(f'<line x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(
-            _text(left - 6, y + 4, fmt(k * step) if fmt is not usd else tick(k * step, step), "end")
-        )
+        out.append(_text(left - 6, y + 4, tick(k * step, step), "end"))
     out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + h}" stroke="#444"/>')
     return out
 
@@ -138,7 +133,6 @@ def hbars(
     title: str,
     items: Sequence[tuple[str, Sequence[float | None]]],
     names: Sequence[str],
-    fmt: Fmt = usd,
 ) -> str:
     """Horizontal bars, one row per item and one bar per value in it (`names` says which):
     top spenders (one value), list price beside device cost (two). None: "unknown", no bar."""
@@ -161,7 +155,7 @@ def hbars(
                 continue
             w = v / vmax * bar_w
             body.append(
-                _rect(label_w, yy, w, bar_h - 2, colours[j], label, f"{label} {names[j]}: {fmt(v)}")
+                _rect(label_w, yy, w, bar_h - 2, colours[j], label, f"{label} {names[j]}: {usd(v)}")
             )
-            body.append(_text(label_w + w + 4, yy + bar_h - 3, fmt(v)))
+            body.append(_text(label_w + w + 4, yy + bar_h - 3, usd(v)))
     return _svg("hbars", title, width, height, body)

@@ -169,12 +169,11 @@ class Shipper:
         self,
         config: LedgerConfig,
         metrics: Metrics,
-        pool: ConnectionPool[Any] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         assert config.path and config.postgres_url
         self.config, self.metrics, self.clock = config, metrics, clock
-        self.pool = pool or ConnectionPool(
+        self.pool = ConnectionPool(
             conninfo(config.postgres_url),
             min_size=1,
             max_size=2,
@@ -540,8 +539,6 @@ def shipper_contexts(
 
 # --- reads for `tollbooth report` and `tollbooth audit` -------------------------------------------
 
-_DAY_KEY = "to_char(to_timestamp(ts - {offset:d}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
-
 
 def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
     try:
@@ -549,18 +546,6 @@ def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
             return conn.execute(sql, params).fetchall()
     except psycopg.Error as exc:  # the message never carries the connection string
         raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None
-
-
-def report_rows(url: str, since: float, by: str, day_offset_s: int = 0) -> list[Any]:
-    """(group key, input tokens, output tokens, cost, duration) per request since `since`; by
-    day, budget days that start `day_offset_s` after midnight UTC."""
-    key = _DAY_KEY.format(offset=day_offset_s) if by == "day" else q(by)
-    return _read(
-        url,
-        f"SELECT {key}, input_tokens, output_tokens, cost_usd, duration_s FROM requests "
-        "WHERE ts >= %s ORDER BY ts",
-        (since,),
-    )
 
 
 def request_rows(url: str, since: float, until: float) -> list[Any]:

@@ -311,13 +311,6 @@ class Ledger:
         self._conn = None
         self._try_connect()
 
-    def spend_since(self, since: float) -> tuple[dict[str, float], dict[str, float]]:
-        """Known spend since `since`, by billed user and by team."""
-        if self._conn is None:
-            log.error("ledger unavailable: today's spend starts from zero")
-            return {}, {}
-        return spend_by_user_and_team(self._conn, since)
-
     def spend_rows(self, day: float, month: float) -> list[SpendRow]:
         """This month's known spend by scope (`spend_rows`); none without the file."""
         if self._conn is None:
@@ -492,21 +485,6 @@ def _multi_row(sql: str, n: int) -> str:
     """`INSERT ... VALUES (?, ...)` for n rows: the same statement with n value lists."""
     head, _, values = sql.partition(" VALUES ")
     return f"{head} VALUES {', '.join([values] * n)}"
-
-
-def spend_by_user_and_team(
-    conn: sqlite3.Connection, since: float
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Known spend in a ledger since `since`, by billed user and by team."""
-    by: list[dict[str, float]] = []
-    for column in ("user", "team"):
-        cur = conn.execute(
-            f'SELECT "{column}", SUM(cost_usd) FROM requests WHERE ts >= ? '
-            f'AND cost_usd IS NOT NULL AND "{column}" IS NOT NULL GROUP BY "{column}"',
-            (since,),
-        )
-        by.append({key: float(total) for key, total in cur.fetchall()})
-    return by[0], by[1]
 
 
 SPEND_ROWS = (

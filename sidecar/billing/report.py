@@ -1,18 +1,15 @@
 """`tollbooth report`: spend, tokens, requests and latency from the ledger, grouped.
 
-Owns: reading the ledger (read-only), grouping by user, model or day (`summarize`), and by any
-chargeback dimension over a period or a budget month (`chargeback`: with each group's
-device-seconds and device cost), and the table/csv/json of groups. The whole chargeback report
-(period, price book, idle GPU line, html) is `chargeback.py`'s. Never: shows an unknown cost as 0;
-a group with any unknown cost has `cost_usd` null and says how many requests were unknown.
+Owns: reading the ledger (read-only), grouping by any chargeback dimension over a period or a
+budget month (`chargeback`: with each group's device-seconds and device cost), and the text
+columns and cells of a table. The whole chargeback report (period, price book, idle GPU line,
+table, csv, json, html) is `chargeback.py`'s. Never: shows an unknown cost as 0; a group with
+any unknown cost has `cost_usd` null and says how many requests were unknown.
 """
 
 from __future__ import annotations
 
 import calendar
-import csv
-import io
-import json
 import math
 import re
 import sqlite3
@@ -22,7 +19,6 @@ from typing import Any
 
 _SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-GROUPS = {"user": "user", "model": "model", "day": "day"}
 # Chargeback (issue 25): dimensions read from every request's columns, grouped here.
 DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
 NONE = "(none)"  # the group of requests without a team, a project or a tag
@@ -155,8 +151,8 @@ class Group:
         out: int | None,
         cost: float | None,
         dur: float | None,
-        device_s: float | None = None,
-        device_cost: float | None = None,
+        device_s: float | None,
+        device_cost: float | None,
     ) -> None:
         self.requests += 1
         if device_s is not None:
@@ -177,9 +173,8 @@ class Group:
         if dur is not None:
             self.durations.append(dur)
 
-    def as_dict(self, by: str, device: bool = True) -> dict[str, Any]:
-        """`device`: with the device columns (the chargeback's; `summarize` predates them)."""
-        out = {
+    def as_dict(self, by: str) -> dict[str, Any]:
+        return {
             by: self.key,
             "requests": self.requests,
             "input_tokens": self.input_tokens,
@@ -192,9 +187,6 @@ class Group:
             "p50_duration_s": percentile(self.durations, 50),
             "p99_duration_s": percentile(self.durations, 99),
         }
-        if not device:
-            del out["device_seconds"], out["device_cost_usd"]
-        return out
 
     def _device_cost(self) -> float | None:
         if not self.device_rows or self.unpriced_device_rows:
@@ -209,68 +201,6 @@ def percentile(values: list[float], p: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, math.ceil(p / 100 * len(ordered)))
     return round(ordered[rank - 1], 6)
-
-
-def summarize(
-    path: str, since: float, by: str, day_start_hour_utc: int = 0
-) -> list[dict[str, Any]]:
-    """Rows since `since`, grouped. By day, a day is a budget day (`budgets.day_start_hour_utc`),
-    named by the date it starts on: a request is in the day it started in (its `ts`)."""
-    if by not in GROUPS:
-        raise ValueError(f"--by '{by}': expected one of {', '.join(GROUPS)}")
-    if not 0 <= day_start_hour_utc <= 23:
-        raise ValueError(f"--day-start-hour-utc '{day_start_hour_utc}': expected 0 to 23")
-    offset = day_start_hour_utc * 3600
-    if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
-        from .fleet_ledger import report_rows
-
-        return _grouped(report_rows(path, since, by, offset), by)
-    if "://" in path:  # never echoed: a URL may carry a password
-        raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
-    uri = f"file:{path}?mode=ro"
-    try:
-        conn = sqlite3.connect(uri, uri=True)
-    except sqlite3.Error as exc:
-        raise ValueError(f"ledger '{path}' cannot be opened: {exc}") from exc
-    with conn:
-        key = f"strftime('%Y-%m-%d', ts - {offset:d}, 'unixepoch')" if by == "day" else by
-        rows = conn.execute(
-            f"SELECT {key}, input_tokens, output_tokens, cost_usd, duration_s FROM requests "
-            "WHERE ts >= ? ORDER BY ts",
-            (since,),
-        ).fetchall()
-    conn.close()
-    return _grouped(rows, by)
-
-
-def _grouped(rows: list[Any], by: str) -> list[dict[str, Any]]:
-    groups: dict[str, Group] = {}
-    for k, inp, out, cost, dur in rows:
-        groups.setdefault(k, Group(k)).add(inp, out, cost, dur)
-    result = [g.as_dict(by, device=False) for g in groups.values()]
-    if by == "day":
-        return sorted(result, key=lambda r: r["day"])
-    return sorted(result, key=lambda r: (r["cost_usd"] is None, -(r["cost_usd"] or 0), r[by]))
-
-
-def render(rows: list[dict[str, Any]], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(rows, indent=2)
-    if fmt == "csv":
-        buf = io.StringIO()
-        if rows:
-            w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
-        return buf.getvalue()
-    return table(rows)
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "(no requests in this period)"
-    cols = list(rows[0])
-    return columns(cols, [[cell(r[c], c) for c in cols] for r in rows])
 
 
 def columns(cols: list[str], cells: list[list[str]]) -> str:

@@ -92,11 +92,6 @@ class Sidecar:
         self.teams = LabelCap(self.config.metering.max_tracked_teams)
         _init_label_sets(self)
 
-    @property
-    def upstream_base(self) -> str:
-        """The upstream URL without a trailing slash; request paths are appended to it."""
-        return self.config.upstream.url.rstrip("/")
-
     def reload(self) -> None:
         """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
         self._reload_keys()
@@ -171,7 +166,7 @@ PROXY_SERVER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     up = sc.config.upstream
-    base = sc.upstream_base
+    base = up.url.rstrip("/")  # request paths are appended to it
     metering = sc.config.metering
     settings = ProxySettings(
         upstream=base,
@@ -294,7 +289,7 @@ async def _readyz(request: web.Request) -> web.Response:
 # --- the process ----------------------------------------------------------------------------------
 
 
-async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None:
+async def serve(sc: Sidecar) -> None:
     """Run the proxy and admin listeners until SIGTERM/SIGINT; drain, then close resources."""
     cfg = sc.config.server
     grace = cfg.shutdown_grace_s
@@ -332,8 +327,6 @@ async def serve(sc: Sidecar, *, ready: Callable[[], None] | None = None) -> None
             cfg.admin_listen,
             sc.config.upstream.url,
         )
-        if ready:
-            ready()
         await stop.wait()
         log.info("shutting down: draining in-flight requests (grace %.0fs)", grace)
         sc.draining = True

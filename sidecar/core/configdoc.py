@@ -9,11 +9,8 @@ Never: decides a default or a key itself; config.py is the one source of both.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import sys
-import textwrap
 import typing
 from typing import Any, Literal
 
@@ -21,6 +18,7 @@ import yaml
 
 from ..config import Config
 from ..telemetry import thresholds
+from .flags import field_comments
 
 HEADER = """\
 # Tollbooth configuration: every key with its default. Every key is optional.
@@ -124,24 +122,3 @@ def _plain(value: Any) -> Any:
 def _yaml(value: Any) -> str:
     text = yaml.safe_dump(value, default_flow_style=True, width=sys.maxsize, sort_keys=False)
     return text.removesuffix("\n...\n").rstrip("\n")
-
-
-def field_comments(cls: type) -> dict[str, list[str]]:
-    """The comment lines written directly above each field in the class's source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source (e.g. a zipped install): no comments
-        return {}
-    lines = source.splitlines()
-    (classdef,) = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)]
-    out: dict[str, list[str]] = {}
-    for node in classdef.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            block: list[str] = []
-            i = node.lineno - 2  # the line above, 0-based
-            while i >= 0 and lines[i].lstrip().startswith("#"):
-                block.insert(0, lines[i].strip().removeprefix("#").strip())
-                i -= 1
-            if block:
-                out[node.target.id] = block
-    return out

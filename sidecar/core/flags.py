@@ -2,7 +2,8 @@
 
 Owns: `option(parser, cls, name)`, an argparse option whose default, type, choices and help come
 from field `name` of the dataclass `cls` (its default, its annotation, and the comment written
-above or beside it in the class's source).
+above or beside it in the class's source), and reading those comments (`field_comments`: the
+lines above each field, which `configdoc` writes above each key).
 Never: holds a default of its own; the dataclass (sidecar/config.py, or the lab's options) is the
 one place a knob's value is written.
 """
@@ -72,14 +73,21 @@ def _typed(hint: Any) -> dict[str, Any]:
 
 def field_help(cls: type, name: str) -> str | None:
     """The comment above field `name` in the source of `cls`, else the one beside it."""
-    return _comments(cls).get(name)
+    above, beside = _comments(cls).get(name, ([], ""))
+    return " ".join(above) or beside or None
+
+
+def field_comments(cls: type) -> dict[str, list[str]]:
+    """The comment lines written directly above each field in the class's source."""
+    return {name: above for name, (above, _) in _comments(cls).items() if above}
 
 
 @functools.cache
-def _comments(cls: type) -> dict[str, str]:
+def _comments(cls: type) -> dict[str, tuple[list[str], str]]:
+    """Each field's comment lines above it, and the comment beside it, in the class's source."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source (e.g. a zipped install): no help
+    except (OSError, TypeError):  # no source (e.g. a zipped install): no comments
         return {}
     lines = source.splitlines()
     beside = {
@@ -88,7 +96,7 @@ def _comments(cls: type) -> dict[str, str]:
         if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1].lstrip()[:1] != "#"
     }
     (classdef,) = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)]
-    out: dict[str, str] = {}
+    out: dict[str, tuple[list[str], str]] = {}
     for node in classdef.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             above: list[str] = []
@@ -96,7 +104,5 @@ def _comments(cls: type) -> dict[str, str]:
             while i >= 0 and lines[i].lstrip().startswith("#"):
                 above.insert(0, lines[i].strip().removeprefix("#").strip())
                 i -= 1
-            text = " ".join(above) or beside.get(node.end_lineno or node.lineno, "")
-            if text:
-                out[node.target.id] = text
+            out[node.target.id] = (above, beside.get(node.end_lineno or node.lineno, ""))
     return out

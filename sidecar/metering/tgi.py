@@ -299,7 +299,9 @@ class FastTGIStream(WireMeter, TGIStream):
         return chunk if self.passthrough else self._feed_wire(chunk)
 
     def _wire_at(self, chunk: bytes, pos: int) -> WireEvent | None:
-        return _tgi_at(chunk, pos)
+        """A token event at `pos` (`_TGI_WIRE`), or None."""
+        m = _TGI_WIRE.match(chunk, pos)
+        return (m.end(), True, -1) if m is not None else None
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
         self._tokens += 1  # all that `_read` does with it
@@ -331,9 +333,3 @@ TGI_TOKEN_EVENT = re.compile(
 # `TGI_TOKEN_EVENT` as a whole SSE event on the wire (read with "replace", a byte outside ASCII
 # is a character the pattern admits, and never makes a quote, backslash or control character).
 _TGI_WIRE = re.compile(rb"data: ?" + TGI_TOKEN_EVENT.pattern.encode("ascii") + rb"\n\n")
-
-
-def _tgi_at(chunk: bytes, pos: int) -> WireEvent | None:
-    """The wire fast path on /generate_stream: a token event at `pos`, or None."""
-    m = _TGI_WIRE.match(chunk, pos)
-    return (m.end(), True, -1) if m is not None else None

@@ -165,7 +165,6 @@ class Upstream:
         connect_timeout: float,
         read_timeout: float,
         limit: int,
-        ssl_context: ssl.SSLContext | None = None,
         authorization: str | None = None,
     ) -> None:
         url = URL(base)
@@ -175,7 +174,7 @@ class Upstream:
         self.own_headers = {"Authorization": authorization} if authorization else {}
         self.host, self.port = url.raw_host, url.port or (443 if url.scheme == "https" else 80)
         self.host_header = url.host_port_subcomponent
-        self.ssl = (ssl_context or ssl.create_default_context()) if url.scheme == "https" else None
+        self.ssl = ssl.create_default_context() if url.scheme == "https" else None
         self.connect_timeout, self.read_timeout, self.limit = connect_timeout, read_timeout, limit
         self.idle: list[Connection] = []
         self.opened = 0  # connections open or being opened

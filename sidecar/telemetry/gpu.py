@@ -66,18 +66,12 @@ def load_nvml() -> Any:
 class GpuCollector:
     """Polls NVML in a thread. `nvml` is the module boundary: tests pass a fake."""
 
-    def __init__(
-        self,
-        config: GpuConfig,
-        metrics: Metrics,
-        nvml: Any = None,
-        on_poll: Callable[[float | None], None] | None = None,
-    ) -> None:
+    def __init__(self, config: GpuConfig, metrics: Metrics, nvml: Any = None) -> None:
         self.config = config
         self.metrics = metrics
         self.nvml = nvml
         self.devices: list[Device] = []
-        self.on_poll = on_poll  # attribution hook: energy (J) read since the last poll
+        self.on_poll: Callable[[float | None], None] | None = None  # attribution: joules per poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.up = False
@@ -244,10 +238,9 @@ class Attribution:
         metrics: Metrics,
         prices: Prices,
         estimate: AdmissionConfig | None = None,
-        n_gpus: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.n_gpus = n_gpus  # 0 until telemetry is up: then begin/end do nothing
+        self.n_gpus = 0  # until telemetry is up (`enable`): till then begin/end do nothing
         self.metrics = metrics
         self.prices = prices
         self.estimate = estimate or AdmissionConfig()  # chars_per_token, default_max_tokens

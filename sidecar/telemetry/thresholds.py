@@ -7,7 +7,6 @@ render from this; a test fails if a rule hides a number that belongs here.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +78,3 @@ def load(path: str | Path | None = None, **overrides: object) -> Thresholds:
     if "dashboard_tags" in data and isinstance(data["dashboard_tags"], list):
         data["dashboard_tags"] = tuple(data["dashboard_tags"])
     return build(Thresholds, data, prefix="thresholds")
-
-
-def as_dict(t: Thresholds) -> dict[str, object]:
-    return dataclasses.asdict(t)
