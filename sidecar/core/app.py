@@ -28,9 +28,10 @@ from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.audio import AudioLimits
 from ..proxy.edge import ConnectionGuard, listen
 from ..proxy.finishers import Finishers, PromptCounter
-from ..proxy.handler import Proxy, ProxyDeps, ProxySettings, TgiModelName
+from ..proxy.handler import Proxy
 from ..proxy.identity import Identity, upstream_authorization
 from ..proxy.routes import routing_path
+from ..proxy.settings import ProxyDeps, ProxySettings, TgiModelName
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
 from ..telemetry.health import UpstreamProbe, probe_context, readiness
@@ -238,7 +239,7 @@ async def _finishers_ctx(app: web.Application) -> AsyncIterator[None]:
     proxy = app[SIDECAR].proxy
     if proxy is not None:
         cfg = app[SIDECAR].config.metering
-        await proxy.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
+        await proxy.deps.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
 
 
 # --- admin ----------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from typing import Any
 
 import aiohttp
 
-from ..exchange import RequestInfo, Usage
+from ..credentials import API_KEY_HEADER
+from ..exchange import Exchange, RequestInfo, Usage
 from ..metering.counts import count as token_count
 from ..metering.wire import StreamMeter, prompt_token_ids, tokenize_requests
 from ..telemetry.metrics import Metrics
@@ -150,3 +151,12 @@ async def with_prompt_count(
     if client_left:
         return replace(usage, unknown_reason="client_disconnected")
     return usage
+
+
+def tokenize_auth(ex: Exchange, authorization: str | None) -> dict[str, str]:
+    """The sidecar's own /tokenize calls authenticate as the proxied request did: the upstream
+    client adds the upstream key when one is configured, else the client's key is passed on."""
+    if authorization:
+        return {}
+    got = ex.request_headers
+    return {k: v for k in ("Authorization", API_KEY_HEADER) if (v := got.get(k))}
