@@ -181,8 +181,6 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         body_timeout=sc.config.server.body_timeout_s,
         max_buffered=sc.config.server.max_buffered_request_bytes,
         max_buffered_per_key=sc.config.server.max_buffered_request_bytes_per_key,
-        connect_timeout=up.connect_timeout_s,
-        read_timeout=up.read_timeout_s,
         authorization=sc.upstream_auth,
         # SSE framing costs ~100 bytes per token: keep enough stream to recover the text
         capture_bytes=(

@@ -37,7 +37,6 @@ from .sse import Event
 from .stream import SSEMeter
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
-_CHUNK_ROUTES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 
 
 class OpenAIAdapter:

@@ -128,7 +128,9 @@ async def stream(
         deps.metrics.upstream_errors.labels("stream_interrupted").inc()
         log.warning("upstream stream of request %s broke: %r", ex.request_id, exc)
         _end_stream(ex, meter, deps)
-        _abort(request)  # the client must see a broken stream, not a clean end
+        with contextlib.suppress(Exception):  # the client must see a broken stream, not a clean end
+            if request.transport is not None:
+                request.transport.abort()
         return resp
     except asyncio.CancelledError:  # the client left (the server cancels the handler)
         client_left(ex)
@@ -256,12 +258,6 @@ def _sample(ex: Exchange, data: bytes, limit: int) -> None:
     room = limit - len(ex.response_sample)
     if room > 0:
         ex.response_sample += data[:room]
-
-
-def _abort(request: web.Request) -> None:
-    with contextlib.suppress(Exception):
-        if request.transport is not None:
-            request.transport.abort()
 
 
 def set_usage(ex: Exchange, usage: Usage, models: LabelCap) -> None:

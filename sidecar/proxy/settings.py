@@ -67,8 +67,6 @@ class ProxySettings:
     upstream: str  # base URL without trailing slash
     inject_usage: bool
     max_body: int
-    connect_timeout: float
-    read_timeout: float
     capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
     authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
     api: str = "vllm"
