@@ -1,8 +1,9 @@
 """Work that outlives a request's handler, so a request whose client left is still billed.
 
 Owns: the bounded set of background tasks that finish such requests (keep reading a finished
-stream to its usage chunk, or cancel the upstream mid-generation), and the exact prompt size from
-the upstream's own tokenizer when the wire did not give it.
+stream to its usage chunk, or cancel the upstream mid-generation; relay.finish_later starts them),
+and the exact prompt size from the upstream's own tokenizer when the wire did not give it (and
+the credentials those calls present).
 Never: runs without a deadline, holds more than `limit` tasks (beyond it a request is recorded at
 once with what was measured), or sends anything to a client.
 """

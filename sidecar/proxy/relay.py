@@ -46,6 +46,22 @@ def _headers(up: UpstreamResponse, ex: Exchange | None, drop_length: bool) -> CI
     return headers
 
 
+def set_usage(ex: Exchange, usage: Usage, models: LabelCap) -> None:
+    usage = within_request(usage, ex.info)
+    ex.usage = usage
+    if usage.model:
+        ex.model = models(usage.model)
+    if usage.error and ex.error is None:
+        ex.error = usage.error  # e.g. an error event inside a 200 stream
+
+
+def client_left(ex: Exchange) -> None:
+    """The client went away before the response ended: 499, whatever the upstream did."""
+    if ex.status < 400 or ex.status == 0:
+        ex.status = STATUS_CLIENT_CLOSED
+    ex.error = ex.error or "client_disconnected"
+
+
 async def buffered(
     request: web.Request, ex: Exchange, up: UpstreamResponse, s: ProxySettings, deps: ProxyDeps
 ) -> web.StreamResponse:
@@ -258,19 +274,3 @@ def _sample(ex: Exchange, data: bytes, limit: int) -> None:
     room = limit - len(ex.response_sample)
     if room > 0:
         ex.response_sample += data[:room]
-
-
-def set_usage(ex: Exchange, usage: Usage, models: LabelCap) -> None:
-    usage = within_request(usage, ex.info)
-    ex.usage = usage
-    if usage.model:
-        ex.model = models(usage.model)
-    if usage.error and ex.error is None:
-        ex.error = usage.error  # e.g. an error event inside a 200 stream
-
-
-def client_left(ex: Exchange) -> None:
-    """The client went away before the response ended: 499, whatever the upstream did."""
-    if ex.status < 400 or ex.status == 0:
-        ex.status = STATUS_CLIENT_CLOSED
-    ex.error = ex.error or "client_disconnected"
