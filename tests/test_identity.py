@@ -336,16 +336,16 @@ async def test_a_reused_request_id_never_shares_a_hold(
 async def test_an_unknown_clients_body_is_never_parsed(
     start_sidecar: StartSidecar, keys: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sidecar.proxy.handler
+    import sidecar.proxy.request
 
     parsed: list[bytes] = []
-    real = sidecar.proxy.handler.inspect_request
+    real = sidecar.proxy.request.inspect_request
 
     def spy(endpoint: Any, body: bytes, **kw: Any) -> Any:
         parsed.append(body)
         return real(endpoint, body, **kw)
 
-    monkeypatch.setattr(sidecar.proxy.handler, "inspect_request", spy)
+    monkeypatch.setattr(sidecar.proxy.request, "inspect_request", spy)
     run = await start_sidecar({"identity": {"keys_file": keys}})
     async with aiohttp.ClientSession() as s:
         body = b"[" + b"[]," * 300_000 + b"[]]"

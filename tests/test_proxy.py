@@ -529,12 +529,12 @@ async def test_a_request_body_the_meter_cannot_read_is_forwarded_and_counted(
 ) -> None:
     """A bug in reading a request is accounting's, not the client's: logged, counted, and the
     request goes on, metered from the response."""
-    import sidecar.proxy.handler
+    import sidecar.proxy.request
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("a body the meter did not expect")
 
-    monkeypatch.setattr(sidecar.proxy.handler, "inspect_request", broken)
+    monkeypatch.setattr(sidecar.proxy.request, "inspect_request", broken)
     run = await start_sidecar()
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 3}
     async with (

@@ -28,9 +28,10 @@ from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.audio import AudioLimits
 from ..proxy.edge import ConnectionGuard, listen
 from ..proxy.finishers import Finishers, PromptCounter
-from ..proxy.handler import Proxy, ProxyDeps, ProxySettings, TgiModelName
+from ..proxy.handler import Proxy
 from ..proxy.identity import Identity, upstream_authorization
 from ..proxy.routes import routing_path
+from ..proxy.settings import ProxyDeps, ProxySettings, TgiModelName
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
 from ..telemetry.health import UpstreamProbe, probe_context, readiness
@@ -175,8 +176,6 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         body_timeout=sc.config.server.body_timeout_s,
         max_buffered=sc.config.server.max_buffered_request_bytes,
         max_buffered_per_key=sc.config.server.max_buffered_request_bytes_per_key,
-        connect_timeout=up.connect_timeout_s,
-        read_timeout=up.read_timeout_s,
         authorization=sc.upstream_auth,
         # SSE framing costs ~100 bytes per token: keep enough stream to recover the text
         capture_bytes=(
@@ -233,7 +232,7 @@ async def _finishers_ctx(app: web.Application) -> AsyncIterator[None]:
     proxy = app[SIDECAR].proxy
     if proxy is not None:
         cfg = app[SIDECAR].config.metering
-        await proxy.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
+        await proxy.deps.finishers.close(cfg.drain_after_disconnect_s + PromptCounter.TIMEOUT_S)
 
 
 # --- admin ----------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Work that outlives a request's handler, so a request whose client left is still billed.
 
 Owns: the bounded set of background tasks that finish such requests (keep reading a finished
-stream to its usage chunk, or cancel the upstream mid-generation), and the exact prompt size from
-the upstream's own tokenizer when the wire did not give it.
+stream to its usage chunk, or cancel the upstream mid-generation; relay.finish_later starts them),
+and the exact prompt size from the upstream's own tokenizer when the wire did not give it (and
+the credentials those calls present).
 Never: runs without a deadline, holds more than `limit` tasks (beyond it a request is recorded at
 once with what was measured), or sends anything to a client.
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from ..exchange import RequestInfo, Usage
+from ..credentials import API_KEY_HEADER
+from ..exchange import Exchange, RequestInfo, Usage
 from ..metering.counts import count as token_count
 from ..metering.wire import StreamMeter, prompt_token_ids, tokenize_requests
 from ..telemetry.metrics import Metrics
@@ -150,3 +152,12 @@ async def with_prompt_count(
     if client_left:
         return replace(usage, unknown_reason="client_disconnected")
     return usage
+
+
+def tokenize_auth(ex: Exchange, authorization: str | None) -> dict[str, str]:
+    """The sidecar's own /tokenize calls authenticate as the proxied request did: the upstream
+    client adds the upstream key when one is configured, else the client's key is passed on."""
+    if authorization:
+        return {}
+    got = ex.request_headers
+    return {k: v for k in ("Authorization", API_KEY_HEADER) if (v := got.get(k))}

@@ -94,6 +94,13 @@ class Reservation:
         self.held += n
         return None
 
+    def take(self, n: int) -> None:
+        """Reserve `n` more bytes, or raise NoRoom."""
+        reason = self.add(n)
+        if reason is not None:
+            ceiling = self.pool.limit if reason == TOTAL else self.pool.per_key
+            raise NoRoom(reason, never=self.held + n > ceiling)
+
     def give_back(self, n: int) -> None:
         """Return `n` of the bytes reserved (a parse that is over)."""
         n = min(n, self.held)

@@ -41,7 +41,7 @@ async def answer(
         return error_response(401, "invalid_api_key", "missing API key")
     if identity.keys is not None and identity.keys.lookup(key) is None:
         return error_response(401, "invalid_api_key", "invalid API key")
-    user = sanitize(principal.user, 128)  # as the proxy names the billed user (_new_exchange)
+    user = sanitize(principal.user, 128)  # as request.new_exchange names the billed user
     limits = (
         await statement(user, principal.team, principal.project, principal.tags)
         if (statement is not None)

@@ -1,0 +1,100 @@
+"""What the core hands the proxy once, at start (sidecar/core/app.py).
+
+Owns: the proxy's settings (`ProxySettings`), the parts it calls (`ProxyDeps`), and the model name
+of an upstream whose requests name none (`TgiModelName`: TGI's /info, or `upstream.model_name`).
+Never: changes after start, reads config files or the environment, or answers a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from ..exchange import Exchange, Gate
+from ..metering.meter import Meter
+from ..telemetry.metrics import LabelCap, Metrics
+from ..text import MODEL_CHARS, clean
+from .audio import AudioLimits
+from .finishers import Finishers, PromptCounter
+from .identity import Identity
+from .spend import Statement
+from .upstream import Upstream
+
+log = logging.getLogger("tollbooth.proxy")
+
+
+class TgiModelName:
+    """`model_id` from the upstream's /info, fetched once and again after a failure."""
+
+    RETRY_S = 5.0
+
+    def __init__(self, upstream: Upstream, configured: str | None):
+        self._upstream = upstream
+        self._name = configured
+        self.configured = configured  # upstream.model_name, as the operator set it
+        self._lock = asyncio.Lock()
+        self._failed_at = -1e9
+
+    async def get(self) -> str | None:
+        if self._name or time.monotonic() - self._failed_at < self.RETRY_S:
+            return self._name
+        async with self._lock:
+            if not self._name:
+                await self._fetch()
+        return self._name
+
+    async def _fetch(self) -> None:
+        try:
+            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
+            data = json.loads(body)
+            name = data.get("model_id") if isinstance(data, dict) else None
+            if isinstance(name, str) and name:
+                self._name = clean(name, MODEL_CHARS)  # the upstream's text: made safe here
+                return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("upstream /info unavailable (%s); TGI model name unknown for now", exc)
+        self._failed_at = time.monotonic()
+
+
+@dataclass
+class ProxySettings:
+    upstream: str  # base URL without trailing slash
+    inject_usage: bool
+    max_body: int
+    capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
+    authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
+    api: str = "vllm"
+    continuous_usage: bool = False  # ask vLLM for running totals on every chunk (cut back out)
+    free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
+    refuse_unknown_routes: bool = True
+    drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
+    size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
+    body_timeout: float = 60.0  # a metered request's body arrives within this after its headers
+    max_event_bytes: int = 1 << 20  # metering.max_event_bytes: a longer SSE event is not parsed
+    max_buffered: int = 0  # request memory across all connections (server.max_buffered_...)
+    max_buffered_per_key: int = 0
+    audio: AudioLimits = field(default_factory=AudioLimits)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyDeps:
+    """The parts the proxy calls, made once by the core (sidecar/core/app.py)."""
+
+    upstream: Upstream  # every call to the inference server
+    metrics: Metrics
+    meter: Meter  # each finished exchange goes to it, and from it to the sinks
+    identity: Identity  # who is billed: a verified key, or the body's user
+    users: LabelCap
+    models: LabelCap
+    tgi_name: TgiModelName
+    gates: list[Gate] = field(default_factory=list)  # budgets, admission: may refuse a request
+    on_start: list[Callable[[Exchange], None]] = field(default_factory=list)  # e.g. open a span
+    counter: PromptCounter | None = None  # exact prompt size when the wire lacked usage
+    finishers: Finishers = field(default_factory=Finishers)  # work after the client left
+    statement: Statement | None = None  # GET /v1/tollbooth/spend: the budgets' answer
