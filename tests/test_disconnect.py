@@ -201,3 +201,43 @@ async def test_reading_on_after_the_client_left_is_bounded(start_sidecar: StartS
     assert value(run, "llm_usage_unknown_total", reason="client_disconnected") == 1
     await upstream_cancelled(run)
     assert run.upstream.cancelled == [CHAT]
+
+
+async def test_a_client_leaving_mid_stream_with_no_finisher_free_is_counted_once(
+    start_sidecar: StartSidecar,
+) -> None:
+    """At the finishers' limit the stream's own handling records the request as measured; the
+    handler's (for a request the upstream still had) must not count it a second time."""
+    run = await start_sidecar({"pricing": PRICING})
+    assert run.sc.proxy is not None
+    run.sc.proxy.deps.finishers.limit = 0
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 400, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(run.url + CHAT, json=body, headers={"X-Fake": "slow-stream:0.02"})
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            seen += await r.content.readany()
+        r.close()
+    await recorded(run)
+    assert run.value("tollbooth_metering_errors_total", stage="finisher_limit") == 1
+    assert tokens(run, "input") == 5  # the running totals read before it left
+    assert value(run, "llm_requests_total", status_code="499") == 1
+
+
+async def test_a_client_leaving_before_the_first_byte_with_no_finisher_free_is_disconnected(
+    start_sidecar: StartSidecar,
+) -> None:
+    """No finisher can count the prompt: the usage is unknown for the reason it is unknown."""
+    run = await start_sidecar({"pricing": PRICING})
+    assert run.sc.proxy is not None
+    run.sc.proxy.deps.finishers.limit = 0
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4}
+    timeout = aiohttp.ClientTimeout(total=0.3)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        with pytest.raises(TimeoutError):
+            async with s.post(run.url + CHAT, json=body, headers={"X-Fake": "sleep:1"}) as r:
+                await r.read()
+    await recorded(run)
+    assert run.value("tollbooth_metering_errors_total", stage="finisher_limit") == 1
+    assert value(run, "llm_usage_unknown_total", reason="client_disconnected") == 1
+    assert value(run, "llm_usage_unknown_total", reason="unknown") is None

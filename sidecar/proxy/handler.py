@@ -247,6 +247,7 @@ class Proxy:
         headers.update(ex.trace_headers)
         ex.upstream_start = time.perf_counter()
         up: UpstreamResponse | None = None
+        streaming = False
         try:
             up = await self._send(request, ex, headers)
             ex.status = up.status
@@ -256,6 +257,7 @@ class Proxy:
             if up.content_type == "text/event-stream" or (
                 up.content_type == "application/x-ndjson" and ex.endpoint in NDJSON_ROUTES
             ):
+                streaming = True  # a client leaving from here on is `stream`'s to hand over
                 return await stream(request, ex, up, self.s, self.deps)
             return await buffered(request, ex, up, self.s, self.deps)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -263,7 +265,7 @@ class Proxy:
         except asyncio.CancelledError:
             # The client left while the upstream had the request (queued, prefilling, or
             # generating a non-streamed answer): cancel it, and count the prompt it was sent.
-            if ex.finisher is None and ex.endpoint is not Endpoint.OTHER:
+            if ex.finisher is None and not streaming and ex.endpoint is not Endpoint.OTHER:
                 client_left(ex)
                 finish_later(ex, up, None, self.s, self.deps)
             raise

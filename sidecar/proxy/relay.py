@@ -119,6 +119,10 @@ async def stream(
         client_left(ex)
         finish_later(ex, up, meter, s, deps)
         return resp
+    except asyncio.CancelledError:  # before any byte of it: as for a request still upstream
+        client_left(ex)
+        finish_later(ex, up, None, s, deps)
+        raise
     capture, write = s.capture_bytes, resp.write
     try:
         async for chunk in up.content.iter_any():  # upstream failures raise here...
@@ -212,9 +216,13 @@ def finish_later(
             up.close()
         if meter is not None:
             usage = meter.usage_so_far()
-            if usage.input_tokens is None or usage.output_tokens is None:
-                usage = replace(usage, unknown_reason="client_disconnected")
-            set_usage(ex, usage, deps.models)
+        elif ex.error == "client_disconnected":  # it left before a byte: none was measured
+            usage = ex.usage
+        else:
+            return  # (TGI's /vertex, asking only for the prompt) the answer's usage stands
+        if usage.input_tokens is None or usage.output_tokens is None:
+            usage = replace(usage, unknown_reason="client_disconnected")
+        set_usage(ex, usage, deps.models)
 
 
 async def _finish(
