@@ -60,6 +60,27 @@ def tokens(run: Running, direction: str) -> Any:
     return value(run, "llm_tokens_total", token_type=direction, user_id="anonymous")
 
 
+async def leave_before_the_first_byte(run: Running) -> None:
+    """A non-streamed request whose client gives up while the upstream still has it."""
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4}
+    timeout = aiohttp.ClientTimeout(total=0.3)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        with pytest.raises(TimeoutError):
+            async with s.post(run.url + CHAT, json=body, headers={"X-Fake": "sleep:1"}) as r:
+                await r.read()
+
+
+async def leave_after_three_chunks(run: Running) -> None:
+    """A stream of 400 tokens whose client goes away after three chunks."""
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 400, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(run.url + CHAT, json=body, headers={"X-Fake": "slow-stream:0.02"})
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            seen += await r.content.readany()
+        r.close()
+
+
 Start = Callable[..., Awaitable[Running]]
 
 
@@ -119,13 +140,7 @@ async def test_leaving_mid_generation_cancels_the_upstream_and_bills_what_was_me
 ) -> None:
     run = await start({"pricing": PRICING, "metering": {"continuous_usage": continuous}})
     assert run.upstream is not None
-    body = {"model": MODEL, "messages": MSGS, "max_tokens": 400, "stream": True}
-    async with aiohttp.ClientSession() as s:
-        r = await s.post(run.url + CHAT, json=body, headers={"X-Fake": "slow-stream:0.02"})
-        seen = b""
-        while seen.count(b"data: ") < 3:
-            seen += await r.content.readany()
-        r.close()  # the client goes away after three chunks of 200
+    await leave_after_three_chunks(run)
     await recorded(run)
     await upstream_cancelled(run)
     assert run.upstream.cancelled == [CHAT]  # the generation was stopped, the GPU freed
@@ -146,12 +161,7 @@ async def test_leaving_mid_generation_cancels_the_upstream_and_bills_what_was_me
 async def test_leaving_before_the_first_byte_bills_the_prompt(start_sidecar: StartSidecar) -> None:
     run = await start_sidecar({"pricing": PRICING})
     assert run.upstream is not None
-    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4}
-    timeout = aiohttp.ClientTimeout(total=0.3)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        with pytest.raises(TimeoutError):
-            async with s.post(run.url + CHAT, json=body, headers={"X-Fake": "sleep:1"}) as r:
-                await r.read()
+    await leave_before_the_first_byte(run)
     await recorded(run)
     assert tokens(run, "input") == 5  # counted by the server's own tokenizer
     assert tokens(run, "output") is None
@@ -211,13 +221,7 @@ async def test_a_client_leaving_mid_stream_with_no_finisher_free_is_counted_once
     run = await start_sidecar({"pricing": PRICING})
     assert run.sc.proxy is not None
     run.sc.proxy.deps.finishers.limit = 0
-    body = {"model": MODEL, "messages": MSGS, "max_tokens": 400, "stream": True}
-    async with aiohttp.ClientSession() as s:
-        r = await s.post(run.url + CHAT, json=body, headers={"X-Fake": "slow-stream:0.02"})
-        seen = b""
-        while seen.count(b"data: ") < 3:
-            seen += await r.content.readany()
-        r.close()
+    await leave_after_three_chunks(run)
     await recorded(run)
     assert run.value("tollbooth_metering_errors_total", stage="finisher_limit") == 1
     assert tokens(run, "input") == 5  # the running totals read before it left
@@ -231,12 +235,7 @@ async def test_a_client_leaving_before_the_first_byte_with_no_finisher_free_is_d
     run = await start_sidecar({"pricing": PRICING})
     assert run.sc.proxy is not None
     run.sc.proxy.deps.finishers.limit = 0
-    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4}
-    timeout = aiohttp.ClientTimeout(total=0.3)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        with pytest.raises(TimeoutError):
-            async with s.post(run.url + CHAT, json=body, headers={"X-Fake": "sleep:1"}) as r:
-                await r.read()
+    await leave_before_the_first_byte(run)
     await recorded(run)
     assert run.value("tollbooth_metering_errors_total", stage="finisher_limit") == 1
     assert value(run, "llm_usage_unknown_total", reason="client_disconnected") == 1
