@@ -760,25 +760,36 @@ def test_a_whole_event_of_the_shape_after_a_held_line_is_read_as_its_continuatio
     run_pair(Endpoint.CHAT, wire, cuts, *strips)
 
 
+@pytest.fixture
+def none_wired(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No shape wired by an earlier stream (the tests before this one wire vLLM's)."""
+    monkeypatch.setattr(shape, "_WIRED", {})
+
+
+@pytest.mark.usefixtures("none_wired")
 def test_running_usage_chunks_take_the_wire_path() -> None:
     """Not a speed test: plain running-usage chunks are neither decoded nor parsed as SSE, their
     usage is cut out byte for byte, and a client leaving is billed the last running totals."""
     wire = sse_of([compact(e) for e in RUNNING_STREAM[:5]])
-    m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+    # decoded: the role chunk (its empty text not learnt), "Hello" (learnt, its shape met once)
+    # and " x" (met twice: now on the wire); not "y", "". The next stream of that shape has it
+    # on the wire from "Hello" on. None decoded twice: the slot is confirmed on the text.
     calls: list[object] = []
     real = json.loads
-    with mock.patch.object(json, "loads", lambda s: calls.append(s) or real(s)):
-        events = wire.split(b"\n\n")[:-1]
-        out = b"".join(m.feed(e + b"\n\n") for e in events)
-    cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
-    assert out == sse_of(cut)
-    # decoded, each learnt and confirmed once more: the role chunk (its suffix is not the
-    # tokens'), "Hello" and " x" (the tokens' shape met twice: now on the wire); not "y", ""
-    assert len([c for c in calls if isinstance(c, str)]) == 6
-    assert m.token_events == 3
-    assert (m.usage_so_far().input_tokens, m.usage_so_far().output_tokens) == (3, 3)
+    for decoded in (3, 2):
+        m = open_stream(Endpoint.CHAT, strip_usage=True, strip_chunk_usage=True)
+        calls.clear()
+        with mock.patch.object(json, "loads", lambda s: calls.append(s) or real(s)):
+            events = wire.split(b"\n\n")[:-1]
+            out = b"".join(m.feed(e + b"\n\n") for e in events)
+        cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
+        assert out == sse_of(cut)
+        assert len([c for c in calls if isinstance(c, str)]) == decoded
+        assert m.token_events == 3
+        assert (m.usage_so_far().input_tokens, m.usage_so_far().output_tokens) == (3, 3)
 
 
+@pytest.mark.usefixtures("none_wired")
 def test_a_read_of_many_events_takes_the_wire_path_once_the_shape_is_met() -> None:
     """Not a speed test: a busy server's read holds many events; once the tokens' shape is met
     twice the rest of that read, and every later one, is read on the bytes, not decoded, with the
@@ -799,7 +810,7 @@ def test_a_read_of_many_events_takes_the_wire_path_once_the_shape_is_met() -> No
     cut = [compact({k: v for k, v in e.items() if k != "usage"}) for e in RUNNING_STREAM[:5]]
     cut += [compact(chunk(t)) for t in ["a", "", "b c"] * 3]
     assert out == sse_of(cut)
-    assert len([c for c in calls if isinstance(c, str)]) == 6  # as one event per read
+    assert len([c for c in calls if isinstance(c, str)]) == 3  # as one event per read
     # SSE-parsed: the role chunk, "Hello" and " x" (decoded), and [DONE]; nothing else
     assert b"".join(parsed) == wire[: boundaries(wire)[2]] + b"data: [DONE]\n\n"
     assert m.token_events == 3 + 6
@@ -908,6 +919,16 @@ def test_wire_fast_path_agrees_with_decoding_every_event_when_usage_is_cut(
         # the same length of bytes after the text, but not the same bytes: a finish reason
         [compact(chunk("a")), compact(chunk("b", finish="ab"))],
         [compact(chunk("a")), compact(chunk("a")).replace('"a"', '"\t"')],
+        # a shape learnt from text: the first "content" reads as the text, yet is not where it
+        # was read from (a later key of that name, one written with an escape, or a key whose
+        # escaped quote makes the marker), so an empty text there is still a token
+        ['{"choices":[{"delta":{"content":"a","content":"a"}}]}'] * 2
+        + ['{"choices":[{"delta":{"content":"","content":"a"}}]}'],
+        ['{"choices":[{"delta":{"content":"a","\\u0063ontent":"a"}}]}'] * 2
+        + ['{"choices":[{"delta":{"content":"","\\u0063ontent":"a"}}]}'],
+        ['{"x\\"content":"a","choices":[{"delta":{"content":"a"}}]}'] * 2
+        + ['{"x\\"content":"","choices":[{"delta":{"content":"a"}}]}'],
+        ['{"choices":[{"text":"a","text":"a"}]}'] * 2 + ['{"choices":[{"text":"","text":"a"}]}'],
     ],
 )
 def test_fast_path_is_not_fooled(datas: list[str]) -> None:
@@ -916,6 +937,39 @@ def test_fast_path_is_not_fooled(datas: list[str]) -> None:
         run_pair(Endpoint.CHAT, wire, [], False)
         run_pair(Endpoint.CHAT, wire, boundaries(wire), False)
         run_pair(Endpoint.CHAT, wire, boundaries(wire), True, True)
+
+
+ROLE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+
+@pytest.mark.parametrize(
+    "datas",
+    [
+        # vLLM's role chunk (empty content, the tokens' suffix), then its tokens
+        [compact({**chunk(""), "choices": [ROLE]})] + [compact(chunk(t)) for t in "ab c"],
+        [compact({**chunk(""), "choices": [ROLE], "usage": running(0)})]
+        + [compact(chunk(t, usage=running(i + 1))) for i, t in enumerate(["a", "b", "", "c"])],
+        # nothing but empty content: no shape is ever learnt
+        [compact(chunk(""))] * 6,
+        [compact(chunk("", usage=running(0)))] * 3 + [compact(chunk("", finish="stop"))],
+        [compact({**chunk(""), "choices": [ROLE]})] * 2 + [compact(chunk(""))] * 3,
+        [compact(chunk(t, usage=running(1))) for t in ["", "", "a", "", "", "b", ""]],
+        ['{"choices":[{"index":0,"text":""}]}'] * 3 + ['{"choices":[{"index":0,"text":"a"}]}'],
+    ],
+)
+@pytest.mark.usefixtures("none_wired")
+def test_empty_texts_are_not_learnt_and_agree(datas: list[str]) -> None:
+    """A chunk whose text is empty teaches no shape (its shape is not the tokens'); streams
+    of them, alone or before tokens, agree with the reference, before and after the tokens'
+    shape is wired by an earlier stream."""
+    final = compact({**chunk(None), "choices": [], "usage": running(4)})
+    for _ in range(2):
+        wire = sse_of([*datas, final])
+        for strips in ((True, True), (False, False), (True, False)):
+            run_pair(Endpoint.CHAT, wire, [], *strips)
+            run_pair(Endpoint.CHAT, wire, boundaries(wire), *strips)
+            for cut in range(len(wire)):
+                run_pair(Endpoint.CHAT, wire, [cut], *strips)
 
 
 TOP = '{"id":"c","choices":[{"index":0,"delta":{"content":"%s"}}]%s}'
@@ -976,15 +1030,24 @@ def test_running_usage_on_the_wire_is_not_fooled(datas: list[str]) -> None:
 
 
 def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> None:
-    assert shape._text_slot(chunk("a")) == ("content", "a")
+    def learnt(obj: dict) -> bool:
+        learner = shape._TokenShape()
+        learner.learn(compact(obj), obj)
+        return learner.prefix != ""
+
+    assert learnt(chunk("a")) and learnt(chunk("a", usage=running(1)))
     for obj in (
         chunk("a", finish="stop"),
-        chunk("a", usage={"prompt_tokens": 1}),
+        chunk("a", usage={"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 1}}),
         chunk("a", error={"type": "x"}),
         chunk('"a'),
         {**chunk(""), "choices": [{"delta": {"content": "", "reasoning_content": "r"}}]},
+        # no text: vLLM's role chunk is not its tokens' shape
+        chunk(""),
+        VLLM_STREAM[0],
+        RUNNING_STREAM[0],
     ):
-        assert shape._text_slot(obj) is None, obj
+        assert not learnt(obj), obj
 
 
 def tgi_event(text: str, logprob: str, tail: str = '"generated_text":null,"details":null') -> str:

@@ -44,6 +44,10 @@ class FastChatStream(WireMeter, ChatStream):
             whole = shape.tail.fullmatch(chunk, len(head))
             if whole is not None:  # the usual read: exactly one event of the shape
                 return self._one_event(chunk, whole, len(head))
+        elif not head and chunk.find(b"\n\n", 0, len(chunk) - 2) < 0:
+            # a read of one event before the shape is wired: nothing for the wire path to find,
+            # and the parser reads it whole (the reference path), as `_feed_wire` would
+            return self._feed_events(chunk)
         return self._feed_wire(chunk)
 
     def _one_event(self, chunk: bytes, whole: re.Match[bytes], start: int) -> bytes:
@@ -132,8 +136,9 @@ class _TokenShape:
     do: same id, created, model, key order; only the token's text differs), and on
     `ChatStream._read` reading from a chunk only the model, id, error, usage, finish reasons and
     whether a choice carries output. The shape is learnt from a decoded chunk that sets nothing
-    but the token count: its bytes before and after the text, confirmed by decoding it once more
-    with other text in the slot. A later chunk with that prefix and suffix whose text has no
+    but the token count (its text not empty): its bytes before and after the text, the slot
+    confirmed on the chunk's text or, where that cannot tell, by decoding it once more with other
+    text there (`_is_the_slot`). A later chunk with that prefix and suffix whose text has no
     quote, backslash or control character tokenises exactly like the learnt one, so it decodes
     to the same object but for the text: the meter's only change is a token event when the text
     is not empty. Every other event is decoded.
@@ -162,10 +167,11 @@ class _TokenShape:
         return text != ""
 
     def learn(self, data: str, obj: Mapping[str, Any]) -> None:
-        if self.tries <= 0:
+        """Learn the shape of a decoded chunk that carries text and does nothing else (an empty
+        text is not learnt: vLLM's role chunk, `"content":""`, is not its tokens' shape)."""
+        if self.tries <= 0 or (found := _text_slot(obj)) is None:
             return
-        data, obj = _without_running_usage(data, obj)
-        if (found := _text_slot(obj)) is None:
+        if isinstance(obj.get("usage"), dict) and (data := _without_running_usage(data)) == "":
             return
         key, text = found
         at = data.find(marker := f'"{key}":"')
@@ -176,9 +182,10 @@ class _TokenShape:
         if at < 0 or data[start:end] != text or data[end : end + 1] != '"':
             return
         self.tries -= 1
-        if _is_the_slot(data[:start], data[end:], key, text):
-            met_before = data[end:] == self.suffix
-            self.prefix, self.suffix = data[:start], data[end:]
+        if _is_the_slot(data, start, end, key, text):
+            suffix = data[end:]
+            met_before = suffix == self.suffix or suffix in _WIRED
+            self.prefix, self.suffix = data[:start], suffix
             self.index = count(obj["choices"][0].get("index")) or 0
             self.head, self.tail, self.run = b"", _NEVER, _NEVER
             self.wired = False
@@ -186,10 +193,15 @@ class _TokenShape:
                 self.wire()
 
     def wire(self) -> None:
-        """Make the shape's wire form, once it has been met twice: a compiled pattern is worth it
-        only for a shape that repeats (a chunk with logprobs has a new suffix every time)."""
+        """Make the shape's wire form, once it has been met twice (in this stream, or wired by
+        another lately): a compiled pattern is worth it only for a shape that repeats (a chunk
+        with logprobs has a new suffix every time)."""
         self.wired = True
         self.head, self.tail, self.run = _on_the_wire(self.prefix, self.suffix)
+        if self.head:
+            _WIRED[self.suffix] = None
+            if len(_WIRED) > _WIRED_MAX:
+                del _WIRED[next(iter(_WIRED))]  # the oldest
 
     def at(self, chunk: bytes, pos: int) -> WireEvent | None:
         """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional
@@ -234,19 +246,26 @@ _USAGE_KEY = len(b',"usage":')
 _RUNNING_USAGE = re.compile(rb',"usage":\{[^}]*+\}')
 _RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
 _NEVER = re.compile(rb"(?!)")
+# The suffixes of shapes wired lately, by any stream: a stream meeting one wires it at its first
+# learnt chunk, not its second (another decode), as its patterns are most likely compiled
+# already (`_tail`, `_run`). Bounded as their caches are: a client's shapes cannot grow it.
+_WIRED: dict[str, None] = {}
+_WIRED_MAX = 64
 
 
-def _without_running_usage(data: str, obj: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
-    """A chunk ending in running usage, as the same chunk without it; any other as it is."""
-    if not isinstance(obj.get("usage"), dict) or not (m := _RUNNING_USAGE_TEXT.search(data)):
-        return data, obj
-    base = data[: m.start()] + "}"
+def _without_running_usage(data: str) -> str:
+    """A chunk ending in running usage, as the same chunk without it; "" for any other."""
+    # the last such member: the running totals are flat, so none holds another (`_USAGE_OBJECT`)
+    at = data.rfind(',"usage":{')
+    if at < 0 or not _RUNNING_USAGE_TEXT.match(data, at):
+        return ""
+    base = data[:at] + "}"
     # another member of that name: the dict left out is not its value. A key may be written
     # with escapes (`"\\u0075sage"`), and a learnt chunk's text has none: one in `base` is in its
     # other members, which are then left as they are
     if '"usage"' in base or "\\" in base:
-        return data, obj
-    return base, {k: v for k, v in obj.items() if k != "usage"}
+        return ""
+    return base
 
 
 # The longest suffix compiled into a wire pattern. A chunk's suffix is tens of bytes (vLLM's and
@@ -297,34 +316,45 @@ def _plain(text: str) -> bool:
 
 
 def _text_slot(obj: Mapping[str, Any]) -> tuple[str, str] | None:
-    """("content" or "text", the text) of a chunk whose only effect is a token event, else None."""
+    """("content" or "text", the text) of a chunk whose only effect is a token event (but for
+    running usage, which `learn` takes off), else None. The text first: most chunks that are
+    not learnt are the role chunk, whose text is empty."""
     choices = obj.get("choices")
-    if obj.get("error") is not None or isinstance(obj.get("usage"), dict):
-        return None
     if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)):
         return None
     choice = choices[0]
-    if compared(choice.get("finish_reason")) is not None:
-        return None
     delta = choice.get("delta")
     if isinstance(delta, dict):
-        if any(delta.get(k) for k in DELTA_OUTPUT if k != "content"):
-            return None
         key, text = "content", delta.get("content")
     else:
         key, text = "text", choice.get("text")
-    return (key, text) if isinstance(text, str) and _plain(text) else None
+    if not (isinstance(text, str) and text and _plain(text)):
+        return None
+    if obj.get("error") is not None or compared(choice.get("finish_reason")) is not None:
+        return None
+    if isinstance(delta, dict) and any(delta.get(k) for k in DELTA_OUTPUT if k != "content"):
+        return None
+    return key, text
 
 
-def _is_the_slot(prefix: str, suffix: str, key: str, text: str) -> bool:
-    """Other text between `prefix` and `suffix` lands in the choice's text slot.
+def _is_the_slot(data: str, start: int, end: int, key: str, text: str) -> bool:
+    """Other text in place of `data[start:end]` (the choice's text, read as `key`) lands in the
+    choice's text slot.
 
     The span is a whole JSON string (it follows `":"`, holds plain text and ends at a quote),
-    so other plain text there changes that one string of the decoded chunk and nothing else.
+    so other plain text there changes that one string of the decoded chunk and nothing else;
+    the question is whether it is the string the chunk's text was read from. Without a backslash
+    in the chunk every string is written as it reads, so a key that reads `key` is written
+    `"key"`, and a quote always opens or closes a string (what follows a closing one is never a
+    letter): if `"key"` is in the chunk once, that is the only such key, the one the text was
+    read from. Otherwise (a repeated key, one written with escapes, a key or value that holds
+    the key's name quoted) the chunk is decoded again with other text there.
     """
+    if "\\" not in data and data.count(f'"{key}"') == 1:
+        return True
     other = "y" if text == "x" else "x"
     try:
-        choice = json.loads(prefix + other + suffix)["choices"][0]
+        choice = json.loads(data[:start] + other + data[end:])["choices"][0]
         return bool((choice["delta"] if key == "content" else choice)[key] == other)
     except (ValueError, LookupError, TypeError):
         return False
