@@ -1147,9 +1147,12 @@ def test_a_long_suffix_is_not_compiled_into_a_wire_pattern() -> None:
         run_pair(Endpoint.COMPLETIONS, wire, boundaries(wire), *strips)
 
 
+@pytest.mark.usefixtures("none_wired")
 def test_a_shape_met_once_compiles_nothing() -> None:
     """Not a speed test: with per-token logprobs every chunk has its own suffix, so no pattern is
-    made (each would be used at most once); a shape met twice gets one, then the wire path."""
+    made (each would be used at most once); a shape met twice gets one, then the wire path, and
+    a later stream whose chunks end the same way (its own id and prefix) uses it, compiling
+    nothing."""
 
     def with_logprobs(i: int, t: str) -> dict[str, Any]:
         lp = {"content": [{"token": t, "logprob": -0.5 * i, "bytes": None, "top_logprobs": []}]}
@@ -1163,7 +1166,12 @@ def test_a_shape_met_once_compiles_nothing() -> None:
     compiled: list[bytes] = []
     real = shape._tail
     with mock.patch.object(shape, "_tail", lambda s: compiled.append(s) or real(s)):
-        for wire, made in ((varying, 0), (repeating, 1), (plain, 1)):
+        for wire, made, wired in (
+            (varying, 0, False),
+            (repeating, 1, True),
+            (plain, 0, True),  # the same suffix as `repeating`'s, less its running usage
+            (varying, 0, False),
+        ):
             compiled.clear()
             ends = boundaries(wire)
             pieces = [wire[a:b] for a, b in zip([0, *ends], ends, strict=False)]
@@ -1171,7 +1179,7 @@ def test_a_shape_met_once_compiles_nothing() -> None:
             for piece in pieces:
                 m.feed(piece)
             assert len(compiled) == made and m.token_events == 4
-            assert bool(m._shape and m._shape.head) == bool(made)
+            assert bool(m._shape.head) == wired
     for wire in (varying, repeating, plain):
         run_pair(Endpoint.CHAT, wire, boundaries(wire), True, True)
 

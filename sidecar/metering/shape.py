@@ -44,9 +44,11 @@ class FastChatStream(WireMeter, ChatStream):
             whole = shape.tail.fullmatch(chunk, len(head))
             if whole is not None:  # the usual read: exactly one event of the shape
                 return self._one_event(chunk, whole, len(head))
-        elif not head and chunk.find(b"\n\n", 0, len(chunk) - 2) < 0:
-            # a read of one event before the shape is wired: nothing for the wire path to find,
-            # and the parser reads it whole (the reference path), as `_feed_wire` would
+        elif chunk.find(b"\n") >= len(chunk) - 2 and not (head and chunk.startswith(shape.bare)):
+            # a read of one event of one line (its first line ending is its end) that is not of
+            # the shape (the role chunk, the finish, the usage, [DONE]; any before the shape is
+            # wired): nothing for the wire path to find, so the parser reads it whole (the
+            # reference path), as `_feed_wire` would after trying
             return self._feed_events(chunk)
         return self._feed_wire(chunk)
 
@@ -109,11 +111,13 @@ class FastChatStream(WireMeter, ChatStream):
     def _on_event(self, ev: Event) -> bool:
         if ev.data is None:
             return False
-        shape = self._shape
-        found = shape.at(ev.raw, 0) if shape.head and ev.raw else None
-        if found is not None and found[0] == len(ev.raw):
+        shape, raw = self._shape, ev.raw
+        found = None
+        if shape.head and raw.startswith((shape.head, shape.bare)):  # as `at` starts, inline
+            found = shape.at(raw, 0)
+        if found is not None and found[0] == len(raw):
             # the wire path's shape, met here (an event split across reads, or after another)
-            self._cut = self._wire_event(ev.raw, found)
+            self._cut = self._wire_event(raw, found)
             return False
         # the text path, only while no chunk carried running usage: with it on, every chunk
         # ends in its usage, the text never matches, and the try only adds to the decode
@@ -144,12 +148,13 @@ class _TokenShape:
     is not empty. Every other event is decoded.
     """
 
-    __slots__ = ("head", "index", "prefix", "run", "suffix", "tail", "tries", "wired")
+    __slots__ = ("bare", "head", "index", "prefix", "run", "suffix", "tail", "tries", "wired")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = ""
         self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
         self.head = b""  # the shape on the wire (see `at`); no head: not usable there
+        self.bare = b""  # the head written `data:` without the space
         self.tail = self.run = _NEVER
         self.wired = False  # `head` and `tail` made for this shape (see `wire`)
         self.index = 0  # the choice's index: running usage is kept per choice
@@ -187,7 +192,7 @@ class _TokenShape:
             met_before = suffix == self.suffix or suffix in _WIRED
             self.prefix, self.suffix = data[:start], suffix
             self.index = count(obj["choices"][0].get("index")) or 0
-            self.head, self.tail, self.run = b"", _NEVER, _NEVER
+            self.head, self.bare, self.tail, self.run = b"", b"", _NEVER, _NEVER
             self.wired = False
             if met_before:
                 self.wire()
@@ -199,9 +204,7 @@ class _TokenShape:
         self.wired = True
         self.head, self.tail, self.run = _on_the_wire(self.prefix, self.suffix)
         if self.head:
-            _WIRED[self.suffix] = None
-            if len(_WIRED) > _WIRED_MAX:
-                del _WIRED[next(iter(_WIRED))]  # the oldest
+            self.bare = b"data:" + self.head[6:]
 
     def at(self, chunk: bytes, pos: int) -> WireEvent | None:
         """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional
@@ -220,7 +223,7 @@ class _TokenShape:
         head = self.head
         if chunk.startswith(head, pos):
             start = pos + len(head)
-        elif chunk.startswith(head[6:], pos + 5) and chunk.startswith(b"data:", pos):
+        elif chunk.startswith(self.bare, pos):
             start = pos + len(head) - 1  # `data:` without the space
         else:
             return None
@@ -246,10 +249,11 @@ _USAGE_KEY = len(b',"usage":')
 _RUNNING_USAGE = re.compile(rb',"usage":\{[^}]*+\}')
 _RUNNING_USAGE_TEXT = re.compile(',"usage":' + _USAGE_OBJECT.pattern.decode() + r"\}$")
 _NEVER = re.compile(rb"(?!)")
-# The suffixes of shapes wired lately, by any stream: a stream meeting one wires it at its first
-# learnt chunk, not its second (another decode), as its patterns are most likely compiled
-# already (`_tail`, `_run`). Bounded as their caches are: a client's shapes cannot grow it.
-_WIRED: dict[str, None] = {}
+# The suffix part of the shapes wired lately, by any stream: (its bytes less the closing brace,
+# `_tail`'s pattern for them, whether they hold a member named "usage"). A stream meeting one
+# wires it at its first learnt chunk, not its second (another decode), and makes only the
+# prefix's part. Bounded as the patterns' caches are: a client's shapes cannot grow it.
+_WIRED: dict[str, tuple[bytes, re.Pattern[bytes], bool]] = {}
 _WIRED_MAX = 64
 
 
@@ -279,13 +283,26 @@ def _on_the_wire(prefix: str, suffix: str) -> tuple[bytes, re.Pattern[bytes], re
     """(head, tail, run) for `_TokenShape.at` and `FastChatStream._wire_run`: `data: ` and the
     prefix; the text, the suffix and optional running usage before its closing brace; events of
     the shape one after another. No head when the shape is not one `data:` line of an object."""
-    p, s = prefix.encode("utf-8"), suffix.encode("utf-8")
-    if not s.endswith(b"}") or b"\n" in p + s or b"\r" in p + s or len(s) > _WIRE_SUFFIX_MAX:
+    known = _WIRED.get(suffix) or _wired_suffix(suffix)
+    if known is None or "\n" in prefix or "\r" in prefix:
         return b"", _NEVER, _NEVER
+    s, tail, named_usage = known
+    p = prefix.encode("utf-8")
     # `run`'s events are cut by searching their bytes for the running usage: only where no
     # other member of that name (`"usage":null`, a choice's own) is in the shape
-    run = _NEVER if b'"usage"' in p + s else _run(len(p) + 6, s[:-1])
-    return b"data: " + p, _tail(s[:-1]), run
+    run = _NEVER if named_usage or '"usage"' in prefix else _run(len(p) + 6, s)
+    return b"data: " + p, tail, run
+
+
+def _wired_suffix(suffix: str) -> tuple[bytes, re.Pattern[bytes], bool] | None:
+    """A suffix's part of the wire form, kept in `_WIRED`; None when it can have none."""
+    s = suffix.encode("utf-8")
+    if not s.endswith(b"}") or b"\n" in s or b"\r" in s or len(s) > _WIRE_SUFFIX_MAX:
+        return None
+    known = _WIRED[suffix] = (s[:-1], _tail(s[:-1]), b'"usage"' in s)
+    if len(_WIRED) > _WIRED_MAX:
+        del _WIRED[next(iter(_WIRED))]  # the oldest
+    return known
 
 
 @functools.lru_cache(maxsize=64)
@@ -332,8 +349,11 @@ def _text_slot(obj: Mapping[str, Any]) -> tuple[str, str] | None:
         return None
     if obj.get("error") is not None or compared(choice.get("finish_reason")) is not None:
         return None
-    if isinstance(delta, dict) and any(delta.get(k) for k in DELTA_OUTPUT if k != "content"):
-        return None
+    # a token's delta holds its content alone (vLLM's, TGI's): no other output to look for
+    if isinstance(delta, dict) and len(delta) > 1:
+        others = (delta.get(k) for k in DELTA_OUTPUT if k != "content")
+        if any(others):
+            return None
     return key, text
 
 
