@@ -1029,6 +1029,43 @@ def test_running_usage_on_the_wire_is_not_fooled(datas: list[str]) -> None:
             run_pair(Endpoint.CHAT, wire, [cut], *strips)
 
 
+SLOT_KEYS = st.sampled_from(['"content"', '"text"', '"con\\u0074ent"', '"x"', '"content" '])
+SLOT_VALUES = st.sampled_from(['"a"', '"content"', '""', "1", '{"content":"a"}', '"\\""'])
+
+
+@st.composite
+def slot_chunk(draw: st.DrawFn) -> str:
+    """A chunk whose delta (or choice) holds "a" under its text key, among other members whose
+    keys and values may repeat that key's name, quoted or escaped."""
+
+    def members() -> str:
+        pairs = draw(st.lists(st.tuples(SLOT_KEYS, SLOT_VALUES), max_size=3))
+        return "".join(f"{k}:{v}," for k, v in pairs)
+
+    slot = draw(st.sampled_from(['"content":"a"', '"text":"a"']))
+    inner = members() + slot + ("," + members()[:-1] if draw(st.booleans()) else "")
+    choice = '"delta":{' + inner + "}" if slot.startswith('"content"') else inner
+    return "{" + members() + '"choices":[{"index":0,' + choice + "}]}"
+
+
+@settings(max_examples=500, deadline=None)
+@given(slot_chunk())
+def test_a_slot_confirmed_on_the_text_is_the_one_decoding_confirms(data: str) -> None:
+    """`_is_the_slot` without a second decode (no backslash, the key's name quoted once) says
+    what decoding the chunk with other text in the slot says."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return
+    found = shape._text_slot(obj)
+    if found is None or (at := data.find(f'"{found[0]}":"a"')) < 0:
+        return
+    key, start = found[0], at + len(found[0]) + 4
+    if shape._is_the_slot(data, start, start + 1, key, "a"):
+        choice = json.loads(data[:start] + "x" + data[start + 1 :])["choices"][0]
+        assert (choice["delta"] if key == "content" else choice)[key] == "x", data
+
+
 def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> None:
     def learnt(obj: dict) -> bool:
         learner = shape._TokenShape()
