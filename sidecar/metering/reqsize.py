@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo
@@ -71,11 +71,33 @@ def case_twins(values: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str,
     /v1/messages too) matches a key to a field so (Unicode simple folding), the last one read
     winning, and merges a second object into a map field: a limit the sidecar read in
     `max_tokens` is not the one such a server obeys. `casefold` folds a superset of Go's."""
+    if _OWN_FOLDS.issuperset(values) and _OWN_FOLDS.issuperset(fields):
+        return ()  # the usual keys, seen before: each its own fold (below), no key is a twin
     folded, unlike = _folds(fields)
     joined = "".join(values)
     if not unlike and joined.isascii() and joined.islower():
+        _learn_own_folds(values)
+        _learn_own_folds(fields)
         return ()  # every key is its own fold, and so is every field: no key is a twin
     return tuple(k for k in values if k not in fields and k.casefold() in folded)
+
+
+# Strings known to be their own fold: a key that is one is no twin of fields that are all their own
+# (a twin's fold is a field's fold, that field itself, and a twin is no field). One set lookup a
+# key (its hash JSON decoding computed already) costs less than the join and scans below it.
+# Learnt from what passed those scans: at most this many strings, of at most this length, so a
+# client's odd keys fill it only so far (then they take the scans, as before).
+_OWN_FOLDS_KEPT, _OWN_FOLD_CHARS = 1024, 64
+_OWN_FOLDS: set[str] = set()
+
+
+def _learn_own_folds(keys: Iterable[str]) -> None:
+    """Keep those of `keys` that are their own fold, while there is room."""
+    for k in keys:
+        if len(_OWN_FOLDS) >= _OWN_FOLDS_KEPT:
+            return
+        if len(k) <= _OWN_FOLD_CHARS and k.casefold() == k:
+            _OWN_FOLDS.add(k)
 
 
 @functools.cache
