@@ -143,15 +143,17 @@ def output_cap(
     server may read that as no limit)."""
     if route_limit is None or case_twins(obj, _ANY_LIMIT):
         return None
-    given = [obj.get(k) for k in _ANY_LIMIT] + [params.get(k) for k in _TGI_NATIVE_LIMIT]
     cap = route_limit
-    for value in given:
-        if value is None:
-            continue
-        read = value if type(value) is int else lax_int(value)
-        if read is None or read <= 0:
-            return None
-        cap = max(cap, read)
+    for values, fields in ((obj, _ANY_LIMIT), (params, _TGI_NATIVE_LIMIT)):
+        for key in fields:  # loops, not a list built: a comprehension is a call of its own
+            value = values.get(key)
+            if value is None:
+                continue
+            read = value if type(value) is int else lax_int(value)
+            if read is None or read <= 0:
+                return None
+            if read > cap:
+                cap = read
     return cap
 
 
