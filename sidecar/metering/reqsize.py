@@ -269,14 +269,20 @@ def _is_media(where: int, key: str, value: str) -> bool:
 def prompt_chars(obj: Mapping[str, Any]) -> int:
     """Characters of prompt text in a request (for admission estimates and audit sizes only)."""
     total = 0
-    for key in ("prompt", "inputs", "input"):
-        total += _text_len(obj.get(key))
+    for key in _PROMPT_KEYS:
+        if (value := obj.get(key)) is not None:  # most bodies have one at most: no call for none
+            total += _text_len(value)
     messages = obj.get("messages")
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, dict):
-                total += _text_len(m.get("content"))
+                content = m.get("content")
+                # a string, in the usual message: its length, without a call
+                total += len(content) if isinstance(content, str) else _text_len(content)
     return total
+
+
+_PROMPT_KEYS = ("prompt", "inputs", "input")
 
 
 def _text_len(value: object) -> int:
