@@ -212,7 +212,7 @@ def body_size(obj: object) -> tuple[int, int]:
         for v in value:
             if isinstance(v, str):
                 chars += len(v)
-            elif isinstance(v, dict | list):
+            elif isinstance(v, _CONTAINERS):
                 stack.append((inner, v))
             elif where == _PROMPT and type(v) is int:
                 ids += 1
@@ -223,17 +223,22 @@ def _members(where: int, obj: Mapping[str, object], stack: list[tuple[int, objec
     """Characters of an object's strings (and of its keys, in what is rendered as JSON); its
     containers go on `stack`, each with where it sits."""
     chars = 0
+    media = where == _PART or where == _MEDIA  # the only objects with a string `_is_media` skips
     for k, v in obj.items():
         if where == _SCHEMA:
             chars += len(k)
         elif where == _REQUEST and k in _NOT_TEXT:
             continue
         if isinstance(v, str):
-            if not _is_media(where, k, v):
+            if not (media and _is_media(where, k, v)):
                 chars += len(v)
-        elif isinstance(v, dict | list):
+        elif isinstance(v, _CONTAINERS):
             stack.append((_inside(where, k, v), v))
     return chars
+
+
+# A tuple made once: `dict | list` in the loops would make a new union object for every value.
+_CONTAINERS = (dict, list)
 
 
 def _inside(where: int, key: str, value: object) -> int:
