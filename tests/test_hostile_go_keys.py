@@ -203,3 +203,20 @@ def test_case_twins_is_every_key_that_folds_to_a_field_without_being_one(
     folded = {f.casefold() for f in fields}
     expected = tuple(k for k in values if k not in fields and k.casefold() in folded)
     assert reqsize.case_twins(values, tuple(fields)) == expected
+    # again, with what the first call learnt of its own folds (the fast path's answer)
+    assert reqsize.case_twins(values, tuple(fields)) == expected
+
+
+def test_case_twins_learns_only_strings_that_are_their_own_fold_and_only_so_many() -> None:
+    for key in ("max_tokens", "MAX_TOKENS", "max_token\u017f", "\u017f", "K", "_"):
+        reqsize.case_twins({key: 1}, ("max_tokens",))
+        reqsize.case_twins({"model": 1}, (key,))
+    assert all(k.casefold() == k for k in reqsize._OWN_FOLDS)
+    assert {"max_tokens", "model", "_"} <= reqsize._OWN_FOLDS
+    assert reqsize.case_twins({"MAX_TOKENS": 1, "max_tokens": 2}, ("max_tokens",)) == (
+        "MAX_TOKENS",
+    )
+    for i in range(2 * reqsize._OWN_FOLDS_KEPT):
+        reqsize.case_twins({f"k{i}": 1, "x" * 65 + str(i): 2}, ("model",))
+    assert len(reqsize._OWN_FOLDS) <= reqsize._OWN_FOLDS_KEPT
+    assert max(map(len, reqsize._OWN_FOLDS)) <= reqsize._OWN_FOLD_CHARS

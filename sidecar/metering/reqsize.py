@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo
@@ -71,11 +71,33 @@ def case_twins(values: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str,
     /v1/messages too) matches a key to a field so (Unicode simple folding), the last one read
     winning, and merges a second object into a map field: a limit the sidecar read in
     `max_tokens` is not the one such a server obeys. `casefold` folds a superset of Go's."""
+    if _OWN_FOLDS.issuperset(values) and _OWN_FOLDS.issuperset(fields):
+        return ()  # the usual keys, seen before: each its own fold (below), no key is a twin
     folded, unlike = _folds(fields)
     joined = "".join(values)
     if not unlike and joined.isascii() and joined.islower():
+        _learn_own_folds(values)
+        _learn_own_folds(fields)
         return ()  # every key is its own fold, and so is every field: no key is a twin
     return tuple(k for k in values if k not in fields and k.casefold() in folded)
+
+
+# Strings known to be their own fold: a key that is one is no twin of fields that are all their own
+# (a twin's fold is a field's fold, that field itself, and a twin is no field). One set lookup a
+# key (its hash JSON decoding computed already) costs less than the join and scans below it.
+# Learnt from what passed those scans: at most this many strings, of at most this length, so a
+# client's odd keys fill it only so far (then they take the scans, as before).
+_OWN_FOLDS_KEPT, _OWN_FOLD_CHARS = 1024, 64
+_OWN_FOLDS: set[str] = set()
+
+
+def _learn_own_folds(keys: Iterable[str]) -> None:
+    """Keep those of `keys` that are their own fold, while there is room."""
+    for k in keys:
+        if len(_OWN_FOLDS) >= _OWN_FOLDS_KEPT:
+            return
+        if len(k) <= _OWN_FOLD_CHARS and k.casefold() == k:
+            _OWN_FOLDS.add(k)
 
 
 @functools.cache
@@ -121,15 +143,17 @@ def output_cap(
     server may read that as no limit)."""
     if route_limit is None or case_twins(obj, _ANY_LIMIT):
         return None
-    given = [obj.get(k) for k in _ANY_LIMIT] + [params.get(k) for k in _TGI_NATIVE_LIMIT]
     cap = route_limit
-    for value in given:
-        if value is None:
-            continue
-        read = value if type(value) is int else lax_int(value)
-        if read is None or read <= 0:
-            return None
-        cap = max(cap, read)
+    for values, fields in ((obj, _ANY_LIMIT), (params, _TGI_NATIVE_LIMIT)):
+        for key in fields:  # loops, not a list built: a comprehension is a call of its own
+            value = values.get(key)
+            if value is None:
+                continue
+            read = value if type(value) is int else lax_int(value)
+            if read is None or read <= 0:
+                return None
+            if read > cap:
+                cap = read
     return cap
 
 
@@ -188,7 +212,7 @@ def body_size(obj: object) -> tuple[int, int]:
         for v in value:
             if isinstance(v, str):
                 chars += len(v)
-            elif isinstance(v, dict | list):
+            elif isinstance(v, _CONTAINERS):
                 stack.append((inner, v))
             elif where == _PROMPT and type(v) is int:
                 ids += 1
@@ -199,17 +223,22 @@ def _members(where: int, obj: Mapping[str, object], stack: list[tuple[int, objec
     """Characters of an object's strings (and of its keys, in what is rendered as JSON); its
     containers go on `stack`, each with where it sits."""
     chars = 0
+    media = where == _PART or where == _MEDIA  # the only objects with a string `_is_media` skips
     for k, v in obj.items():
         if where == _SCHEMA:
             chars += len(k)
         elif where == _REQUEST and k in _NOT_TEXT:
             continue
         if isinstance(v, str):
-            if not _is_media(where, k, v):
+            if not (media and _is_media(where, k, v)):
                 chars += len(v)
-        elif isinstance(v, dict | list):
+        elif isinstance(v, _CONTAINERS):
             stack.append((_inside(where, k, v), v))
     return chars
+
+
+# A tuple made once: `dict | list` in the loops would make a new union object for every value.
+_CONTAINERS = (dict, list)
 
 
 def _inside(where: int, key: str, value: object) -> int:
@@ -245,14 +274,20 @@ def _is_media(where: int, key: str, value: str) -> bool:
 def prompt_chars(obj: Mapping[str, Any]) -> int:
     """Characters of prompt text in a request (for admission estimates and audit sizes only)."""
     total = 0
-    for key in ("prompt", "inputs", "input"):
-        total += _text_len(obj.get(key))
+    for key in _PROMPT_KEYS:
+        if (value := obj.get(key)) is not None:  # most bodies have one at most: no call for none
+            total += _text_len(value)
     messages = obj.get("messages")
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, dict):
-                total += _text_len(m.get("content"))
+                content = m.get("content")
+                # a string, in the usual message: its length, without a call
+                total += len(content) if isinstance(content, str) else _text_len(content)
     return total
+
+
+_PROMPT_KEYS = ("prompt", "inputs", "input")
 
 
 def _text_len(value: object) -> int:
