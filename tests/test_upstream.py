@@ -10,6 +10,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from sidecar.proxy import upstream as upstream_module
@@ -311,3 +313,46 @@ async def test_a_header_with_a_control_character_is_never_written(bad: str) -> N
             await up.request("POST", "/v1/x y", CIMultiDict(), b"")
         assert await post(up, x_note="tab\there") == b"{}"  # a tab is allowed
         assert server.accepted == 1 and len(server.heads) == 1
+
+
+def _reference_head(up: Upstream, method: str, target: str, headers: CIMultiDict[str]) -> bytes:
+    """`Upstream._head` as it was written first: the text checked by counts and a regex."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {up.host_header}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append("Content-Length: 2\r\n\r\n")
+    text = "\r\n".join(lines)
+    upstream_module._check_head(text, target, len(lines) + 1)
+    return text.encode("utf-8", "surrogateescape")
+
+
+# Tabs, spaces, CR, LF, the other controls, DEL, a C1 control, text, and the surrogates a server
+# reads bytes above 0x7f as (and one it never does).
+_HEAD_TEXT = st.text(
+    st.sampled_from(["a", "Z", " ", "\t", "\r", "\n", "\x00", "\x0b", "\x1f", "\x7f", "\x85"])
+    | st.sampled_from(["é", "\u212a", "\udc80", "\udcff", "\ud800"]),
+    max_size=8,
+)
+
+
+@given(
+    target=_HEAD_TEXT,
+    headers=st.lists(st.tuples(_HEAD_TEXT, _HEAD_TEXT), max_size=4),
+)
+def test_the_head_is_checked_as_the_reference_checks_it(
+    target: str, headers: list[tuple[str, str]]
+) -> None:
+    up = Upstream("http://127.0.0.1:9", connect_timeout=1, read_timeout=1, limit=1)
+    sent = CIMultiDict(headers)
+    expected: bytes | BaseException
+    try:
+        expected = _reference_head(up, "POST", "/" + target, sent)
+    except ValueError as exc:
+        expected = exc
+    try:
+        head: bytes | BaseException = up._head("POST", "/" + target, sent, "Content-Length: 2")
+    except ValueError as exc:
+        head = exc
+    if isinstance(expected, BaseException):
+        assert type(head) is type(expected) and str(head) == str(expected)
+    else:
+        assert head == expected
