@@ -89,22 +89,9 @@ async def inspect(
     held.take(parsing)
     try:
         if len(body) < PARSE_IN_THREAD_BYTES:
-            # called as is: a `functools.partial` cost more than the call itself (counted)
-            return inspect_request(
-                endpoint,
-                body,
-                inject_usage=s.inject_usage,
-                continuous_usage=s.continuous_usage,
-                api=s.api,
-            )
-        return await asyncio.to_thread(
-            inspect_request,
-            endpoint,
-            body,
-            inject_usage=s.inject_usage,
-            continuous_usage=s.continuous_usage,
-            api=s.api,
-        )
+            # a plain call either way: a `functools.partial` cost more than the call (counted)
+            return _inspect(endpoint, body, s)
+        return await asyncio.to_thread(_inspect, endpoint, body, s)
     except Exception:
         log.exception("could not read a %s request body", endpoint.value)
         metrics.metering_errors.labels("inspect").inc()
@@ -118,6 +105,13 @@ async def inspect(
 # at most this many, of at most 256 characters each. `sanitize` is pure, so one memo serves all.
 _USER_IDS_KEPT = 4096
 _user_ids: dict[str, str] = {}
+
+
+def _inspect(endpoint: Endpoint, body: bytes, s: ProxySettings) -> RequestInfo:
+    """The adapter's reading of the request, with the proxy's settings for it."""
+    return inspect_request(
+        endpoint, body, inject_usage=s.inject_usage, continuous_usage=s.continuous_usage, api=s.api
+    )
 
 
 def new_exchange(
