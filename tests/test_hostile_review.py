@@ -136,6 +136,45 @@ async def test_more_output_than_the_request_allows_is_invalid_usage(
     assert run.value("llm_usage_unknown_total", **labels) == 1
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_reasoning_tokens_of_an_output_beyond_the_limit_are_not_counted(
+    start_sidecar: Any, aiohttp_server: Any, tmp_path: Any, streaming: bool
+) -> None:
+    """The usage an output beyond the request's limit made invalid kept its reasoning count:
+    800,000,000 reasoning tokens were added to llm_tokens_total and written to the ledger
+    for a request that asked for 10 tokens at most."""
+    import sqlite3
+
+    from tests.test_hostile_numbers import MODEL, PRICES, Hostile, wait_for
+
+    hostile = Hostile()
+    hostile.completion = '900000000, "completion_tokens_details": {"reasoning_tokens": 800000000}'
+    up = await aiohttp_server(hostile.app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {"pricing": PRICES, "ledger": {"path": str(db), "flush_interval_s": 0.05}},
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    req: dict[str, Any] = {"model": MODEL, "messages": [], "max_tokens": 10, "stream": streaming}
+    if streaming:
+        req["stream_options"] = {"include_usage": True}
+    url = run.url + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, json=req) as r:
+        assert r.status == 200, await r.text()
+        assert b"800000000" in await r.read()  # the client gets what was sent
+
+    def rows() -> list[tuple[Any, ...]]:
+        with sqlite3.connect(db) as conn:
+            sql = "SELECT input_tokens, output_tokens, reasoning_tokens FROM requests"
+            return conn.execute(sql).fetchall()
+
+    await wait_for(lambda: len(rows()) == 1, "the ledger row")
+    assert rows() == [(None, None, None)]
+    tokens = {"model": MODEL, "api_endpoint": "/v1/chat/completions", "user": "anonymous"}
+    assert run.value("llm_tokens_total", token_type="reasoning", **tokens) is None
+    assert run.value("llm_tokens_total", token_type="output", **tokens) is None
+
+
 def test_output_within_the_limit_times_the_choices_is_a_count() -> None:
     from sidecar.metering.wire import within_request
 

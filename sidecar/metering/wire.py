@@ -194,6 +194,7 @@ def within_request(usage: Usage, info: RequestInfo) -> Usage:
         input_tokens=None,
         output_tokens=None,
         cached_input_tokens=None,
+        reasoning_tokens=None,  # a part of the output that was no measurement
         unknown_reason=INVALID_USAGE,
     )
 
