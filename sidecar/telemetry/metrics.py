@@ -23,66 +23,20 @@ from prometheus_client.samples import Exemplar
 # histograms line up with spans and with vLLM/TGI's own exports, with boundaries added where LLM
 # serving lives and the advice is coarse (tests/test_buckets.py).
 GENAI_TOKEN_ADVICE = tuple(4**i for i in range(14))  # 1, 4, 16 ... 67108864
-GENAI_DURATION_ADVICE = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
-                         20.48, 40.96, 81.92)  # fmt: skip
+GENAI_DURATION_ADVICE = tuple(0.01 * 2**i for i in range(14))  # 0.01, 0.02, 0.04 ... 81.92
 GENAI_TTFT_ADVICE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                      5.0, 7.5, 10.0)  # fmt: skip
 GENAI_TPOT_ADVICE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-# Request duration: the advice doubles (1.28 to 2.56 s put a 1.59 s p99 at 2.47 s); the steps in
-# between (x1.25 to x1.5) keep a percentile's interpolation error under a quarter of its value.
-DURATION_BUCKETS = (
-    0.01,
-    0.02,
-    0.04,
-    0.08,
-    0.16,
-    0.24,
-    0.32,
-    0.48,
-    0.64,
-    0.8,
-    0.96,
-    1.28,
-    1.6,
-    1.92,
-    2.56,
-    3.2,
-    3.84,
-    5.12,
-    7.68,
-    10.24,
-    15.36,
-    20.48,
-    30.72,
-    40.96,
-    61.44,
-    81.92,
-)
+# Request duration: the advice doubles (1.28 to 2.56 s put a 1.59 s p99 at 2.47 s); the steps
+# in between (x1.25 to x1.5) keep a percentile's interpolation error under a quarter of its value.
+_DURATION_STEPS = (0.24, 0.48, 0.8, 0.96, 1.6, 1.92, 3.2, 3.84, 7.68, 15.36, 30.72, 61.44)
+DURATION_BUCKETS = tuple(sorted(GENAI_DURATION_ADVICE + _DURATION_STEPS))
 # Time to first token: the advice resolves it as it is, from 1 ms to 10 s.
 TTFT_BUCKETS = GENAI_TTFT_ADVICE
 # Time per output token: the advice starts at 10 ms, where a fast GPU decodes (a few ms per token
-# on an H200 for a small model; the simulator's 0.5 ms): every observation fell in its first bucket.
-TPOT_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
+# on an H200 for a small model; the simulator's 0.5 ms): every observation fell in its first
+# bucket, so boundaries are added below it (and one at 15 ms).
+TPOT_BUCKETS = tuple(sorted((*GENAI_TPOT_ADVICE, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.015)))
 # Queue wait spans from "admitted at once" (tens of microseconds: a lock and a heap push) to
 # "waited the full max_queue_wait".
 QUEUE_BUCKETS = (
