@@ -297,8 +297,6 @@ def _histograms(fam: Metric, young: set[Labels]) -> list[dict[str, Any]]:
             entry.setdefault("buckets", []).append(s.value)
         elif s.name == fam.name + "_sum":
             entry["sum"] = s.value
-    for entry in out.values():
-        entry["labels"] = {k: v for k, v in entry["labels"].items() if k != "le"}
     return list(out.values())
 
 
