@@ -369,11 +369,10 @@ def restore(
 ) -> int:
     """At start, before the first request and the first scrape: every saved series goes on.
 
-    A counter starts at its saved value (a histogram at its saved buckets and sum), so a
-    graceful restart is no reset: whatever a scraper had
-    not seen yet (the last increments, a series still in its hold) it sees now, exactly once.
-    `relabel` passes the labels through this process's caps. The file is removed first: a crash
-    after this never counts a cost twice.
+    A counter starts at its saved value (a histogram at its saved buckets and sum), so a graceful
+    restart is no reset: whatever a scraper had not seen yet (the last increments, a series still in
+    its hold) it sees now, exactly once. `relabel` passes the labels through this process's caps.
+    The file is removed first: a crash after this never counts a cost twice.
     """
     try:
         data = json.loads(path.read_text())

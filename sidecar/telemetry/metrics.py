@@ -65,8 +65,8 @@ QUEUE_BUCKETS = (
 # 0.1 and +Inf buckets to count requests over ten cents.
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Prompt and output lengths in tokens: powers of two from 1 to 2^26, the GenAI advice for
-# gen_ai.client.token.usage (powers of four, genai_metrics.TOKEN_BUCKETS) with a boundary between
-# each two of it, so a percentile is off by under a factor of two, not four.
+# gen_ai.client.token.usage (powers of four, GENAI_TOKEN_ADVICE) with a boundary between each two
+# of it, so a percentile is off by under a factor of two, not four.
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(27))
 # Finish reasons are the upstream's words (cleaned at the boundary): the first few distinct ones
 # keep their own label, later ones share __other__. Every engine we know uses under ten.
