@@ -59,6 +59,12 @@ def exporter_from_env() -> SpanExporter:
     return HttpExporter()
 
 
+def resource() -> Resource:
+    """This service, for the traces and the GenAI metrics (OTEL_SERVICE_NAME may rename it)."""
+    name = os.environ.get("OTEL_SERVICE_NAME", "tollbooth")
+    return Resource.create({"service.name": name, "service.version": __version__})
+
+
 class CountingBatchSpanProcessor(BatchSpanProcessor):
     """A BatchSpanProcessor that counts the spans it drops when its queue is full."""
 
@@ -78,13 +84,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 class Tracing:
     def __init__(self, config: Config, metrics: Metrics, exporter: SpanExporter | None = None):
         self.config = config
-        resource = Resource.create(
-            {
-                "service.name": os.environ.get("OTEL_SERVICE_NAME", "tollbooth"),
-                "service.version": __version__,
-            }
-        )
-        self.provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
+        self.provider = TracerProvider(resource=resource())  # sampler from OTEL_TRACES_SAMPLER
         self.provider.add_span_processor(
             CountingBatchSpanProcessor(exporter or exporter_from_env(), metrics)
         )
