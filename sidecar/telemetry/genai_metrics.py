@@ -42,14 +42,12 @@ def exporter_from_env() -> MetricExporter:
         "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
     )
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc
 
-        return OTLPMetricExporter()
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-        OTLPMetricExporter as HttpExporter,
-    )
+        return grpc.OTLPMetricExporter()
+    from opentelemetry.exporter.otlp.proto.http import metric_exporter as http
 
-    return HttpExporter()
+    return http.OTLPMetricExporter()
 
 
 class GenAiMetrics:

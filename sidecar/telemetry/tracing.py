@@ -49,14 +49,12 @@ def exporter_from_env() -> SpanExporter:
         "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
     )
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc
 
-        return OTLPSpanExporter()
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpExporter,
-    )
+        return grpc.OTLPSpanExporter()
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter as http
 
-    return HttpExporter()
+    return http.OTLPSpanExporter()
 
 
 def resource() -> Resource:
