@@ -357,14 +357,11 @@ def save(view: HeldView, path: Path, clock: Callable[[], float] = time.time) -> 
     return len(series)
 
 
-Relabel = Callable[[dict[str, str]], dict[str, str]]
-
-
 def restore(
     m: Metrics,
     view: HeldView,
     path: Path,
-    relabel: Relabel = dict,
+    relabel: Callable[[dict[str, str]], dict[str, str]] = dict,
     clock: Callable[[], float] = time.time,
 ) -> int:
     """At start, before the first request and the first scrape: every saved series goes on.
