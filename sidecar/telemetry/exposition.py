@@ -297,8 +297,6 @@ def _histograms(fam: Metric, young: set[Labels]) -> list[dict[str, Any]]:
             entry.setdefault("buckets", []).append(s.value)
         elif s.name == fam.name + "_sum":
             entry["sum"] = s.value
-    for entry in out.values():
-        entry["labels"] = {k: v for k, v in entry["labels"].items() if k != "le"}
     return list(out.values())
 
 
@@ -359,23 +357,19 @@ def save(view: HeldView, path: Path, clock: Callable[[], float] = time.time) -> 
     return len(series)
 
 
-Relabel = Callable[[dict[str, str]], dict[str, str]]
-
-
 def restore(
     m: Metrics,
     view: HeldView,
     path: Path,
-    relabel: Relabel = dict,
+    relabel: Callable[[dict[str, str]], dict[str, str]] = dict,
     clock: Callable[[], float] = time.time,
 ) -> int:
     """At start, before the first request and the first scrape: every saved series goes on.
 
-    A counter starts at its saved value (a histogram at its saved buckets and sum), so a
-    graceful restart is no reset: whatever a scraper had
-    not seen yet (the last increments, a series still in its hold) it sees now, exactly once.
-    `relabel` passes the labels through this process's caps. The file is removed first: a crash
-    after this never counts a cost twice.
+    A counter starts at its saved value (a histogram at its saved buckets and sum), so a graceful
+    restart is no reset: whatever a scraper had not seen yet (the last increments, a series still in
+    its hold) it sees now, exactly once. `relabel` passes the labels through this process's caps.
+    The file is removed first: a crash after this never counts a cost twice.
     """
     try:
         data = json.loads(path.read_text())

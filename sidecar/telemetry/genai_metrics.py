@@ -25,7 +25,6 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ga
 from opentelemetry.semconv._incubating.metrics import gen_ai_metrics as gm
 from opentelemetry.semconv.attributes import server_attributes
@@ -34,6 +33,7 @@ from .. import __version__
 from ..config import Config
 from ..exchange import Exchange
 from .metrics import GENAI_DURATION_ADVICE, GENAI_TOKEN_ADVICE
+from .tracing import resource
 
 
 def exporter_from_env() -> MetricExporter:
@@ -42,14 +42,12 @@ def exporter_from_env() -> MetricExporter:
         "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
     )
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc
 
-        return OTLPMetricExporter()
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-        OTLPMetricExporter as HttpExporter,
-    )
+        return grpc.OTLPMetricExporter()
+    from opentelemetry.exporter.otlp.proto.http import metric_exporter as http
 
-    return HttpExporter()
+    return http.OTLPMetricExporter()
 
 
 class GenAiMetrics:
@@ -58,14 +56,8 @@ class GenAiMetrics:
         parts = urlsplit(config.upstream.url)
         self.address = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        resource = Resource.create(
-            {
-                "service.name": os.environ.get("OTEL_SERVICE_NAME", "tollbooth"),
-                "service.version": __version__,
-            }
-        )
         reader = PeriodicExportingMetricReader(exporter or exporter_from_env())
-        self.provider = MeterProvider(resource=resource, metric_readers=[reader])
+        self.provider = MeterProvider(resource=resource(), metric_readers=[reader])
         meter = self.provider.get_meter("tollbooth", __version__)
         self.tokens = meter.create_histogram(
             gm.GEN_AI_CLIENT_TOKEN_USAGE,

@@ -110,13 +110,8 @@ class ContextQueueHandler(logging.handlers.QueueHandler):
     """Hands records to a writer thread. The request context (request, trace and span ids) is
     read here, in the emitting task, because the writer thread cannot see the contextvar."""
 
-    def __init__(self, q: queue.SimpleQueue[logging.LogRecord], *, copy_record: bool = True):
-        super().__init__(q)
-        self.copy_record = copy_record  # off where this handler is the record's only consumer
-
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        if self.copy_record:
-            record = copy.copy(record)
+        record = copy.copy(record)
         record.message = redact_credentials(record.getMessage())
         record.msg, record.args = record.message, None
         if record.exc_info:
@@ -130,31 +125,19 @@ class ContextQueueHandler(logging.handlers.QueueHandler):
         return record
 
 
-def queued(
-    handler: logging.Handler, *, copy_record: bool = True
-) -> tuple[logging.Handler, logging.handlers.QueueListener]:
-    """A handler for the caller's logger whose writes happen on a background thread."""
-    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    listener = logging.handlers.QueueListener(q, handler, respect_handler_level=True)
-    listener.start()
-    return ContextQueueHandler(q, copy_record=copy_record), listener
-
-
-def formatter(fmt: str) -> logging.Formatter:
-    return JsonFormatter() if fmt == "json" else TextFormatter()
-
-
 def setup(level: str = "INFO", fmt: str = "json") -> None:
     """Root logging to stderr in the chosen format, written off the event loop. Called once."""
     # Skip what no line of ours prints: the caller's file/line and thread/process names.
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(formatter(fmt))
-    handler, listener = queued(stream)
+    stream.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(q, stream, respect_handler_level=True)
+    listener.start()
     atexit.register(listener.stop)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [ContextQueueHandler(q)]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 

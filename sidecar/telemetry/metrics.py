@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from bisect import bisect_left
-from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,66 +23,20 @@ from prometheus_client.samples import Exemplar
 # histograms line up with spans and with vLLM/TGI's own exports, with boundaries added where LLM
 # serving lives and the advice is coarse (tests/test_buckets.py).
 GENAI_TOKEN_ADVICE = tuple(4**i for i in range(14))  # 1, 4, 16 ... 67108864
-GENAI_DURATION_ADVICE = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
-                         20.48, 40.96, 81.92)  # fmt: skip
+GENAI_DURATION_ADVICE = tuple(0.01 * 2**i for i in range(14))  # 0.01, 0.02, 0.04 ... 81.92
 GENAI_TTFT_ADVICE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                      5.0, 7.5, 10.0)  # fmt: skip
 GENAI_TPOT_ADVICE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-# Request duration: the advice doubles (1.28 to 2.56 s put a 1.59 s p99 at 2.47 s); the steps in
-# between (x1.25 to x1.5) keep a percentile's interpolation error under a quarter of its value.
-DURATION_BUCKETS = (
-    0.01,
-    0.02,
-    0.04,
-    0.08,
-    0.16,
-    0.24,
-    0.32,
-    0.48,
-    0.64,
-    0.8,
-    0.96,
-    1.28,
-    1.6,
-    1.92,
-    2.56,
-    3.2,
-    3.84,
-    5.12,
-    7.68,
-    10.24,
-    15.36,
-    20.48,
-    30.72,
-    40.96,
-    61.44,
-    81.92,
-)
+# Request duration: the advice doubles (1.28 to 2.56 s put a 1.59 s p99 at 2.47 s); the steps
+# in between (x1.25 to x1.5) keep a percentile's interpolation error under a quarter of its value.
+_DURATION_STEPS = (0.24, 0.48, 0.8, 0.96, 1.6, 1.92, 3.2, 3.84, 7.68, 15.36, 30.72, 61.44)
+DURATION_BUCKETS = tuple(sorted(GENAI_DURATION_ADVICE + _DURATION_STEPS))
 # Time to first token: the advice resolves it as it is, from 1 ms to 10 s.
 TTFT_BUCKETS = GENAI_TTFT_ADVICE
 # Time per output token: the advice starts at 10 ms, where a fast GPU decodes (a few ms per token
-# on an H200 for a small model; the simulator's 0.5 ms): every observation fell in its first bucket.
-TPOT_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
+# on an H200 for a small model; the simulator's 0.5 ms): every observation fell in its first
+# bucket, so boundaries are added below it (and one at 15 ms).
+TPOT_BUCKETS = tuple(sorted((*GENAI_TPOT_ADVICE, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.015)))
 # Queue wait spans from "admitted at once" (tens of microseconds: a lock and a heap push) to
 # "waited the full max_queue_wait".
 QUEUE_BUCKETS = (
@@ -111,8 +65,8 @@ QUEUE_BUCKETS = (
 # 0.1 and +Inf buckets to count requests over ten cents.
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Prompt and output lengths in tokens: powers of two from 1 to 2^26, the GenAI advice for
-# gen_ai.client.token.usage (powers of four, genai_metrics.TOKEN_BUCKETS) with a boundary between
-# each two of it, so a percentile is off by under a factor of two, not four.
+# gen_ai.client.token.usage (powers of four, GENAI_TOKEN_ADVICE) with a boundary between each two
+# of it, so a percentile is off by under a factor of two, not four.
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(27))
 # Finish reasons are the upstream's words (cleaned at the boundary): the first few distinct ones
 # keep their own label, later ones share __other__. Every engine we know uses under ten.
@@ -327,10 +281,6 @@ class Metrics:
         for key in [k for k in self._children if k[0] == id(metric)]:
             del self._children[key]
 
-    def _per_request(self, name: str, doc: str, buckets: Sequence[float]) -> LoopHistogram:
-        """A histogram of one value per request, by model and endpoint."""
-        return LoopHistogram(name, doc, PER_REQUEST, buckets=buckets, registry=self.registry)
-
     def _length(self, name: str, direction: str) -> LoopHistogram:
         """A request's prompt or output length: measured counts only, by model."""
         return LoopHistogram(
@@ -348,275 +298,224 @@ class Metrics:
         # children are: by the model and user label caps)
         self.series: dict[tuple[str, str, str], RequestSeries] = {}
         r = self.registry = registry or CollectorRegistry()
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        loop_counter, loop_gauge = partial(LoopCounter, registry=r), partial(LoopGauge, registry=r)
+        # a histogram of one value per request, by model and endpoint
+        per_request = partial(LoopHistogram, labelnames=PER_REQUEST, registry=r)
         ep = PER_REQUEST
         # --- requests and tokens (sidecar core)
-        self.requests = LoopCounter(
-            "llm_requests",
-            "Proxied LLM requests by response status.",
-            [*ep, "status_code"],
-            registry=r,
+        self.requests = loop_counter(
+            "llm_requests", "Proxied LLM requests by response status.", [*ep, "status_code"]
         )
-        self.tokens = LoopCounter(
+        self.tokens = loop_counter(
             "llm_tokens",
             "Tokens reported by the server, by direction (reasoning: a part of output).",
             PER_TOKEN_TYPE,
-            registry=r,
         )
-        self.cached_tokens = LoopCounter(
+        self.cached_tokens = loop_counter(
             "llm_cached_input_tokens",
             "Input tokens served from the prefix cache (subset of input).",
             ["model", "api_endpoint", "user_id"],
-            registry=r,
         )
-        self.audio_seconds = LoopCounter(
+        self.audio_seconds = loop_counter(
             "llm_audio_seconds",
             "Seconds of input audio the server reported (speech-to-text routes).",
             ["model", "api_endpoint", "user_id"],
-            registry=r,
         )
-        self.usage_unknown = LoopCounter(
+        self.usage_unknown = loop_counter(
             "llm_usage_unknown",
             "Requests whose token usage could not be measured.",
             [*ep, "reason"],
-            registry=r,
         )
-        self.duration = self._per_request(
+        self.duration = per_request(
             "llm_request_duration_seconds",
             "Time from request received to response complete.",
-            DURATION_BUCKETS,
+            buckets=DURATION_BUCKETS,
         )
-        self.ttft = self._per_request(
+        self.ttft = per_request(
             "llm_time_to_first_token_seconds",
             "Upstream send to first token event (streams only).",
-            TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
         )
-        self.tpot = self._per_request(
+        self.tpot = per_request(
             "llm_time_per_output_token_seconds",
             "Decode time per output token after the first (streams only).",
-            TPOT_BUCKETS,
+            buckets=TPOT_BUCKETS,
         )
         self.prompt_tokens = self._length("prompt", "input")
         self.output_tokens = self._length("output", "output")
-        self.finish_reasons = LoopCounter(
+        self.finish_reasons = loop_counter(
             "llm_finish_reasons",
             "Choices finished, by the reason the server gave (stop, length, tool_calls...; the "
             f"first {MAX_FINISH_REASONS} distinct reasons, later ones __other__).",
             ["model", "finish_reason"],
-            registry=r,
         )
         self.reason_labels = LabelCap(MAX_FINISH_REASONS)
-        self.in_flight = LoopGauge(
-            "llm_in_flight_requests", "Requests being proxied now.", ["model"], registry=r
+        self.in_flight = loop_gauge(
+            "llm_in_flight_requests", "Requests being proxied now.", ["model"]
         )
-        self.metering_errors = Counter(
+        self.metering_errors = counter(
             "tollbooth_metering_errors",
             "Bugs or surprises in accounting; traffic was unaffected.",
             ["stage"],
-            registry=r,
         )
-        self.unmetered = Counter(
+        self.unmetered = counter(
             "llm_unmetered_requests",
             "POSTs to routes that are neither metered nor free (served or refused).",
             ["endpoint_class"],
-            registry=r,
         )
-        self.upstream_errors = Counter(
-            "tollbooth_upstream_errors",
-            "Upstream failures answered by the sidecar.",
-            ["reason"],
-            registry=r,
+        self.upstream_errors = counter(
+            "tollbooth_upstream_errors", "Upstream failures answered by the sidecar.", ["reason"]
         )
-        self.upstream_up = Gauge(
+        self.upstream_up = gauge(
             "tollbooth_upstream_up",
             "1 when the last background probe of the upstream got an answer below 500.",
-            registry=r,
         )
-        self.connections_cut = Counter(
+        self.connections_cut = counter(
             "tollbooth_connections_cut",
             "Client connections closed by the sidecar: no complete request headers in time "
             "(header_timeout) or kept alive without a request (idle_timeout).",
             ["listener", "reason"],
-            registry=r,
         )
-        self.client_connections = Gauge(
-            "tollbooth_client_connections",
-            "Client connections open now.",
-            ["listener"],
-            registry=r,
+        self.client_connections = gauge(
+            "tollbooth_client_connections", "Client connections open now.", ["listener"]
         )
-        self.requests_refused = Counter(
+        self.requests_refused = counter(
             "tollbooth_requests_refused",
             "Requests the sidecar refused before reading their body: no room for it in memory "
             "(memory_total, memory_key: 503), or a Content-Encoding (content_encoding: 415).",
             ["reason"],
-            registry=r,
         )
-        self.request_memory = Gauge(
+        self.request_memory = gauge(
             "tollbooth_request_memory_bytes",
             "Memory reserved now for request bodies (their bytes, their parse): all connections.",
-            registry=r,
         )
         # --- cost
-        self.cost = LoopCounter(
-            "llm_cost_usd",
-            "Spend in USD from per-token prices.",
-            PER_TOKEN_TYPE,
-            registry=r,
+        self.cost = loop_counter(
+            "llm_cost_usd", "Spend in USD from per-token prices.", PER_TOKEN_TYPE
         )
-        self.request_cost = self._per_request(
-            "llm_request_cost_usd", "Each request's total cost in USD.", COST_BUCKETS
+        self.request_cost = per_request(
+            "llm_request_cost_usd", "Each request's total cost in USD.", buckets=COST_BUCKETS
         )
-        self.cost_unknown = LoopCounter(
-            "llm_cost_unknown", "Requests whose cost is unknown.", ["model", "reason"], registry=r
+        self.cost_unknown = loop_counter(
+            "llm_cost_unknown", "Requests whose cost is unknown.", ["model", "reason"]
         )
-        self.spend_today = LoopGauge(
-            "llm_spend_today_usd",
-            "Spend since the start of the budget day.",
-            ["user_id"],
-            registry=r,
+        self.spend_today = loop_gauge(
+            "llm_spend_today_usd", "Spend since the start of the budget day.", ["user_id"]
         )
-        self.team_spend_today = LoopGauge(
+        self.team_spend_today = loop_gauge(
             "llm_team_spend_today_usd",
             "Spend since the start of the budget day by team (the keys file's team of the "
             "billed key; measured spend only; requests without a team are not in it).",
             ["team"],
-            registry=r,
         )
-        self.ledger_errors = Counter(
+        self.ledger_errors = counter(
             "llm_ledger_errors",
             "Usage-ledger failures by stage: open and write (retried; rows wait in memory), row "
             "(a row refused as it was, written cleaned), kept (refused even cleaned: kept aside, "
             "not written), make (a row could not be made), ship_row and ship_kept (the same in "
             "PostgreSQL), ship (the shipper failed for another reason than the database).",
             ["stage"],
-            registry=r,
         )
         for stage in LEDGER_STAGES:  # every stage exported from 0: increase() sees the first
             self.ledger_errors.labels(stage)
-        self.writer_failing = Gauge(
+        self.writer_failing = gauge(
             "tollbooth_writer_failing",
             "1 while a writer cannot write (ledger, shipper, access_log, audit); /readyz is not "
             "ready then. Read at scrape time from the writer's state.",
             ["writer"],
-            registry=r,
         )
-        self.ledger_set_aside = Gauge(
+        self.ledger_set_aside = gauge(
             "llm_ledger_rows_set_aside",
             "Ledger rows refused even cleaned, not written: `memory` (kept by the SQLite "
             "writer, lost at a restart), `quarantine` (in the outbox's quarantine table, "
             "missing from PostgreSQL).",
             ["where"],
-            registry=r,
         )
-        self.ledger_reopens = Counter(
+        self.ledger_reopens = counter(
             "llm_ledger_reopens",
             "Ledger file found deleted or replaced while open, and opened again at its path.",
-            registry=r,
         )
-        self.ledger_dropped = Counter(
-            "llm_ledger_dropped_rows",
-            "Ledger rows dropped because the pending queue was full.",
-            registry=r,
+        self.ledger_dropped = counter(
+            "llm_ledger_dropped_rows", "Ledger rows dropped because the pending queue was full."
         )
-        self.budget_rejections = Counter(
+        self.budget_rejections = counter(
             "llm_budget_rejections",
             "Requests refused because their worst-case cost would exceed a daily budget.",
             ["scope"],
-            registry=r,
         )
-        self.budget_refusals = Counter(
+        self.budget_refusals = counter(
             "llm_budget_refusals",
             "Requests refused by a daily budget (429), by the user refused, the scope whose "
             "budget it would exceed, and why: budget (over the limit) or capacity (the budget "
             "table is full of users).",
             ["user_id", "scope", "reason"],
-            registry=r,
         )
-        self.budget_unmeasured_charges = Counter(
+        self.budget_unmeasured_charges = counter(
             "llm_budget_unmeasured_charges",
             "Requests that reached the server with no usage measured; their budget hold was "
             "charged (not exported as spend).",
-            registry=r,
         )
         # --- fleet: the shared budget store and the shipped ledger
-        self.store_up = Gauge(
+        self.store_up = gauge(
             "llm_budget_store_up",
             "1 while the shared budget store answers; 0 while its circuit breaker is open.",
-            registry=r,
         )
-        self.store_errors = Counter(
-            "llm_budget_store_errors",
-            "Shared budget store calls that failed or timed out.",
-            ["op"],
-            registry=r,
+        self.store_errors = counter(
+            "llm_budget_store_errors", "Shared budget store calls that failed or timed out.", ["op"]
         )
-        self.store_bypassed = Counter(
+        self.store_bypassed = counter(
             "llm_budget_store_bypassed",
             "Requests admitted without a budget check because the store was unavailable (open).",
-            registry=r,
         )
-        self.store_refused = Counter(
+        self.store_refused = counter(
             "llm_budget_store_refused",
             "Requests refused with 503 because the store was unavailable (closed, or local "
             "without a known remainder).",
-            registry=r,
         )
-        self.store_local = Counter(
+        self.store_local = counter(
             "llm_budget_store_local_decisions",
             "Requests decided on this sidecar's share of the last known remainder (local).",
             ["outcome"],
-            registry=r,
         )
-        self.holds_expired = Counter(
+        self.holds_expired = counter(
             "llm_budget_holds_expired",
             "Holds whose lease ended (their sidecar stopped renewing them), charged in full.",
-            registry=r,
         )
-        self.settles_pending = Gauge(
-            "llm_budget_settles_pending", "Settlements waiting to reach the store.", registry=r
+        self.settles_pending = gauge(
+            "llm_budget_settles_pending", "Settlements waiting to reach the store."
         )
-        self.settles_dropped = Counter(
+        self.settles_dropped = counter(
             "llm_budget_settles_dropped",
             "Settlements dropped (queue full, or their budget day's keys expired).",
-            registry=r,
         )
-        self.sidecars_alive = Gauge(
-            "llm_budget_sidecars_alive",
-            "Sidecars with a recent heartbeat in the shared store.",
-            registry=r,
+        self.sidecars_alive = gauge(
+            "llm_budget_sidecars_alive", "Sidecars with a recent heartbeat in the shared store."
         )
-        self.store_reseeds = Counter(
+        self.store_reseeds = counter(
             "llm_budget_store_reseeds",
             "Times this sidecar seeded the store's day from the ledger.",
             ["outcome"],
-            registry=r,
         )
-        self.ledger_shipped = Counter(
-            "llm_ledger_shipped_rows",
-            "Ledger rows shipped to PostgreSQL.",
-            ["table"],
-            registry=r,
+        self.ledger_shipped = counter(
+            "llm_ledger_shipped_rows", "Ledger rows shipped to PostgreSQL.", ["table"]
         )
-        self.ledger_ship_errors = Counter(
-            "llm_ledger_ship_errors", "Failed shipments to PostgreSQL (retried).", registry=r
+        self.ledger_ship_errors = counter(
+            "llm_ledger_ship_errors", "Failed shipments to PostgreSQL (retried)."
         )
-        self.ledger_renamed = Counter(
+        self.ledger_renamed = counter(
             "llm_ledger_outbox_renamed",
             "Outbox renamed: its row numbers were taken in PostgreSQL by other rows (a copied "
             "or restored ledger file); its rows are shipped under the new name.",
             ["table"],
-            registry=r,
         )
-        self.ledger_unshipped = Gauge(
-            "llm_ledger_unshipped_rows",
-            "Rows in the local outbox not yet in PostgreSQL.",
-            registry=r,
+        self.ledger_unshipped = gauge(
+            "llm_ledger_unshipped_rows", "Rows in the local outbox not yet in PostgreSQL."
         )
-        self.auth_rejections = Counter(
+        self.auth_rejections = counter(
             "llm_auth_rejections",
             "Requests refused with 401: a missing or unknown API key.",
             ["reason"],
-            registry=r,
         )
         # --- admission
         self.queue_wait = Histogram(
@@ -626,78 +525,53 @@ class Metrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("llm_queue_depth", "Requests waiting for admission.", registry=r)
-        self.queue_waiting_tokens = Gauge(
-            "llm_queue_waiting_tokens",
-            "Estimated tokens of the requests waiting (an estimate).",
-            registry=r,
+        self.queue_depth = gauge("llm_queue_depth", "Requests waiting for admission.")
+        self.queue_waiting_tokens = gauge(
+            "llm_queue_waiting_tokens", "Estimated tokens of the requests waiting (an estimate)."
         )
-        self.budget_in_use = Gauge(
-            "llm_budget_tokens_in_use",
-            "Estimated tokens of admitted requests (an estimate).",
-            registry=r,
+        self.budget_in_use = gauge(
+            "llm_budget_tokens_in_use", "Estimated tokens of admitted requests (an estimate)."
         )
-        self.budget_limit = Gauge(
-            "llm_budget_tokens_limit", "The admission token budget.", registry=r
-        )
-        self.admission_rejections = Counter(
-            "llm_admission_rejections",
-            "Requests refused by the admission queue.",
-            ["reason"],
-            registry=r,
+        self.budget_limit = gauge("llm_budget_tokens_limit", "The admission token budget.")
+        self.admission_rejections = counter(
+            "llm_admission_rejections", "Requests refused by the admission queue.", ["reason"]
         )
         # --- GPU telemetry and attribution
         gpu = ("gpu", "uuid", "name")
-        self.gpu_up = Gauge("llm_gpu_telemetry_up", "1 when NVML telemetry is running.", registry=r)
-        self.gpu_util = Gauge("llm_gpu_utilization_ratio", "GPU busy ratio (0-1).", gpu, registry=r)
-        self.gpu_mem_used = Gauge(
-            "llm_gpu_memory_used_bytes", "GPU memory in use.", gpu, registry=r
+        self.gpu_up = gauge("llm_gpu_telemetry_up", "1 when NVML telemetry is running.")
+        self.gpu_util = gauge("llm_gpu_utilization_ratio", "GPU busy ratio (0-1).", gpu)
+        self.gpu_mem_used = gauge("llm_gpu_memory_used_bytes", "GPU memory in use.", gpu)
+        self.gpu_mem_total = gauge("llm_gpu_memory_total_bytes", "GPU memory in total.", gpu)
+        self.gpu_power = gauge("llm_gpu_power_watts", "GPU power draw.", gpu)
+        self.gpu_energy = counter(
+            "llm_gpu_energy_joules", "GPU energy since the sidecar started.", gpu
         )
-        self.gpu_mem_total = Gauge(
-            "llm_gpu_memory_total_bytes", "GPU memory in total.", gpu, registry=r
+        self.gpu_temp = gauge("llm_gpu_temperature_celsius", "GPU temperature.", gpu)
+        self.device_seconds = counter(
+            "llm_device_seconds", "GPU-seconds attributed to requests.", PER_MODEL_USER
         )
-        self.gpu_power = Gauge("llm_gpu_power_watts", "GPU power draw.", gpu, registry=r)
-        self.gpu_energy = Counter(
-            "llm_gpu_energy_joules", "GPU energy since the sidecar started.", gpu, registry=r
-        )
-        self.gpu_temp = Gauge("llm_gpu_temperature_celsius", "GPU temperature.", gpu, registry=r)
-        self.device_seconds = Counter(
-            "llm_device_seconds",
-            "GPU-seconds attributed to requests.",
-            PER_MODEL_USER,
-            registry=r,
-        )
-        self.device_cost = Counter(
+        self.device_cost = counter(
             "llm_device_cost_usd",
             "GPU-time cost attributed to requests (gpu_hour_usd).",
             PER_MODEL_USER,
-            registry=r,
         )
-        self.energy = Counter(
-            "llm_energy_joules", "GPU energy attributed to requests.", ["model"], registry=r
-        )
-        self.spans_dropped = Counter(
-            "tollbooth_spans_dropped",
-            "Spans dropped because the export queue was full.",
-            registry=r,
+        self.energy = counter("llm_energy_joules", "GPU energy attributed to requests.", ["model"])
+        self.spans_dropped = counter(
+            "tollbooth_spans_dropped", "Spans dropped because the export queue was full."
         )
         # --- audit
-        self.audit_captures = Counter(
-            "llm_audit_captures", "Audit records written.", ["model", "reason"], registry=r
+        self.audit_captures = counter(
+            "llm_audit_captures", "Audit records written.", ["model", "reason"]
         )
-        self.audit_errors = Counter(
-            "tollbooth_audit_errors", "Audit records that failed to write.", registry=r
-        )
-        self.access_log_errors = Counter(
+        self.audit_errors = counter("tollbooth_audit_errors", "Audit records that failed to write.")
+        self.access_log_errors = counter(
             "tollbooth_access_log_errors",
             "Access-log lines that could not be written, even cleaned.",
-            registry=r,
         )
-        self.log_dropped = Counter(
+        self.log_dropped = counter(
             "tollbooth_log_records_dropped",
             "Access-log lines and audit records dropped because the writer's queue was full.",
             ["log"],
-            registry=r,
         )
 
 

@@ -142,8 +142,7 @@ class Reconciler(Collector):
         return counts, f"read {len(counts)} series"
 
     def _parse(self, body: bytes) -> Counts:
-        page = body.decode("utf-8", "replace")
-        return parse(page, self.default_model)
+        return parse(body.decode("utf-8", "replace"), self.default_model)
 
     async def run(self) -> None:
         while True:

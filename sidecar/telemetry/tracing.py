@@ -49,14 +49,18 @@ def exporter_from_env() -> SpanExporter:
         "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
     )
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc
 
-        return OTLPSpanExporter()
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpExporter,
-    )
+        return grpc.OTLPSpanExporter()
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter as http
 
-    return HttpExporter()
+    return http.OTLPSpanExporter()
+
+
+def resource() -> Resource:
+    """This service, for the traces and the GenAI metrics (OTEL_SERVICE_NAME may rename it)."""
+    name = os.environ.get("OTEL_SERVICE_NAME", "tollbooth")
+    return Resource.create({"service.name": name, "service.version": __version__})
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):
@@ -78,13 +82,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 class Tracing:
     def __init__(self, config: Config, metrics: Metrics, exporter: SpanExporter | None = None):
         self.config = config
-        resource = Resource.create(
-            {
-                "service.name": os.environ.get("OTEL_SERVICE_NAME", "tollbooth"),
-                "service.version": __version__,
-            }
-        )
-        self.provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
+        self.provider = TracerProvider(resource=resource())  # sampler from OTEL_TRACES_SAMPLER
         self.provider.add_span_processor(
             CountingBatchSpanProcessor(exporter or exporter_from_env(), metrics)
         )
