@@ -145,22 +145,26 @@ class GpuCollector:
     def _read(self, d: Device) -> float | None:
         """Export one GPU's readings; return its energy (J) since the last poll, if known."""
         nvml, m, labels = self.nvml, self.metrics, (str(d.index), d.uuid, d.name)
-        util = self._field(d, "util", nvml.nvmlDeviceGetUtilizationRates)
+        util = self._field(d, "util", lambda: nvml.nvmlDeviceGetUtilizationRates(d.handle))
         if util is not None:
             m.gpu_util.labels(*labels).set(util.gpu / 100.0)
-        mem = self._field(d, "memory", nvml.nvmlDeviceGetMemoryInfo)
+        mem = self._field(d, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(d.handle))
         if mem is not None:
             m.gpu_mem_used.labels(*labels).set(mem.used)
             m.gpu_mem_total.labels(*labels).set(mem.total)
-        power_mw = self._field(d, "power", nvml.nvmlDeviceGetPowerUsage)
+        power_mw = self._field(d, "power", lambda: nvml.nvmlDeviceGetPowerUsage(d.handle))
         if power_mw is not None:
             m.gpu_power.labels(*labels).set(power_mw / 1000.0)
         temp = self._field(
-            d, "temperature", nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU
+            d,
+            "temperature",
+            lambda: nvml.nvmlDeviceGetTemperature(d.handle, nvml.NVML_TEMPERATURE_GPU),
         )
         if temp is not None:
             m.gpu_temp.labels(*labels).set(temp)
-        energy_mj = self._field(d, "energy", nvml.nvmlDeviceGetTotalEnergyConsumption)
+        energy_mj = self._field(
+            d, "energy", lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(d.handle)
+        )
         if energy_mj is None:
             return None
         delta = None if d.last_energy_mj is None else max(0, energy_mj - d.last_energy_mj) / 1000
@@ -169,11 +173,11 @@ class GpuCollector:
             m.gpu_energy.labels(*labels).inc(delta)
         return delta
 
-    def _field(self, d: Device, name: str, read: Callable[..., Any], *args: Any) -> Any:
+    def _field(self, d: Device, name: str, read: Callable[[], Any]) -> Any:
         if name in d.unsupported:
             return None
         try:
-            return read(d.handle, *args)
+            return read()
         except Exception as exc:
             if type(exc).__name__ == "NVMLError_NotSupported":
                 d.unsupported.add(name)  # absent for this GPU from now on
