@@ -226,6 +226,21 @@ def test_counters_go_on_in_the_next_process(clock: Clock, tmp_path: Path) -> Non
     assert shown(reg2)[cost_key("held")] == 3
 
 
+def test_a_counter_without_labels_goes_on_in_the_next_process(clock: Clock, tmp_path: Path) -> None:
+    """The fleet's unlabelled counters were saved, then not restored ("No label names were set"):
+    each graceful restart reset them, and a rule reading their increase() saw a reset."""
+    m = Metrics()
+    view = published(m, hold_s=10)[1]
+    m.store_bypassed.inc(2)
+    m.holds_expired.inc(1)
+    path = tmp_path / "ledger.db.series.json"
+    save(view, path, clock)
+    nxt = Metrics()
+    restore(nxt, published(nxt, hold_s=10)[1], path, clock=clock)
+    assert nxt.registry.get_sample_value("llm_budget_store_bypassed_total") == 2
+    assert nxt.registry.get_sample_value("llm_budget_holds_expired_total") == 1
+
+
 def test_carried_series_pass_the_caps_of_the_new_process(clock: Clock, tmp_path: Path) -> None:
     m = Metrics()
     _, view = published(m, hold_s=10)

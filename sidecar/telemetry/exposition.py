@@ -387,7 +387,8 @@ def restore(
     for s in data.get("series", []):
         try:
             labels = relabel(s["labels"])
-            child = families[s["family"]].labels(**labels)
+            family = families[s["family"]]
+            child = family.labels(**labels) if labels else family  # an unlabelled family
             if "buckets" in s:
                 _go_on(child, s)
             elif (value := float(s.get("value", 0.0))) > 0:
