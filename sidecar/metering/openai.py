@@ -414,13 +414,17 @@ def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endp
     if not totals:
         return replace(base, unknown_reason="stream_without_usage")
     parts = [read_usage(_decoded(u), endpoint) for u in totals]
+    inp, out = total(p.input_tokens for p in parts), total(p.output_tokens for p in parts)
+    # a part of a sum that is unknown (one of its parts invalid, or without it) is no count
+    cached = None if inp is None else total_present(p.cached_input_tokens for p in parts)
+    reasoning = None if out is None else total_present(p.reasoning_tokens for p in parts)
     return bounded(
         replace(
             base,
-            input_tokens=total(p.input_tokens for p in parts),
-            output_tokens=total(p.output_tokens for p in parts),
-            cached_input_tokens=total_present(p.cached_input_tokens for p in parts),
-            reasoning_tokens=total_present(p.reasoning_tokens for p in parts),
+            input_tokens=inp,
+            output_tokens=out,
+            cached_input_tokens=cached,
+            reasoning_tokens=reasoning,
             unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
         )
     )
