@@ -243,7 +243,9 @@ def read_usage(
     inp, out = count(raw_in), count(raw_out)
     cached = None if raw_cached is None else count(raw_cached)
     reasoning = None if raw_reasoning is None else count(raw_reasoning)
-    more_cached = cached is not None and inp is not None and cached > inp  # than there was
+    # Cached tokens are a part of the input: more of them than input, or of no input count, is a
+    # broken count (as for reasoning, below).
+    more_cached = cached is not None and (inp is None or cached > inp)
     # Reasoning tokens are a part of the output: more of them than output is a broken count.
     more_reasoning = reasoning is not None and (out is None or reasoning > out)
     if (
