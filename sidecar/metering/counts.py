@@ -159,9 +159,11 @@ def invalid(raw: object, read: int | None) -> bool:
 
 def counts_of(raw: tuple[object, object, object]) -> Counts | None:
     """(input, output, cached input) as sent, read as `Counts`; None when one was sent but is no
-    count."""
+    count, or the cached input (a part of the input) is more than the input or of none."""
     read = (count(raw[0]), count(raw[1]), count(raw[2]))
     if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
+        return None
+    if read[2] is not None and (read[0] is None or read[2] > read[0]):
         return None
     return read
 
