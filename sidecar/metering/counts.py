@@ -208,18 +208,20 @@ def total(values: Iterable[int | None]) -> int | None:
 
 def summed(counts: Sequence[Counts | None], model: str | None, reasons: tuple[str, ...]) -> Usage:
     """The usage of results taken together (one per prompt, each with its `Counts`, None where
-    they were invalid): invalid usage if any was."""
+    they were invalid): invalid usage if any was, or if their totals pass the ceiling."""
     read = [c for c in counts if c is not None]
     if len(read) != len(counts):
         return Usage(unknown_reason=INVALID_USAGE)
     inp, out = total(c[0] for c in read), total(c[1] for c in read)
-    return Usage(
-        input_tokens=inp,
-        output_tokens=out,
-        cached_input_tokens=total(c[2] for c in read),
-        model=model,
-        finish_reasons=reasons,
-        unknown_reason=None if inp is not None and out is not None else "no_usage",
+    return bounded(
+        Usage(
+            input_tokens=inp,
+            output_tokens=out,
+            cached_input_tokens=total(c[2] for c in read),
+            model=model,
+            finish_reasons=reasons,
+            unknown_reason=None if inp is not None and out is not None else "no_usage",
+        )
     )
 
 
