@@ -375,6 +375,23 @@ def test_a_chat_prompt_is_counted_once_from_the_running_totals_of_its_choices(fa
     assert (ended.input_tokens, ended.output_tokens) == (100, 4)  # was (200, 4)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
+def test_a_batch_whose_every_prompt_was_not_seen_has_no_input_count(fast: bool) -> None:
+    """Two prompts, the stream cut after the first one's choice carried its running usage: its
+    prompt alone was the input, measured (the second prompt, prefilled too, was free)."""
+    chunk = {
+        "id": "x",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "a"}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101},
+    }
+    meter = open_stream(Endpoint.COMPLETIONS, choices=2, fast=fast)
+    meter.feed(sse(chunk))
+    for u in (meter.usage_so_far(), meter.finish()[1]):
+        assert u.input_tokens is None  # was 100
+        assert u.unknown_reason is not None  # was None: measured
+
+
 # --- output on routes whose limit was not read ----------------------------------------------------
 
 
