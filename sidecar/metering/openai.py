@@ -332,26 +332,6 @@ class ChatStream(SSEMeter):
     def _cut_event(self, ev: Event) -> bytes:
         return _without_usage(ev)
 
-    def usage_so_far(self) -> Usage:
-        """Usage of a stream the client cut short: the totals if they came; else vLLM's running
-        totals (exact up to the last chunk received); else unknown."""
-        running = self._choice_usage
-        if self._final_usage or len(running) < 2 or self._parser.oversized:
-            return self._usage()
-        parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
-        inp = self._running_input(parts)
-        reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
-        return bounded(
-            replace(
-                self._usage(),
-                input_tokens=inp,
-                output_tokens=total(p.output_tokens for p in parts.values()),
-                cached_input_tokens=None,
-                reasoning_tokens=None,
-                unknown_reason=None if inp is not None else reason or "incomplete_usage",
-            )
-        )
-
     def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
         """A chat's choices share one prompt. A batched completion's choice `i` belongs to prompt
         `i // n`, and each choice's running usage carries its own prompt's size: one per prompt,
@@ -368,8 +348,24 @@ class ChatStream(SSEMeter):
         return sum(prompts.values())
 
     def _counted_usage(self) -> Usage:
-        totals = [*self._final_usage] or [*self._choice_usage.values()]
-        return _totals(self._base(), totals, self.endpoint)
+        """The totals if they came; else vLLM's running totals (exact up to the last chunk
+        received), each prompt's once: at the stream's end as for a client that left; else
+        unknown."""
+        running = self._choice_usage
+        if self._final_usage or not running or self._choices < 2:
+            totals = [*self._final_usage] or [*running.values()]
+            return _totals(self._base(), totals, self.endpoint)
+        parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
+        inp = self._running_input(parts)
+        reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
+        return bounded(
+            replace(
+                self._base(),
+                input_tokens=inp,
+                output_tokens=total(p.output_tokens for p in parts.values()),
+                unknown_reason=None if inp is not None else reason or "incomplete_usage",
+            )
+        )
 
 
 class ResponsesStream(SSEMeter):
