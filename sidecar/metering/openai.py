@@ -96,6 +96,8 @@ class OpenAIAdapter:
         info.text_chars, info.prompt_ids = body_size(obj)
         info.unreadable = unreadable
         info.output_cap = reqsize.output_cap(max_tokens, obj, obj)
+        if endpoint is Endpoint.EMBEDDINGS:
+            info.output_cap = 0  # nothing is generated: any output counted is no measurement
         return info
 
     def _limits(
