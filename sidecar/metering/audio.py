@@ -266,7 +266,6 @@ def audio_request(
         stream=lax_true(fields.get("stream", "")),
         model=clean(model, MODEL_CHARS) if model else None,
         max_tokens=limit,
-        output_cap=limit or None,  # the one limit field; 0 may read as none (`reqsize.output_cap`)
         streamed=True,
         size=size,
         audio_bytes=audio_bytes,
