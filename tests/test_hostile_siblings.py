@@ -448,3 +448,36 @@ def test_output_on_a_route_that_generates_nothing_is_invalid_usage(
     u = within_request(usage_from_body(endpoint, json.dumps(answer).encode(), {}), info)
     assert counts(u) == NONE4  # was (5, 900,000,000, None, None)
     assert u.unknown_reason == INVALID_USAGE
+
+
+# --- output a server makes in several generations -------------------------------------------------
+# vLLM's Responses API runs a built-in tool (web_search_preview, code_interpreter, container, an
+# MCP server) between generations of one request, the later ones limited by what is left of the
+# context, not by `max_output_tokens` (`_generate_with_builtin_tools`: `sampling_params.max_tokens
+# = self.max_model_len - len(prompt_token_ids)`), and reports the output of every one. Capped at
+# `max_output_tokens`, a client's 16 became invalid usage above it: charged only its hold, free.
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"type": "code_interpreter", "container": {"type": "auto"}},
+        {"type": "web_search_preview"},
+        {"type": "mcp", "server_label": "x", "server_url": "http://x"},
+    ],
+    ids=lambda t: t["type"],
+)
+def test_output_of_a_response_that_runs_built_in_tools_is_not_capped(tool: dict[str, Any]) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "tools": [tool]}
+    info = inspect_request(Endpoint.RESPONSES, json.dumps(body).encode(), inject_usage=False)
+    u = within_request(Usage(input_tokens=10, output_tokens=5000), info)
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (10, 5000, None)
+
+
+def test_output_of_a_response_with_function_tools_only_is_capped() -> None:
+    """A function tool is called by the client: one generation, as without tools."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "tools": [tool]}
+    info = inspect_request(Endpoint.RESPONSES, json.dumps(body).encode(), inject_usage=False)
+    assert within_request(Usage(input_tokens=10, output_tokens=17), info).output_tokens is None
+    assert within_request(Usage(input_tokens=10, output_tokens=16), info).output_tokens == 16
