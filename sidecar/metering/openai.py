@@ -98,6 +98,8 @@ class OpenAIAdapter:
         info.output_cap = reqsize.output_cap(max_tokens, obj, obj)
         if endpoint is Endpoint.EMBEDDINGS:
             info.output_cap = 0  # nothing is generated: any output counted is no measurement
+        elif endpoint is Endpoint.RESPONSES and info.tools and _server_tools(tools):
+            info.output_cap = None  # one generation per built-in tool call, each with its limit
         return info
 
     def _limits(
@@ -192,6 +194,14 @@ def one_prompt(obj: Mapping[str, Any]) -> str | None:
     if not isinstance(prompt, str) or "truncate_prompt_tokens" in obj:
         return None
     return prompt
+
+
+def _server_tools(tools: list[Any]) -> bool:
+    """Does a Responses request name a tool the server runs itself (web_search_preview,
+    code_interpreter, container, mcp: anything but a client's function)? vLLM then generates
+    again after each call, limited by the context left, not by `max_output_tokens`
+    (`_generate_with_builtin_tools`), and reports every generation's output."""
+    return any(not isinstance(t, dict) or t.get("type") != "function" for t in tools)
 
 
 def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
