@@ -98,7 +98,7 @@ class OpenAIAdapter:
         info.output_cap = reqsize.output_cap(max_tokens, obj, obj)
         if endpoint is Endpoint.EMBEDDINGS:
             info.output_cap = 0  # nothing is generated: any output counted is no measurement
-        elif endpoint is Endpoint.RESPONSES and info.tools and _server_tools(tools):
+        elif endpoint is Endpoint.RESPONSES and _server_tools(tools):
             info.output_cap = None  # one generation per built-in tool call, each with its limit
         return info
 
@@ -196,11 +196,13 @@ def one_prompt(obj: Mapping[str, Any]) -> str | None:
     return prompt
 
 
-def _server_tools(tools: list[Any]) -> bool:
+def _server_tools(tools: object) -> bool:
     """Does a Responses request name a tool the server runs itself (web_search_preview,
     code_interpreter, container, mcp: anything but a client's function)? vLLM then generates
     again after each call, limited by the context left, not by `max_output_tokens`
     (`_generate_with_builtin_tools`), and reports every generation's output."""
+    if not isinstance(tools, list):
+        return False
     return any(not isinstance(t, dict) or t.get("type") != "function" for t in tools)
 
 
