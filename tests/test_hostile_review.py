@@ -170,7 +170,7 @@ async def test_reasoning_tokens_of_an_output_beyond_the_limit_are_not_counted(
 
     await wait_for(lambda: len(rows()) == 1, "the ledger row")
     assert rows() == [(None, None, None)]
-    tokens = {"model": MODEL, "api_endpoint": "/v1/chat/completions", "user": "anonymous"}
+    tokens = {"model": MODEL, "api_endpoint": "/v1/chat/completions", "user_id": "anonymous"}
     assert run.value("llm_tokens_total", token_type="reasoning", **tokens) is None
     assert run.value("llm_tokens_total", token_type="output", **tokens) is None
 

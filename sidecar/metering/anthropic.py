@@ -130,6 +130,8 @@ def counted(base: Usage, usage: Mapping[str, Any] | None) -> Usage:
     inp, out, read, write = (count(v) for v in raw)
     if any(invalid(v, n) for v, n in zip(raw, (inp, out, read, write), strict=True)):
         return replace(base, unknown_reason=INVALID_USAGE)
+    if inp is None and (read is not None or write is not None):
+        return replace(base, unknown_reason=INVALID_USAGE)  # a part of no input count
     total = None if inp is None else inp + (read or 0) + (write or 0)
     both = total is not None and out is not None
     return bounded(

@@ -159,9 +159,11 @@ def invalid(raw: object, read: int | None) -> bool:
 
 def counts_of(raw: tuple[object, object, object]) -> Counts | None:
     """(input, output, cached input) as sent, read as `Counts`; None when one was sent but is no
-    count."""
+    count, or the cached input (a part of the input) is more than the input or of none."""
     read = (count(raw[0]), count(raw[1]), count(raw[2]))
     if any(invalid(v, n) for v, n in zip(raw, read, strict=True)):
+        return None
+    if read[2] is not None and (read[0] is None or read[2] > read[0]):
         return None
     return read
 
@@ -206,18 +208,20 @@ def total(values: Iterable[int | None]) -> int | None:
 
 def summed(counts: Sequence[Counts | None], model: str | None, reasons: tuple[str, ...]) -> Usage:
     """The usage of results taken together (one per prompt, each with its `Counts`, None where
-    they were invalid): invalid usage if any was."""
+    they were invalid): invalid usage if any was, or if their totals pass the ceiling."""
     read = [c for c in counts if c is not None]
     if len(read) != len(counts):
         return Usage(unknown_reason=INVALID_USAGE)
     inp, out = total(c[0] for c in read), total(c[1] for c in read)
-    return Usage(
-        input_tokens=inp,
-        output_tokens=out,
-        cached_input_tokens=total(c[2] for c in read),
-        model=model,
-        finish_reasons=reasons,
-        unknown_reason=None if inp is not None and out is not None else "no_usage",
+    return bounded(
+        Usage(
+            input_tokens=inp,
+            output_tokens=out,
+            cached_input_tokens=total(c[2] for c in read),
+            model=model,
+            finish_reasons=reasons,
+            unknown_reason=None if inp is not None and out is not None else "no_usage",
+        )
     )
 
 

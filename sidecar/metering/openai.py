@@ -96,6 +96,10 @@ class OpenAIAdapter:
         info.text_chars, info.prompt_ids = body_size(obj)
         info.unreadable = unreadable
         info.output_cap = reqsize.output_cap(max_tokens, obj, obj)
+        if endpoint is Endpoint.EMBEDDINGS:
+            info.output_cap = 0  # nothing is generated: any output counted is no measurement
+        elif endpoint is Endpoint.RESPONSES and _server_tools(tools):
+            info.output_cap = None  # one generation per built-in tool call, each with its limit
         return info
 
     def _limits(
@@ -192,6 +196,16 @@ def one_prompt(obj: Mapping[str, Any]) -> str | None:
     return prompt
 
 
+def _server_tools(tools: object) -> bool:
+    """Does a Responses request name a tool the server runs itself (web_search_preview,
+    code_interpreter, container, mcp: anything but a client's function)? vLLM then generates
+    again after each call, limited by the context left, not by `max_output_tokens`
+    (`_generate_with_builtin_tools`), and reports every generation's output."""
+    if not isinstance(tools, list):
+        return False
+    return any(not isinstance(t, dict) or t.get("type") != "function" for t in tools)
+
+
 def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
     """A completion's prompt list gives one choice per prompt (times n); a token-id list is one."""
     prompt = obj.get("prompt")
@@ -243,7 +257,9 @@ def read_usage(
     inp, out = count(raw_in), count(raw_out)
     cached = None if raw_cached is None else count(raw_cached)
     reasoning = None if raw_reasoning is None else count(raw_reasoning)
-    more_cached = cached is not None and inp is not None and cached > inp  # than there was
+    # Cached tokens are a part of the input: more of them than input, or of no input count, is a
+    # broken count (as for reasoning, below).
+    more_cached = cached is not None and (inp is None or cached > inp)
     # Reasoning tokens are a part of the output: more of them than output is a broken count.
     more_reasoning = reasoning is not None and (out is None or reasoning > out)
     if (
@@ -330,26 +346,6 @@ class ChatStream(SSEMeter):
     def _cut_event(self, ev: Event) -> bytes:
         return _without_usage(ev)
 
-    def usage_so_far(self) -> Usage:
-        """Usage of a stream the client cut short: the totals if they came; else vLLM's running
-        totals (exact up to the last chunk received); else unknown."""
-        running = self._choice_usage
-        if self._final_usage or len(running) < 2 or self._parser.oversized:
-            return self._usage()
-        parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
-        inp = self._running_input(parts)
-        reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
-        return bounded(
-            replace(
-                self._usage(),
-                input_tokens=inp,
-                output_tokens=total(p.output_tokens for p in parts.values()),
-                cached_input_tokens=None,
-                reasoning_tokens=None,
-                unknown_reason=None if inp is not None else reason or "incomplete_usage",
-            )
-        )
-
     def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
         """A chat's choices share one prompt. A batched completion's choice `i` belongs to prompt
         `i // n`, and each choice's running usage carries its own prompt's size: one per prompt,
@@ -366,8 +362,24 @@ class ChatStream(SSEMeter):
         return sum(prompts.values())
 
     def _counted_usage(self) -> Usage:
-        totals = [*self._final_usage] or [*self._choice_usage.values()]
-        return _totals(self._base(), totals, self.endpoint)
+        """The totals if they came; else vLLM's running totals (exact up to the last chunk
+        received), each prompt's once: at the stream's end as for a client that left; else
+        unknown."""
+        running = self._choice_usage
+        if self._final_usage or not running or self._choices < 2:
+            totals = [*self._final_usage] or [*running.values()]
+            return _totals(self._base(), totals, self.endpoint)
+        parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
+        inp = self._running_input(parts)
+        reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
+        return bounded(
+            replace(
+                self._base(),
+                input_tokens=inp,
+                output_tokens=total(p.output_tokens for p in parts.values()),
+                unknown_reason=None if inp is not None else reason or "incomplete_usage",
+            )
+        )
 
 
 class ResponsesStream(SSEMeter):
@@ -414,13 +426,17 @@ def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endp
     if not totals:
         return replace(base, unknown_reason="stream_without_usage")
     parts = [read_usage(_decoded(u), endpoint) for u in totals]
+    inp, out = total(p.input_tokens for p in parts), total(p.output_tokens for p in parts)
+    # a part of a sum that is unknown (one of its parts invalid, or without it) is no count
+    cached = None if inp is None else total_present(p.cached_input_tokens for p in parts)
+    reasoning = None if out is None else total_present(p.reasoning_tokens for p in parts)
     return bounded(
         replace(
             base,
-            input_tokens=total(p.input_tokens for p in parts),
-            output_tokens=total(p.output_tokens for p in parts),
-            cached_input_tokens=total_present(p.cached_input_tokens for p in parts),
-            reasoning_tokens=total_present(p.reasoning_tokens for p in parts),
+            input_tokens=inp,
+            output_tokens=out,
+            cached_input_tokens=cached,
+            reasoning_tokens=reasoning,
             unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
         )
     )

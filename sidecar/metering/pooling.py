@@ -41,6 +41,7 @@ class PoolingAdapter(OpenAIAdapter):
         info.stream = False
         info.n = None
         info.choices = 1
+        info.output_cap = 0  # nothing is generated: any output counted is no measurement
         if endpoint in RERANK_ROUTES:
             info.text_chars += reqsize.repeated_chars(obj, (reqsize.RERANK_PAIR,))
         elif endpoint in SCORE_ROUTES:
