@@ -47,48 +47,22 @@ POOL_WAIT_S = 1.0  # wait for a pooled connection: a database that is down fails
 PRUNE_EVERY_S = 3600.0
 LOG_EVERY_S = 60.0  # a long outage logs once a minute, not once a second
 
-# PostgreSQL type of each column the SQLite ledger may have; a column not listed is not shipped.
-REQUEST_COLUMNS = {
-    "ts": "DOUBLE PRECISION NOT NULL",
-    "request_id": "TEXT NOT NULL",
-    "trace_id": "TEXT",
-    "model": "TEXT NOT NULL",
-    "endpoint": "TEXT NOT NULL",
-    "user": "TEXT NOT NULL",
-    "input_tokens": "BIGINT",
-    "cached_input_tokens": "BIGINT",
-    "output_tokens": "BIGINT",
-    "cost_usd": "DOUBLE PRECISION",
-    "status": "TEXT NOT NULL",
-    "stream": "SMALLINT NOT NULL",
-    "queue_s": "DOUBLE PRECISION",
-    "ttft_s": "DOUBLE PRECISION",
-    "duration_s": "DOUBLE PRECISION",
-    "error": "TEXT",
-    "team": "TEXT",
-    "end_user": "TEXT",
-    "device_seconds": "DOUBLE PRECISION",
-    "energy_j": "DOUBLE PRECISION",
-    "device_cost_usd": "DOUBLE PRECISION",
-    # --- reasoning columns (h-pooling) ---
-    "reasoning_tokens": "BIGINT",  # a part of output_tokens
-    # --- end reasoning columns ---
-    "audio_seconds": "DOUBLE PRECISION",  # input audio the server reported
-    # chargeback (issue 25) begin: ADD COLUMN IF NOT EXISTS upgrades an existing fleet ledger
-    "project": "TEXT",
-    "tags": "TEXT",
-    # chargeback (issue 25) end
-    "budget_usd": "DOUBLE PRECISION",  # the budgets' charge (restored at start)
-}
-AUDIT_COLUMNS = {
-    "ts": "DOUBLE PRECISION NOT NULL",
-    "request_id": "TEXT NOT NULL",
-    "trace_id": "TEXT",
-    "model": "TEXT NOT NULL",
-    "user": "TEXT NOT NULL",
-    "reason": "TEXT NOT NULL",
-    "record": "TEXT NOT NULL",
-}
+# PostgreSQL's type for each of the SQLite ledger's column types; `stream` (0 or 1) is a SMALLINT.
+PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
+
+
+def pg_columns(table: str) -> dict[str, str]:
+    """The PostgreSQL type of each column of the ledger's `table` (ledger.SCHEMA) but its row id:
+    the columns shipped (of an outbox written before some of them, those it has)."""
+    return {
+        name: ("SMALLINT" if name == "stream" else PG_TYPES[kind])
+        + (" NOT NULL" if not_null else "")
+        for name, kind, not_null in ledger.schema_columns(table)
+    }
+
+
+REQUEST_COLUMNS = pg_columns("requests")
+AUDIT_COLUMNS = pg_columns("audit")
 TABLES = {"requests": REQUEST_COLUMNS, "audit": AUDIT_COLUMNS}
 # Report and audit read `ts >= since ORDER BY ts`; the reseed sums cost by user and team over
 # today's rows (an index-only scan with the INCLUDE columns).

@@ -93,26 +93,6 @@ SAFE_TEXT_CHARS = 1 << 20  # a cleaned row's text fields: audit records can be l
 # What waits for the writer: the values of a row, or a function that makes them (in the thread).
 Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 
-INSERT = (
-    "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
-    "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error, team, end_user, device_seconds, energy_j, device_cost_usd"
-    ", reasoning_tokens"  # reasoning columns
-    ", audio_seconds"
-    ", project, tags"  # chargeback (issue 25)
-    ", budget_usd"
-    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
-    ", ?"  # reasoning columns
-    ", ?"  # audio_seconds
-    ", ?, ?"  # chargeback (issue 25)
-    ", ?"  # budget_usd
-    ")"
-)
-INSERT_AUDIT = (
-    "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-
 
 class Row(NamedTuple):
     """One `requests` row, in column order (a tuple: cheap to build on the event loop)."""
@@ -138,17 +118,32 @@ class Row(NamedTuple):
     device_seconds: float | None = None  # the columns after team and end_user default to NULL
     energy_j: float | None = None
     device_cost_usd: float | None = None
-    # --- reasoning columns (h-pooling) ---
     reasoning_tokens: int | None = None
-    # --- end reasoning columns ---
     audio_seconds: float | None = None
-    # chargeback (issue 25) begin
     project: str | None = None  # defaults: rows built before these columns still make a Row
     tags: str | None = None  # sorted, comma-joined; NULL: none
-    # chargeback (issue 25) end
     # the budgets' charge: at least the hold where usage was not measured, so a restart
     # restores what the budgets had counted, not only the measured cost
     budget_usd: float | None = None
+
+
+@functools.cache
+def schema_columns(table: str) -> tuple[tuple[str, str, bool], ...]:
+    """(name, SQLite type, NOT NULL) of each column of `table` in SCHEMA but its row id, in order,
+    as SQLite reads the schema: the statements, the upgrade and the fleet's tables follow it."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        conn.executescript(SCHEMA)
+        info = conn.execute(f"PRAGMA table_info({table})").fetchall()
+    return tuple((name, kind, bool(not_null)) for _, name, kind, not_null, _, pk in info if not pk)
+
+
+def insert_sql(table: str) -> str:
+    names = [name for name, _, _ in schema_columns(table)]
+    return f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(['?'] * len(names))})"
+
+
+INSERT = insert_sql("requests")  # a Row's values, in its order
+INSERT_AUDIT = insert_sql("audit")
 
 
 def row_of(ex: Exchange) -> Row:
@@ -216,14 +211,8 @@ def connect(path: str | Path) -> sqlite3.Connection:
 def _add_missing_columns(conn: sqlite3.Connection) -> None:
     """Ledgers written before a column existed get it (NULL in their old rows)."""
     have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-    added = {"team": "TEXT", "end_user": "TEXT"}
-    added |= {"device_seconds": "REAL", "energy_j": "REAL", "device_cost_usd": "REAL"}
-    added |= {"reasoning_tokens": "INTEGER"}
-    added |= {"audio_seconds": "REAL"}
-    added |= {"project": "TEXT", "tags": "TEXT"}  # chargeback (issue 25)
-    added |= {"budget_usd": "REAL"}
-    for column, kind in added.items():
-        if column not in have:
+    for column, kind, not_null in schema_columns("requests"):
+        if column not in have and not not_null:  # every ledger has had the NOT NULL ones
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
 
 
