@@ -327,39 +327,28 @@ class Shipper:
     def _send_each(
         self, db: sqlite3.Connection, table: str, source: str, cols: list[str], rows: list[Any]
     ) -> list[Any]:
-        """The batch one row at a time; returns the rows done (sent, or quarantined), up to a
-        clash (then renamed, as in `_ship_table`). Rare: only after PostgreSQL refused a batch."""
+        """The batch one row at a time, a refused row cleaned; returns the rows done (sent, or
+        quarantined), up to a clash (then renamed, as in `_ship_table`). Rare: only after
+        PostgreSQL refused a batch."""
+
+        def send(row: tuple[Any, ...]) -> None:
+            self._send(table, source, cols, [row])
+
         done: list[Any] = []
         for row in rows:
             try:
-                self._send_one(db, table, source, cols, row)
+                refused, refused_cleaned = ledger.write_or_clean(send, row, refused_row)
             except Clash as clash:
                 self._rename(db, table, clash.seq - 1)
                 return done
+            if refused_cleaned is not None:
+                self._quarantine(db, table, row, refused_cleaned)
+            elif refused is not None:
+                why = "PostgreSQL refused outbox row %s/%d (%r): shipped cleaned"
+                log.error(why, table, row[0], refused)
+                self.metrics.ledger_errors.labels("ship_row").inc()
             done.append(row)
         return done
-
-    def _send_one(
-        self, db: sqlite3.Connection, table: str, source: str, cols: list[str], row: Any
-    ) -> None:
-        try:
-            self._send(table, source, cols, [row])
-            return
-        except Exception as exc:
-            if not refused_row(exc):
-                raise
-            refused = exc
-        try:
-            self._send(table, source, cols, [(row[0], *ledger.cleaned(row[1:]))])
-        except Exception as exc:
-            if not refused_row(exc):
-                raise
-            self._quarantine(db, table, row, exc)
-            return
-        log.error(
-            "PostgreSQL refused outbox row %s/%d (%r): shipped cleaned", table, row[0], refused
-        )
-        self.metrics.ledger_errors.labels("ship_row").inc()
 
     def _quarantine(self, db: sqlite3.Connection, table: str, row: Any, exc: Exception) -> None:
         """A row PostgreSQL refuses even cleaned: noted in the outbox, passed over, counted."""

@@ -393,22 +393,13 @@ class Ledger:
         """Each row as it is; a refused one cleaned; one refused even then kept aside."""
         for sql, values in batch:
             row = cast(tuple[Any, ...], values)
-            try:
-                conn.execute(sql, row)
-                continue
-            except Exception as exc:
-                if not about_a_row(exc):
-                    raise
-                refused = exc
-            try:
-                conn.execute(sql, cleaned(row))
-            except Exception as exc:
-                if not about_a_row(exc):
-                    raise
-                self._keep_aside(sql, row, exc)
-                continue
-            log.error("a ledger row was refused as it was (%r): written cleaned", refused)
-            self.metrics.ledger_errors.labels("row").inc()
+            write = functools.partial(conn.execute, sql)
+            refused, refused_cleaned = write_or_clean(write, row, about_a_row)
+            if refused_cleaned is not None:
+                self._keep_aside(sql, row, refused_cleaned)
+            elif refused is not None:
+                log.error("a ledger row was refused as it was (%r): written cleaned", refused)
+                self.metrics.ledger_errors.labels("row").inc()
 
     def _keep_aside(self, sql: str, row: tuple[Any, ...], exc: Exception) -> None:
         self.kept.append((sql, row, repr(exc)))
@@ -446,6 +437,30 @@ def about_a_row(exc: BaseException) -> bool:
     binding errors), not about the file, the disk, a lock or anything else, which would fail every
     row alike: that batch waits and is retried whole (the writer is not ready meanwhile)."""
     return isinstance(exc, _ROW_ERRORS)
+
+
+def write_or_clean(
+    write: Callable[[tuple[Any, ...]], object],
+    row: tuple[Any, ...],
+    about_the_row: Callable[[BaseException], bool],
+) -> tuple[Exception | None, Exception | None]:
+    """`write(row)`, and where that is refused for the row's data, `write(cleaned(row))`: what
+    refused the row as it was and what refused it even cleaned (None: nothing). Any other error
+    is raised: it would fail every row alike."""
+    try:
+        write(row)
+        return None, None
+    except Exception as exc:
+        if not about_the_row(exc):
+            raise
+        refused = exc
+    try:
+        write(cleaned(row))
+    except Exception as exc:
+        if not about_the_row(exc):
+            raise
+        return refused, exc
+    return refused, None
 
 
 _INT64 = 1 << 63
