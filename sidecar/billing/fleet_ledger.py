@@ -20,6 +20,7 @@ libpq's configuration, for speed that a once-a-second batch does not need.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import psycopg
@@ -384,10 +385,7 @@ class Shipper:
             f"SELECT seq, request_id, ts FROM {table} WHERE source = %s AND seq > %s "
             "ORDER BY seq LIMIT %s"
         )
-        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
-            if not self._schema:
-                create_schema(conn)
-                self._schema = True
+        with self._postgres() as conn:
             theirs = conn.execute(sql, (source, last, self.config.ship_batch_rows)).fetchall()
         for seq, request_id, ts in theirs:
             mine = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,))
@@ -399,38 +397,43 @@ class Shipper:
 
     def _send(self, table: str, source: str, cols: list[str], rows: list[Any]) -> None:
         names = ", ".join(["source", "seq", *(q(c) for c in cols)])
+        with self._postgres() as conn, conn.cursor() as cur:
+            cur.execute(
+                f"CREATE TEMP TABLE IF NOT EXISTS incoming_{table} (LIKE {table}) "
+                "ON COMMIT DELETE ROWS"
+            )
+            with cur.copy(f"COPY incoming_{table} ({names}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row((source, *row))
+            cur.execute(
+                f"INSERT INTO {table} ({names}) SELECT {names} FROM incoming_{table} "
+                "ON CONFLICT DO NOTHING"
+            )
+            if cur.rowcount < len(rows):  # a batch sent again, or another outbox's rows
+                cur.execute(
+                    f"SELECT MIN(i.seq) FROM incoming_{table} i JOIN {table} t "
+                    "ON t.source = i.source AND t.seq = i.seq "
+                    "WHERE t.request_id <> i.request_id OR t.ts <> i.ts"
+                )
+                (clash,) = cur.fetchone() or (None,)
+                if clash is not None:
+                    raise Clash(int(clash))  # nothing of this batch is committed
+
+    @contextlib.contextmanager
+    def _postgres(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection, the schema created on the first."""
         with self.pool.connection(timeout=POOL_WAIT_S) as conn:
             if not self._schema:
                 create_schema(conn)
                 self._schema = True
-            with conn.cursor() as cur:
-                cur.execute(
-                    f"CREATE TEMP TABLE IF NOT EXISTS incoming_{table} (LIKE {table}) "
-                    "ON COMMIT DELETE ROWS"
-                )
-                with cur.copy(f"COPY incoming_{table} ({names}) FROM STDIN") as copy:
-                    for row in rows:
-                        copy.write_row((source, *row))
-                cur.execute(
-                    f"INSERT INTO {table} ({names}) SELECT {names} FROM incoming_{table} "
-                    "ON CONFLICT DO NOTHING"
-                )
-                if cur.rowcount < len(rows):  # a batch sent again, or another outbox's rows
-                    cur.execute(
-                        f"SELECT MIN(i.seq) FROM incoming_{table} i JOIN {table} t "
-                        "ON t.source = i.source AND t.seq = i.seq "
-                        "WHERE t.request_id <> i.request_id OR t.ts <> i.ts"
-                    )
-                    (clash,) = cur.fetchone() or (None,)
-                    if clash is not None:
-                        raise Clash(int(clash))  # nothing of this batch is committed
+            yield conn
 
     def _prune(self) -> None:
         """Retention by day: whole UTC days older than `retention_days` go, at most hourly."""
         if time.monotonic() - self._pruned_at < PRUNE_EVERY_S or not self._schema:
             return
         cutoff = (self.clock() // DAY - self.config.retention_days) * DAY
-        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+        with self._postgres() as conn:  # the schema exists
             for table in TABLES:
                 conn.execute(f"DELETE FROM {table} WHERE ts < %s", (cutoff,))
         self._pruned_at = time.monotonic()
@@ -456,10 +459,7 @@ class Shipper:
         read with shipping paused. Blocking: call in a thread."""
         with self.lock:
             read_at = self.clock()
-            with self.pool.connection(timeout=POOL_WAIT_S) as conn:
-                if not self._schema:
-                    create_schema(conn)
-                    self._schema = True
+            with self._postgres() as conn:
                 sql = ledger.SPEND_ROWS.format(p="%s", more="")
                 rows = conn.execute(sql, (day, month)).fetchall()
             db = self._connect_outbox()
