@@ -511,12 +511,9 @@ def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
         raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None
 
 
-def request_rows(url: str, since: float, until: float) -> list[Any]:
-    """Chargeback (issue 25): the report's columns of each request in [since, until)."""
-    cols = (
-        'ts, "user", team, project, tags, model, input_tokens, output_tokens, cost_usd, '
-        "duration_s, device_seconds, device_cost_usd"
-    )
+def request_rows(url: str, columns: Iterable[str], since: float, until: float) -> list[Any]:
+    """Chargeback (issue 25): the `columns` of each request in [since, until)."""
+    cols = ", ".join(q(c) for c in columns)
     end = until if math.isfinite(until) else 1e300
     sql = f"SELECT {cols} FROM requests WHERE ts >= %s AND ts < %s ORDER BY ts"
     return _read(url, sql, (since, end))

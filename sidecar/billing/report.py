@@ -23,7 +23,8 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
 NONE = "(none)"  # the group of requests without a team, a project or a tag
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
-_COLUMNS = (
+# The columns the report reads of each request, from either ledger.
+COLUMNS = (
     "ts, user, team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s, "
     "device_seconds, device_cost_usd"
 )
@@ -87,12 +88,12 @@ def check_dimension(by: str, day_start_hour_utc: int) -> None:
 
 
 def ledger_rows(path: str, since: float, until: float | None = None) -> list[Any]:
-    """The report's columns (`_COLUMNS`) of each request in [since, until), oldest first."""
+    """The report's COLUMNS of each request in [since, until), oldest first."""
     end = math.inf if until is None else until
     if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
         from .fleet_ledger import request_rows
 
-        return request_rows(path, since, end)
+        return request_rows(path, COLUMNS.split(", "), since, end)
     if "://" in path:  # never echoed: a URL may carry a password
         raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
     return _sqlite_rows(path, since, end)
@@ -119,7 +120,7 @@ def _sqlite_rows(path: str, since: float, until: float) -> list[Any]:
     try:
         with conn:  # read-only: a ledger older than a column reads it as NULL, not upgraded here
             have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-            cols = ", ".join(c if c in have else "NULL" for c in _COLUMNS.split(", "))
+            cols = ", ".join(c if c in have else "NULL" for c in COLUMNS.split(", "))
             return conn.execute(
                 f"SELECT {cols} FROM requests WHERE ts >= ? AND ts < ? ORDER BY ts",
                 (since, until),
