@@ -72,18 +72,11 @@ def _summary(rep: Report) -> str:
     return "".join(f'<p class="meta">{esc(t)}</p>' for t in lines)
 
 
-def _stack_names(rep: Report) -> list[str]:
-    if rep.by == "day":
-        return []
-    known = [g[rep.by] for g in rep.groups if g["cost_usd"]]
-    return known[:STACKED]
-
-
 def _series(rep: Report) -> list[tuple[str, list[float]]]:
     """The daily chart's stacks: the top groups by name, the rest as OTHER (by day: one)."""
     if rep.by == "day":
         return [("spend", [sum(d["costs"].values()) for d in rep.daily])]
-    named = _stack_names(rep)
+    named = [g[rep.by] for g in rep.groups if g["cost_usd"]][:STACKED]
     series = [(n, [d["costs"].get(n, 0.0) for d in rep.daily]) for n in named]
     rest = [sum(v for k, v in d["costs"].items() if k not in named) for d in rep.daily]
     if any(rest):
@@ -94,7 +87,7 @@ def _series(rep: Report) -> list[tuple[str, list[float]]]:
 def _daily_chart(rep: Report) -> str:
     days, series = [d["day"] for d in rep.daily], _series(rep)
     colours = [charts.colour(i) for i in range(len(series))]
-    if series and series[-1][0] == OTHER and rep.by != "day":
+    if series and series[-1][0] == OTHER:
         colours[-1] = charts.OTHER_COLOUR
     chart = charts.stacked_columns(
         f"Spend per day by {rep.by}", days, series, colours=colours
