@@ -120,16 +120,9 @@ class Audit:
         if config.sink == "ledger" and ledger is None:  # config.validate refuses it first
             raise ValueError("audit.sink is 'ledger' but there is no ledger")
         self.ledger = ledger
-        self.input_limit = (
-            config.input_cost_usd
-            if config.input_cost_usd is not None
-            else thresholds.request_cost_usd
-        )
-        self.total_limit = (
-            config.total_cost_usd
-            if config.total_cost_usd is not None
-            else thresholds.request_cost_usd
-        )
+        default = thresholds.request_cost_usd
+        self.input_limit = default if config.input_cost_usd is None else config.input_cost_usd
+        self.total_limit = default if config.total_cost_usd is None else config.total_cost_usd
         self._writer: BatchWriter[Pending] | None = None
         self._handler: _Rotating | None = None
 
@@ -270,8 +263,7 @@ def prompt_text(body: bytes) -> str:
 def completion_text(sample: bytes | bytearray) -> str:
     """Text from a captured response: a JSON body or an SSE stream, whichever it is."""
     try:
-        obj = json.loads(sample)
-        return _text_of(obj)
+        return _text_of(json.loads(sample))
     except ValueError:
         pass
     parser, parts = SSEParser(), []
