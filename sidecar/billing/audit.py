@@ -10,6 +10,7 @@ written by a background thread, errors counted), or captures text unless explici
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -314,14 +315,9 @@ def read_records(
 
         return [json.loads(r) for r in audit_records(ledger, since)]
     if ledger:
-        conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-        try:
-            rows = conn.execute(
-                "SELECT record FROM audit WHERE ts >= ? ORDER BY ts", (since,)
-            ).fetchall()
-        finally:
-            conn.close()
-        return [json.loads(r[0]) for r in rows]
+        with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as conn:
+            rows = conn.execute("SELECT record FROM audit WHERE ts >= ? ORDER BY ts", (since,))
+            return [json.loads(r[0]) for r in rows]
     assert path is not None
     files = [*sorted(Path(path).parent.glob(Path(path).name + ".*"), reverse=True), Path(path)]
     out = []

@@ -471,11 +471,9 @@ class Shipper:
 
 def local_spend_rows(path: str, day: float, month: float) -> list[SpendRow]:
     """One sidecar's spend this month from its own SQLite ledger, on a connection of its own."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
-    try:
+    uri = f"file:{path}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=PG_TIMEOUT_S)) as conn:
         return ledger.spend_rows(conn, day, month)
-    finally:
-        conn.close()
 
 
 def shipper_contexts(

@@ -10,6 +10,7 @@ any unknown cost has `cost_usd` null and says how many requests were unknown.
 from __future__ import annotations
 
 import calendar
+import contextlib
 import math
 import re
 import sqlite3
@@ -118,7 +119,7 @@ def _sqlite_rows(path: str, since: float, until: float) -> list[Any]:
     except sqlite3.Error as exc:
         raise ValueError(f"ledger '{path}' cannot be opened: {exc}") from exc
     try:
-        with conn:  # read-only: a ledger older than a column reads it as NULL, not upgraded here
+        with contextlib.closing(conn):  # read-only: a ledger older than a column reads it as NULL
             have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
             cols = ", ".join(c if c in have else "NULL" for c in COLUMNS.split(", "))
             return conn.execute(
@@ -127,8 +128,6 @@ def _sqlite_rows(path: str, since: float, until: float) -> list[Any]:
             ).fetchall()
     except sqlite3.Error as exc:
         raise ValueError(f"ledger '{path}' cannot be read: {exc}") from exc
-    finally:
-        conn.close()
 
 
 @dataclass
