@@ -160,14 +160,11 @@ def _device(rep: Report) -> str:
     idle = f'<p class="meta">Idle GPU: {esc(idle_text(rep.idle))}</p>'
     if not top:
         return f"<h2>List price and device cost</h2>{idle}"
-    items = [(str(g[rep.by]), [g["cost_usd"], g["device_cost_usd"]]) for g in top]
-    names = ["list price", "device cost"]
+    bars = {"cost_usd": "list price", "device_cost_usd": "device cost"}
     if rep.spread_idle:
-        items = [
-            (n, [*v, g.get("loaded_device_cost_usd")]) for (n, v), g in zip(items, top, strict=True)
-        ]
-        names.append("device cost + idle share")
-    chart = charts.hbars(f"List price beside device cost by {rep.by}", items, names)
+        bars["loaded_device_cost_usd"] = "device cost + idle share"
+    items = [(str(g[rep.by]), [g.get(c) for c in bars]) for g in top]
+    chart = charts.hbars(f"List price beside device cost by {rep.by}", items, [*bars.values()])
     return f"<h2>List price and device cost</h2>{chart}{idle}"
 
 
