@@ -12,9 +12,8 @@ import time
 from typing import Any
 
 from . import charts
-from .chargeback import Report, idle_cell, idle_text, rows_with_idle
+from .chargeback import Report, idle_text, text_cells
 from .charts import esc, usd
-from .report import cell
 
 STACKED = 7  # groups drawn by name in the daily chart; the rest add up in OTHER
 TOP = 10  # bars in the top-spender and device-cost charts
@@ -169,15 +168,10 @@ def _device(rep: Report) -> str:
 
 
 def _groups(rep: Report) -> str:
-    rows = rows_with_idle(rep)
-    if not rows:
+    if not rep.groups and rep.idle is None:
         return ""
-    head = list(rows[0])
-    cells = [[cell(r[c], c) for c in head] for r in rep.groups]
-    classes = [""] * len(cells)
-    if len(rows) > len(rep.groups):  # the idle line
-        cells.append([idle_cell(rows[-1][c], c) for c in head])
-        classes.append("idle")
+    head, cells = text_cells(rep)
+    classes = [""] * len(rep.groups) + (["idle"] if rep.idle is not None else [])
     return f"<h2>All groups by {esc(rep.by)}</h2>" + _table(head, cells, "groups", classes)
 
 
