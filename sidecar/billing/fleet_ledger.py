@@ -90,15 +90,13 @@ CREATE TABLE IF NOT EXISTS quarantine (
 """
 
 
-def is_postgres(location: str | None) -> bool:
-    return bool(location) and str(location).lower().startswith(("postgresql://", "postgres://"))
-
-
 def conninfo(url: str) -> str:
     """The URL with its scheme in lower case: libpq takes `PostgreSQL://` for a key=value string
     and would print it whole in its error."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme.lower()}{sep}{rest}" if is_postgres(url) else url
+    if sep and scheme.lower() in ("postgresql", "postgres"):
+        return f"{scheme.lower()}{sep}{rest}"
+    return url
 
 
 def refused_row(exc: BaseException) -> bool:
