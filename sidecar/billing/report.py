@@ -22,6 +22,7 @@ _SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # Chargeback (issue 25): dimensions read from every request's columns, grouped here.
 DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
+PERIODS = {"day": "%Y-%m-%d", "month": "%Y-%m"}  # budget days and months, named by their date
 NONE = "(none)"  # the group of requests without a team, a project or a tag
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
 # The columns the report reads of each request, from either ledger.
@@ -62,10 +63,8 @@ def keys_of(row: Any, by: str, offset: int) -> list[str]:
     """The groups one request belongs to: one, or by tag one per tag (a request with two tags is
     in both groups, so tag totals add up to more than the ledger; none: NONE)."""
     ts, user, team, project, tags, model = row[:6]
-    if by == "day":
-        return [time.strftime("%Y-%m-%d", time.gmtime(ts - offset))]
-    if by == "month":
-        return [time.strftime("%Y-%m", time.gmtime(ts - offset))]
+    if by in PERIODS:
+        return [time.strftime(PERIODS[by], time.gmtime(ts - offset))]
     if by == "tag":
         return tags.split(",") if tags else [NONE]
     value = {"user": user, "team": team, "project": project, "model": model}[by]
@@ -108,7 +107,7 @@ def group_rows(rows: list[Any], by: str, day_start_hour_utc: int = 0) -> list[di
         for k in keys_of(row, by, offset):
             groups.setdefault(k, Group(k)).add(*row[6:12])
     result = [g.as_dict(by) for g in groups.values()]
-    if by in ("day", "month"):
+    if by in PERIODS:
         return sorted(result, key=lambda r: r[by])
     return sorted(result, key=lambda r: (r["cost_usd"] is None, -(r["cost_usd"] or 0), r[by]))
 
