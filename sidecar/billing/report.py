@@ -173,6 +173,7 @@ class Group:
             self.durations.append(dur)
 
     def as_dict(self, by: str) -> dict[str, Any]:
+        priced = self.device_rows and not self.unpriced_device_rows  # device-seconds, all priced
         return {
             by: self.key,
             "requests": self.requests,
@@ -182,15 +183,10 @@ class Group:
             "unknown_cost_requests": self.unknown_cost_requests,
             "unknown_token_requests": self.unknown_token_requests,
             "device_seconds": round(self.device_seconds, 6) if self.device_rows else None,
-            "device_cost_usd": self._device_cost(),
+            "device_cost_usd": round(self.device_cost_usd, 8) if priced else None,
             "p50_duration_s": percentile(self.durations, 50),
             "p99_duration_s": percentile(self.durations, 99),
         }
-
-    def _device_cost(self) -> float | None:
-        if not self.device_rows or self.unpriced_device_rows:
-            return None
-        return round(self.device_cost_usd, 8)
 
 
 def percentile(values: list[float], p: float) -> float | None:
