@@ -263,17 +263,13 @@ def prompt_text(body: bytes) -> str:
 
 def completion_text(sample: bytes | bytearray) -> str:
     """Text from a captured response: a JSON body or an SSE stream, whichever it is."""
-    try:
+    with contextlib.suppress(ValueError):
         return _text_of(json.loads(sample))
-    except ValueError:
-        pass
     parser, parts = SSEParser(), []
     for ev in parser.feed(bytes(sample)):
         if ev.data and ev.data != "[DONE]":
-            try:
+            with contextlib.suppress(ValueError):  # an event that is not JSON: no text
                 parts.append(_text_of(json.loads(ev.data)))
-            except ValueError:
-                continue
     return "".join(parts)
 
 
