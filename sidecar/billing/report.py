@@ -38,11 +38,9 @@ def parse_since(value: str, now: float | None = None) -> float:
     if m := _SINCE.match(value.strip()):
         return now - float(m.group(1)) * _UNITS[m.group(2)]
     for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"):
-        try:
+        with contextlib.suppress(ValueError):
             # timegm reads the fields as UTC; mktime would apply the local zone and its summer time
             return float(calendar.timegm(time.strptime(value, fmt)))
-        except ValueError:
-            continue
     raise ValueError(f"--since '{value}': expected e.g. 24h, 7d, 30m or 2026-11-01")
 
 
