@@ -386,8 +386,7 @@ class Shipper:
         with self._postgres() as conn:
             theirs = conn.execute(sql, (source, last, self.config.ship_batch_rows)).fetchall()
         for seq, request_id, ts in theirs:
-            mine = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,))
-            row = mine.fetchone()
+            row = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,)).fetchone()
             if row is None or (request_id, ts) not in (row, ledger.cleaned(row)):  # sent cleaned
                 self._rename(db, table, last)
                 return
