@@ -20,6 +20,7 @@ libpq's configuration, for speed that a once-a-second batch does not need.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -473,16 +474,10 @@ def local_spend_rows(path: str, day: float, month: float) -> list[SpendRow]:
         return ledger.spend_rows(conn, day, month)
 
 
-def shipper_contexts(
-    shipper: Shipper,
-) -> tuple[
-    Callable[[web.Application], AsyncIterator[None]],
-    Callable[[web.Application], AsyncIterator[None]],
-]:
+def shipper_contexts(shipper: Shipper) -> tuple[ledger.CleanupContext, ledger.CleanupContext]:
     """Two cleanup contexts around the local ledger's: `outer` (before it) ships what the ledger
     wrote last after the ledger closed; `inner` (after it) starts shipping once the ledger is
     open and its retention applied."""
-    import asyncio
 
     async def outer(app: web.Application) -> AsyncIterator[None]:
         yield

@@ -90,6 +90,7 @@ RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
 KEPT_ROWS = 1000  # rows refused even cleaned, kept in memory (and logged) for an operator
 SAFE_TEXT_CHARS = 1 << 20  # a cleaned row's text fields: audit records can be long
 
+CleanupContext: TypeAlias = Callable[[web.Application], AsyncIterator[None]]  # an aiohttp app's
 # What waits for the writer: the values of a row, or a function that makes them (in the thread).
 Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 
@@ -522,7 +523,7 @@ def _file_id(path: str | Path | None) -> tuple[int, int] | None:
 
 def ledger_context(
     ledger: Ledger, on_open: Callable[[Ledger], Awaitable[None]] | None = None
-) -> Callable[[web.Application], AsyncIterator[None]]:
+) -> CleanupContext:
     """A cleanup context: open before the first request, flush and close after the last."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
