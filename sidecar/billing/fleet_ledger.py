@@ -56,11 +56,11 @@ PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
 def pg_columns(table: str) -> dict[str, str]:
     """The PostgreSQL type of each column of the ledger's `table` (ledger.SCHEMA) but its row id:
     the columns shipped (of an outbox written before some of them, those it has)."""
-    return {
-        name: ("SMALLINT" if name == "stream" else PG_TYPES[kind])
-        + (" NOT NULL" if not_null else "")
-        for name, kind, not_null in ledger.schema_columns(table)
-    }
+    columns = {}
+    for name, kind, not_null in ledger.schema_columns(table):
+        pg = "SMALLINT" if name == "stream" else PG_TYPES[kind]
+        columns[name] = f"{pg} NOT NULL" if not_null else pg
+    return columns
 
 
 REQUEST_COLUMNS = pg_columns("requests")
