@@ -10,6 +10,7 @@ written by a background thread, errors counted), or captures text unless explici
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -120,16 +121,9 @@ class Audit:
         if config.sink == "ledger" and ledger is None:  # config.validate refuses it first
             raise ValueError("audit.sink is 'ledger' but there is no ledger")
         self.ledger = ledger
-        self.input_limit = (
-            config.input_cost_usd
-            if config.input_cost_usd is not None
-            else thresholds.request_cost_usd
-        )
-        self.total_limit = (
-            config.total_cost_usd
-            if config.total_cost_usd is not None
-            else thresholds.request_cost_usd
-        )
+        default = thresholds.request_cost_usd
+        self.input_limit = default if config.input_cost_usd is None else config.input_cost_usd
+        self.total_limit = default if config.total_cost_usd is None else config.total_cost_usd
         self._writer: BatchWriter[Pending] | None = None
         self._handler: _Rotating | None = None
 
@@ -269,18 +263,13 @@ def prompt_text(body: bytes) -> str:
 
 def completion_text(sample: bytes | bytearray) -> str:
     """Text from a captured response: a JSON body or an SSE stream, whichever it is."""
-    try:
-        obj = json.loads(sample)
-        return _text_of(obj)
-    except ValueError:
-        pass
+    with contextlib.suppress(ValueError):
+        return _text_of(json.loads(sample))
     parser, parts = SSEParser(), []
     for ev in parser.feed(bytes(sample)):
         if ev.data and ev.data != "[DONE]":
-            try:
+            with contextlib.suppress(ValueError):  # an event that is not JSON: no text
                 parts.append(_text_of(json.loads(ev.data)))
-            except ValueError:
-                continue
     return "".join(parts)
 
 
@@ -322,14 +311,9 @@ def read_records(
 
         return [json.loads(r) for r in audit_records(ledger, since)]
     if ledger:
-        conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-        try:
-            rows = conn.execute(
-                "SELECT record FROM audit WHERE ts >= ? ORDER BY ts", (since,)
-            ).fetchall()
-        finally:
-            conn.close()
-        return [json.loads(r[0]) for r in rows]
+        with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as conn:
+            rows = conn.execute("SELECT record FROM audit WHERE ts >= ? ORDER BY ts", (since,))
+            return [json.loads(r[0]) for r in rows]
     assert path is not None
     files = [*sorted(Path(path).parent.glob(Path(path).name + ".*"), reverse=True), Path(path)]
     out = []

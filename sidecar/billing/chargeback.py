@@ -210,12 +210,17 @@ def csv_value(v: Any) -> Any:
 def _table(rep: Report) -> str:
     if not rep.groups and rep.idle is None:
         return "(no requests in this period)\n" + _footer(rep)
+    return columns(*text_cells(rep)) + "\n" + _footer(rep)
+
+
+def text_cells(rep: Report) -> tuple[list[str], list[list[str]]]:
+    """The columns, and each group's cells as text with the idle line's last (table and page)."""
     cols = report_columns(rep)
     cells = [[cell(r[c], c) for c in cols] for r in rep.groups]
     if rep.idle is not None:
         line = idle_mod.idle_row(rep.by, rep.idle, cols)
         cells.append([idle_cell(line[c], c) for c in cols])
-    return columns(cols, cells) + "\n" + _footer(rep)
+    return cols, cells
 
 
 def idle_cell(v: Any, col: str) -> str:

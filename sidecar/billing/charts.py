@@ -91,10 +91,9 @@ def stacked_columns(
     title: str,
     categories: Sequence[str],
     series: Sequence[tuple[str, Sequence[float]]],
-    colours: Sequence[str] | None = None,
+    colours: Sequence[str],
 ) -> str:
     """One column per category (a day), stacked by series (a group), with a y axis and a legend."""
-    colours = list(colours or [colour(i) for i in range(len(series))])
     left, top, plot_h, col_w = 70, 30, 260, max(8, min(40, 720 // max(len(categories), 1)))
     plot_w = col_w * len(categories)
     width, height = left + plot_w + 30 + 230, top + plot_h + 70

@@ -20,6 +20,8 @@ libpq's configuration, for speed that a once-a-second batch does not need.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -27,7 +29,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import psycopg
@@ -47,48 +49,22 @@ POOL_WAIT_S = 1.0  # wait for a pooled connection: a database that is down fails
 PRUNE_EVERY_S = 3600.0
 LOG_EVERY_S = 60.0  # a long outage logs once a minute, not once a second
 
-# PostgreSQL type of each column the SQLite ledger may have; a column not listed is not shipped.
-REQUEST_COLUMNS = {
-    "ts": "DOUBLE PRECISION NOT NULL",
-    "request_id": "TEXT NOT NULL",
-    "trace_id": "TEXT",
-    "model": "TEXT NOT NULL",
-    "endpoint": "TEXT NOT NULL",
-    "user": "TEXT NOT NULL",
-    "input_tokens": "BIGINT",
-    "cached_input_tokens": "BIGINT",
-    "output_tokens": "BIGINT",
-    "cost_usd": "DOUBLE PRECISION",
-    "status": "TEXT NOT NULL",
-    "stream": "SMALLINT NOT NULL",
-    "queue_s": "DOUBLE PRECISION",
-    "ttft_s": "DOUBLE PRECISION",
-    "duration_s": "DOUBLE PRECISION",
-    "error": "TEXT",
-    "team": "TEXT",
-    "end_user": "TEXT",
-    "device_seconds": "DOUBLE PRECISION",
-    "energy_j": "DOUBLE PRECISION",
-    "device_cost_usd": "DOUBLE PRECISION",
-    # --- reasoning columns (h-pooling) ---
-    "reasoning_tokens": "BIGINT",  # a part of output_tokens
-    # --- end reasoning columns ---
-    "audio_seconds": "DOUBLE PRECISION",  # input audio the server reported
-    # chargeback (issue 25) begin: ADD COLUMN IF NOT EXISTS upgrades an existing fleet ledger
-    "project": "TEXT",
-    "tags": "TEXT",
-    # chargeback (issue 25) end
-    "budget_usd": "DOUBLE PRECISION",  # the budgets' charge (restored at start)
-}
-AUDIT_COLUMNS = {
-    "ts": "DOUBLE PRECISION NOT NULL",
-    "request_id": "TEXT NOT NULL",
-    "trace_id": "TEXT",
-    "model": "TEXT NOT NULL",
-    "user": "TEXT NOT NULL",
-    "reason": "TEXT NOT NULL",
-    "record": "TEXT NOT NULL",
-}
+# PostgreSQL's type for each of the SQLite ledger's column types; `stream` (0 or 1) is a SMALLINT.
+PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
+
+
+def pg_columns(table: str) -> dict[str, str]:
+    """The PostgreSQL type of each column of the ledger's `table` (ledger.SCHEMA) but its row id:
+    the columns shipped (of an outbox written before some of them, those it has)."""
+    columns = {}
+    for name, kind, not_null in ledger.schema_columns(table):
+        pg = "SMALLINT" if name == "stream" else PG_TYPES[kind]
+        columns[name] = f"{pg} NOT NULL" if not_null else pg
+    return columns
+
+
+REQUEST_COLUMNS = pg_columns("requests")
+AUDIT_COLUMNS = pg_columns("audit")
 TABLES = {"requests": REQUEST_COLUMNS, "audit": AUDIT_COLUMNS}
 # Report and audit read `ts >= since ORDER BY ts`; the reseed sums cost by user and team over
 # today's rows (an index-only scan with the INCLUDE columns).
@@ -115,15 +91,13 @@ CREATE TABLE IF NOT EXISTS quarantine (
 """
 
 
-def is_postgres(location: str | None) -> bool:
-    return bool(location) and str(location).lower().startswith(("postgresql://", "postgres://"))
-
-
 def conninfo(url: str) -> str:
     """The URL with its scheme in lower case: libpq takes `PostgreSQL://` for a key=value string
     and would print it whole in its error."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme.lower()}{sep}{rest}" if is_postgres(url) else url
+    if sep and scheme.lower() in ("postgresql", "postgres"):
+        return f"{scheme.lower()}{sep}{rest}"
+    return url
 
 
 def refused_row(exc: BaseException) -> bool:
@@ -353,39 +327,28 @@ class Shipper:
     def _send_each(
         self, db: sqlite3.Connection, table: str, source: str, cols: list[str], rows: list[Any]
     ) -> list[Any]:
-        """The batch one row at a time; returns the rows done (sent, or quarantined), up to a
-        clash (then renamed, as in `_ship_table`). Rare: only after PostgreSQL refused a batch."""
+        """The batch one row at a time, a refused row cleaned; returns the rows done (sent, or
+        quarantined), up to a clash (then renamed, as in `_ship_table`). Rare: only after
+        PostgreSQL refused a batch."""
+
+        def send(row: tuple[Any, ...]) -> None:
+            self._send(table, source, cols, [row])
+
         done: list[Any] = []
         for row in rows:
             try:
-                self._send_one(db, table, source, cols, row)
+                refused, refused_cleaned = ledger.write_or_clean(send, row, refused_row)
             except Clash as clash:
                 self._rename(db, table, clash.seq - 1)
                 return done
+            if refused_cleaned is not None:
+                self._quarantine(db, table, row, refused_cleaned)
+            elif refused is not None:
+                why = "PostgreSQL refused outbox row %s/%d (%r): shipped cleaned"
+                log.error(why, table, row[0], refused)
+                self.metrics.ledger_errors.labels("ship_row").inc()
             done.append(row)
         return done
-
-    def _send_one(
-        self, db: sqlite3.Connection, table: str, source: str, cols: list[str], row: Any
-    ) -> None:
-        try:
-            self._send(table, source, cols, [row])
-            return
-        except Exception as exc:
-            if not refused_row(exc):
-                raise
-            refused = exc
-        try:
-            self._send(table, source, cols, [(row[0], *ledger.cleaned(row[1:]))])
-        except Exception as exc:
-            if not refused_row(exc):
-                raise
-            self._quarantine(db, table, row, exc)
-            return
-        log.error(
-            "PostgreSQL refused outbox row %s/%d (%r): shipped cleaned", table, row[0], refused
-        )
-        self.metrics.ledger_errors.labels("ship_row").inc()
 
     def _quarantine(self, db: sqlite3.Connection, table: str, row: Any, exc: Exception) -> None:
         """A row PostgreSQL refuses even cleaned: noted in the outbox, passed over, counted."""
@@ -421,14 +384,10 @@ class Shipper:
             f"SELECT seq, request_id, ts FROM {table} WHERE source = %s AND seq > %s "
             "ORDER BY seq LIMIT %s"
         )
-        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
-            if not self._schema:
-                create_schema(conn)
-                self._schema = True
+        with self._postgres() as conn:
             theirs = conn.execute(sql, (source, last, self.config.ship_batch_rows)).fetchall()
         for seq, request_id, ts in theirs:
-            mine = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,))
-            row = mine.fetchone()
+            row = db.execute(f"SELECT request_id, ts FROM {table} WHERE id = ?", (seq,)).fetchone()
             if row is None or (request_id, ts) not in (row, ledger.cleaned(row)):  # sent cleaned
                 self._rename(db, table, last)
                 return
@@ -436,38 +395,43 @@ class Shipper:
 
     def _send(self, table: str, source: str, cols: list[str], rows: list[Any]) -> None:
         names = ", ".join(["source", "seq", *(q(c) for c in cols)])
+        with self._postgres() as conn, conn.cursor() as cur:
+            cur.execute(
+                f"CREATE TEMP TABLE IF NOT EXISTS incoming_{table} (LIKE {table}) "
+                "ON COMMIT DELETE ROWS"
+            )
+            with cur.copy(f"COPY incoming_{table} ({names}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row((source, *row))
+            cur.execute(
+                f"INSERT INTO {table} ({names}) SELECT {names} FROM incoming_{table} "
+                "ON CONFLICT DO NOTHING"
+            )
+            if cur.rowcount < len(rows):  # a batch sent again, or another outbox's rows
+                cur.execute(
+                    f"SELECT MIN(i.seq) FROM incoming_{table} i JOIN {table} t "
+                    "ON t.source = i.source AND t.seq = i.seq "
+                    "WHERE t.request_id <> i.request_id OR t.ts <> i.ts"
+                )
+                (clash,) = cur.fetchone() or (None,)
+                if clash is not None:
+                    raise Clash(int(clash))  # nothing of this batch is committed
+
+    @contextlib.contextmanager
+    def _postgres(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection, the schema created on the first."""
         with self.pool.connection(timeout=POOL_WAIT_S) as conn:
             if not self._schema:
                 create_schema(conn)
                 self._schema = True
-            with conn.cursor() as cur:
-                cur.execute(
-                    f"CREATE TEMP TABLE IF NOT EXISTS incoming_{table} (LIKE {table}) "
-                    "ON COMMIT DELETE ROWS"
-                )
-                with cur.copy(f"COPY incoming_{table} ({names}) FROM STDIN") as copy:
-                    for row in rows:
-                        copy.write_row((source, *row))
-                cur.execute(
-                    f"INSERT INTO {table} ({names}) SELECT {names} FROM incoming_{table} "
-                    "ON CONFLICT DO NOTHING"
-                )
-                if cur.rowcount < len(rows):  # a batch sent again, or another outbox's rows
-                    cur.execute(
-                        f"SELECT MIN(i.seq) FROM incoming_{table} i JOIN {table} t "
-                        "ON t.source = i.source AND t.seq = i.seq "
-                        "WHERE t.request_id <> i.request_id OR t.ts <> i.ts"
-                    )
-                    (clash,) = cur.fetchone() or (None,)
-                    if clash is not None:
-                        raise Clash(int(clash))  # nothing of this batch is committed
+            yield conn
 
     def _prune(self) -> None:
         """Retention by day: whole UTC days older than `retention_days` go, at most hourly."""
         if time.monotonic() - self._pruned_at < PRUNE_EVERY_S or not self._schema:
             return
         cutoff = (self.clock() // DAY - self.config.retention_days) * DAY
-        with self.pool.connection(timeout=POOL_WAIT_S) as conn:
+        with self._postgres() as conn:  # the schema exists
             for table in TABLES:
                 conn.execute(f"DELETE FROM {table} WHERE ts < %s", (cutoff,))
         self._pruned_at = time.monotonic()
@@ -493,10 +457,7 @@ class Shipper:
         read with shipping paused. Blocking: call in a thread."""
         with self.lock:
             read_at = self.clock()
-            with self.pool.connection(timeout=POOL_WAIT_S) as conn:
-                if not self._schema:
-                    create_schema(conn)
-                    self._schema = True
+            with self._postgres() as conn:
                 sql = ledger.SPEND_ROWS.format(p="%s", more="")
                 rows = conn.execute(sql, (day, month)).fetchall()
             db = self._connect_outbox()
@@ -508,23 +469,15 @@ class Shipper:
 
 def local_spend_rows(path: str, day: float, month: float) -> list[SpendRow]:
     """One sidecar's spend this month from its own SQLite ledger, on a connection of its own."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PG_TIMEOUT_S)
-    try:
+    uri = f"file:{path}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=PG_TIMEOUT_S)) as conn:
         return ledger.spend_rows(conn, day, month)
-    finally:
-        conn.close()
 
 
-def shipper_contexts(
-    shipper: Shipper,
-) -> tuple[
-    Callable[[web.Application], AsyncIterator[None]],
-    Callable[[web.Application], AsyncIterator[None]],
-]:
+def shipper_contexts(shipper: Shipper) -> tuple[ledger.CleanupContext, ledger.CleanupContext]:
     """Two cleanup contexts around the local ledger's: `outer` (before it) ships what the ledger
     wrote last after the ledger closed; `inner` (after it) starts shipping once the ledger is
     open and its retention applied."""
-    import asyncio
 
     async def outer(app: web.Application) -> AsyncIterator[None]:
         yield
@@ -548,12 +501,9 @@ def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
         raise ValueError(f"the PostgreSQL ledger cannot be read: {exc}") from None
 
 
-def request_rows(url: str, since: float, until: float) -> list[Any]:
-    """Chargeback (issue 25): the report's columns of each request in [since, until)."""
-    cols = (
-        'ts, "user", team, project, tags, model, input_tokens, output_tokens, cost_usd, '
-        "duration_s, device_seconds, device_cost_usd"
-    )
+def request_rows(url: str, columns: Iterable[str], since: float, until: float) -> list[Any]:
+    """Chargeback (issue 25): the `columns` of each request in [since, until)."""
+    cols = ", ".join(q(c) for c in columns)
     end = until if math.isfinite(until) else 1e300
     sql = f"SELECT {cols} FROM requests WHERE ts >= %s AND ts < %s ORDER BY ts"
     return _read(url, sql, (since, end))

@@ -90,28 +90,9 @@ RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
 KEPT_ROWS = 1000  # rows refused even cleaned, kept in memory (and logged) for an operator
 SAFE_TEXT_CHARS = 1 << 20  # a cleaned row's text fields: audit records can be long
 
+CleanupContext: TypeAlias = Callable[[web.Application], AsyncIterator[None]]  # an aiohttp app's
 # What waits for the writer: the values of a row, or a function that makes them (in the thread).
 Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
-
-INSERT = (
-    "INSERT INTO requests (ts, request_id, trace_id, model, endpoint, user, input_tokens, "
-    "cached_input_tokens, output_tokens, cost_usd, status, stream, queue_s, ttft_s, duration_s, "
-    "error, team, end_user, device_seconds, energy_j, device_cost_usd"
-    ", reasoning_tokens"  # reasoning columns
-    ", audio_seconds"
-    ", project, tags"  # chargeback (issue 25)
-    ", budget_usd"
-    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
-    ", ?"  # reasoning columns
-    ", ?"  # audio_seconds
-    ", ?, ?"  # chargeback (issue 25)
-    ", ?"  # budget_usd
-    ")"
-)
-INSERT_AUDIT = (
-    "INSERT INTO audit (ts, request_id, trace_id, model, user, reason, record) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
 
 
 class Row(NamedTuple):
@@ -138,17 +119,32 @@ class Row(NamedTuple):
     device_seconds: float | None = None  # the columns after team and end_user default to NULL
     energy_j: float | None = None
     device_cost_usd: float | None = None
-    # --- reasoning columns (h-pooling) ---
     reasoning_tokens: int | None = None
-    # --- end reasoning columns ---
     audio_seconds: float | None = None
-    # chargeback (issue 25) begin
     project: str | None = None  # defaults: rows built before these columns still make a Row
     tags: str | None = None  # sorted, comma-joined; NULL: none
-    # chargeback (issue 25) end
     # the budgets' charge: at least the hold where usage was not measured, so a restart
     # restores what the budgets had counted, not only the measured cost
     budget_usd: float | None = None
+
+
+@functools.cache
+def schema_columns(table: str) -> tuple[tuple[str, str, bool], ...]:
+    """(name, SQLite type, NOT NULL) of each column of `table` in SCHEMA but its row id, in order,
+    as SQLite reads the schema: the statements, the upgrade and the fleet's tables follow it."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        conn.executescript(SCHEMA)
+        info = conn.execute(f"PRAGMA table_info({table})").fetchall()
+    return tuple((name, kind, bool(not_null)) for _, name, kind, not_null, _, pk in info if not pk)
+
+
+def insert_sql(table: str) -> str:
+    names = [name for name, _, _ in schema_columns(table)]
+    return f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(['?'] * len(names))})"
+
+
+INSERT = insert_sql("requests")  # a Row's values, in its order
+INSERT_AUDIT = insert_sql("audit")
 
 
 def row_of(ex: Exchange) -> Row:
@@ -216,14 +212,8 @@ def connect(path: str | Path) -> sqlite3.Connection:
 def _add_missing_columns(conn: sqlite3.Connection) -> None:
     """Ledgers written before a column existed get it (NULL in their old rows)."""
     have = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-    added = {"team": "TEXT", "end_user": "TEXT"}
-    added |= {"device_seconds": "REAL", "energy_j": "REAL", "device_cost_usd": "REAL"}
-    added |= {"reasoning_tokens": "INTEGER"}
-    added |= {"audio_seconds": "REAL"}
-    added |= {"project": "TEXT", "tags": "TEXT"}  # chargeback (issue 25)
-    added |= {"budget_usd": "REAL"}
-    for column, kind in added.items():
-        if column not in have:
+    for column, kind, not_null in schema_columns("requests"):
+        if column not in have and not not_null:  # every ledger has had the NOT NULL ones
             conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
 
 
@@ -404,22 +394,13 @@ class Ledger:
         """Each row as it is; a refused one cleaned; one refused even then kept aside."""
         for sql, values in batch:
             row = cast(tuple[Any, ...], values)
-            try:
-                conn.execute(sql, row)
-                continue
-            except Exception as exc:
-                if not about_a_row(exc):
-                    raise
-                refused = exc
-            try:
-                conn.execute(sql, cleaned(row))
-            except Exception as exc:
-                if not about_a_row(exc):
-                    raise
-                self._keep_aside(sql, row, exc)
-                continue
-            log.error("a ledger row was refused as it was (%r): written cleaned", refused)
-            self.metrics.ledger_errors.labels("row").inc()
+            write = functools.partial(conn.execute, sql)
+            refused, refused_cleaned = write_or_clean(write, row, about_a_row)
+            if refused_cleaned is not None:
+                self._keep_aside(sql, row, refused_cleaned)
+            elif refused is not None:
+                log.error("a ledger row was refused as it was (%r): written cleaned", refused)
+                self.metrics.ledger_errors.labels("row").inc()
 
     def _keep_aside(self, sql: str, row: tuple[Any, ...], exc: Exception) -> None:
         self.kept.append((sql, row, repr(exc)))
@@ -457,6 +438,30 @@ def about_a_row(exc: BaseException) -> bool:
     binding errors), not about the file, the disk, a lock or anything else, which would fail every
     row alike: that batch waits and is retried whole (the writer is not ready meanwhile)."""
     return isinstance(exc, _ROW_ERRORS)
+
+
+def write_or_clean(
+    write: Callable[[tuple[Any, ...]], object],
+    row: tuple[Any, ...],
+    about_the_row: Callable[[BaseException], bool],
+) -> tuple[Exception | None, Exception | None]:
+    """`write(row)`, and where that is refused for the row's data, `write(cleaned(row))`: what
+    refused the row as it was and what refused it even cleaned (None: nothing). Any other error
+    is raised: it would fail every row alike."""
+    try:
+        write(row)
+        return None, None
+    except Exception as exc:
+        if not about_the_row(exc):
+            raise
+        refused = exc
+    try:
+        write(cleaned(row))
+    except Exception as exc:
+        if not about_the_row(exc):
+            raise
+        return refused, exc
+    return refused, None
 
 
 _INT64 = 1 << 63
@@ -518,7 +523,7 @@ def _file_id(path: str | Path | None) -> tuple[int, int] | None:
 
 def ledger_context(
     ledger: Ledger, on_open: Callable[[Ledger], Awaitable[None]] | None = None
-) -> Callable[[web.Application], AsyncIterator[None]]:
+) -> CleanupContext:
     """A cleanup context: open before the first request, flush and close after the last."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ any unknown cost has `cost_usd` null and says how many requests were unknown.
 from __future__ import annotations
 
 import calendar
+import contextlib
 import math
 import re
 import sqlite3
@@ -21,9 +22,11 @@ _SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # Chargeback (issue 25): dimensions read from every request's columns, grouped here.
 DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
+PERIODS = {"day": "%Y-%m-%d", "month": "%Y-%m"}  # budget days and months, named by their date
 NONE = "(none)"  # the group of requests without a team, a project or a tag
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
-_COLUMNS = (
+# The columns the report reads of each request, from either ledger.
+COLUMNS = (
     "ts, user, team, project, tags, model, input_tokens, output_tokens, cost_usd, duration_s, "
     "device_seconds, device_cost_usd"
 )
@@ -35,11 +38,9 @@ def parse_since(value: str, now: float | None = None) -> float:
     if m := _SINCE.match(value.strip()):
         return now - float(m.group(1)) * _UNITS[m.group(2)]
     for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"):
-        try:
+        with contextlib.suppress(ValueError):
             # timegm reads the fields as UTC; mktime would apply the local zone and its summer time
             return float(calendar.timegm(time.strptime(value, fmt)))
-        except ValueError:
-            continue
     raise ValueError(f"--since '{value}': expected e.g. 24h, 7d, 30m or 2026-11-01")
 
 
@@ -60,10 +61,8 @@ def keys_of(row: Any, by: str, offset: int) -> list[str]:
     """The groups one request belongs to: one, or by tag one per tag (a request with two tags is
     in both groups, so tag totals add up to more than the ledger; none: NONE)."""
     ts, user, team, project, tags, model = row[:6]
-    if by == "day":
-        return [time.strftime("%Y-%m-%d", time.gmtime(ts - offset))]
-    if by == "month":
-        return [time.strftime("%Y-%m", time.gmtime(ts - offset))]
+    if by in PERIODS:
+        return [time.strftime(PERIODS[by], time.gmtime(ts - offset))]
     if by == "tag":
         return tags.split(",") if tags else [NONE]
     value = {"user": user, "team": team, "project": project, "model": model}[by]
@@ -87,12 +86,12 @@ def check_dimension(by: str, day_start_hour_utc: int) -> None:
 
 
 def ledger_rows(path: str, since: float, until: float | None = None) -> list[Any]:
-    """The report's columns (`_COLUMNS`) of each request in [since, until), oldest first."""
+    """The report's COLUMNS of each request in [since, until), oldest first."""
     end = math.inf if until is None else until
     if path.lower().startswith(("postgresql://", "postgres://")):  # the fleet's ledger
         from .fleet_ledger import request_rows
 
-        return request_rows(path, since, end)
+        return request_rows(path, COLUMNS.split(", "), since, end)
     if "://" in path:  # never echoed: a URL may carry a password
         raise ValueError("--ledger: a URL must start with postgresql:// or postgres://")
     return _sqlite_rows(path, since, end)
@@ -106,7 +105,7 @@ def group_rows(rows: list[Any], by: str, day_start_hour_utc: int = 0) -> list[di
         for k in keys_of(row, by, offset):
             groups.setdefault(k, Group(k)).add(*row[6:12])
     result = [g.as_dict(by) for g in groups.values()]
-    if by in ("day", "month"):
+    if by in PERIODS:
         return sorted(result, key=lambda r: r[by])
     return sorted(result, key=lambda r: (r["cost_usd"] is None, -(r["cost_usd"] or 0), r[by]))
 
@@ -117,17 +116,15 @@ def _sqlite_rows(path: str, since: float, until: float) -> list[Any]:
     except sqlite3.Error as exc:
         raise ValueError(f"ledger '{path}' cannot be opened: {exc}") from exc
     try:
-        with conn:  # read-only: a ledger older than a column reads it as NULL, not upgraded here
+        with contextlib.closing(conn):  # read-only: a ledger older than a column reads it as NULL
             have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-            cols = ", ".join(c if c in have else "NULL" for c in _COLUMNS.split(", "))
+            cols = ", ".join(c if c in have else "NULL" for c in COLUMNS.split(", "))
             return conn.execute(
                 f"SELECT {cols} FROM requests WHERE ts >= ? AND ts < ? ORDER BY ts",
                 (since, until),
             ).fetchall()
     except sqlite3.Error as exc:
         raise ValueError(f"ledger '{path}' cannot be read: {exc}") from exc
-    finally:
-        conn.close()
 
 
 @dataclass
@@ -174,6 +171,7 @@ class Group:
             self.durations.append(dur)
 
     def as_dict(self, by: str) -> dict[str, Any]:
+        priced = self.device_rows and not self.unpriced_device_rows  # device-seconds, all priced
         return {
             by: self.key,
             "requests": self.requests,
@@ -183,15 +181,10 @@ class Group:
             "unknown_cost_requests": self.unknown_cost_requests,
             "unknown_token_requests": self.unknown_token_requests,
             "device_seconds": round(self.device_seconds, 6) if self.device_rows else None,
-            "device_cost_usd": self._device_cost(),
+            "device_cost_usd": round(self.device_cost_usd, 8) if priced else None,
             "p50_duration_s": percentile(self.durations, 50),
             "p99_duration_s": percentile(self.durations, 99),
         }
-
-    def _device_cost(self) -> float | None:
-        if not self.device_rows or self.unpriced_device_rows:
-            return None
-        return round(self.device_cost_usd, 8)
 
 
 def percentile(values: list[float], p: float) -> float | None:

@@ -12,9 +12,8 @@ import time
 from typing import Any
 
 from . import charts
-from .chargeback import Report, idle_cell, idle_text, rows_with_idle
+from .chargeback import Report, idle_text, text_cells
 from .charts import esc, usd
-from .report import cell
 
 STACKED = 7  # groups drawn by name in the daily chart; the rest add up in OTHER
 TOP = 10  # bars in the top-spender and device-cost charts
@@ -72,18 +71,11 @@ def _summary(rep: Report) -> str:
     return "".join(f'<p class="meta">{esc(t)}</p>' for t in lines)
 
 
-def _stack_names(rep: Report) -> list[str]:
-    if rep.by == "day":
-        return []
-    known = [g[rep.by] for g in rep.groups if g["cost_usd"]]
-    return known[:STACKED]
-
-
 def _series(rep: Report) -> list[tuple[str, list[float]]]:
     """The daily chart's stacks: the top groups by name, the rest as OTHER (by day: one)."""
     if rep.by == "day":
         return [("spend", [sum(d["costs"].values()) for d in rep.daily])]
-    named = _stack_names(rep)
+    named = [g[rep.by] for g in rep.groups if g["cost_usd"]][:STACKED]
     series = [(n, [d["costs"].get(n, 0.0) for d in rep.daily]) for n in named]
     rest = [sum(v for k, v in d["costs"].items() if k not in named) for d in rep.daily]
     if any(rest):
@@ -94,7 +86,7 @@ def _series(rep: Report) -> list[tuple[str, list[float]]]:
 def _daily_chart(rep: Report) -> str:
     days, series = [d["day"] for d in rep.daily], _series(rep)
     colours = [charts.colour(i) for i in range(len(series))]
-    if series and series[-1][0] == OTHER and rep.by != "day":
+    if series and series[-1][0] == OTHER:
         colours[-1] = charts.OTHER_COLOUR
     chart = charts.stacked_columns(
         f"Spend per day by {rep.by}", days, series, colours=colours
@@ -167,27 +159,19 @@ def _device(rep: Report) -> str:
     idle = f'<p class="meta">Idle GPU: {esc(idle_text(rep.idle))}</p>'
     if not top:
         return f"<h2>List price and device cost</h2>{idle}"
-    items = [(str(g[rep.by]), [g["cost_usd"], g["device_cost_usd"]]) for g in top]
-    names = ["list price", "device cost"]
+    bars = {"cost_usd": "list price", "device_cost_usd": "device cost"}
     if rep.spread_idle:
-        items = [
-            (n, [*v, g.get("loaded_device_cost_usd")]) for (n, v), g in zip(items, top, strict=True)
-        ]
-        names.append("device cost + idle share")
-    chart = charts.hbars(f"List price beside device cost by {rep.by}", items, names)
+        bars["loaded_device_cost_usd"] = "device cost + idle share"
+    items = [(str(g[rep.by]), [g.get(c) for c in bars]) for g in top]
+    chart = charts.hbars(f"List price beside device cost by {rep.by}", items, [*bars.values()])
     return f"<h2>List price and device cost</h2>{chart}{idle}"
 
 
 def _groups(rep: Report) -> str:
-    rows = rows_with_idle(rep)
-    if not rows:
+    if not rep.groups and rep.idle is None:
         return ""
-    head = list(rows[0])
-    cells = [[cell(r[c], c) for c in head] for r in rep.groups]
-    classes = [""] * len(cells)
-    if len(rows) > len(rep.groups):  # the idle line
-        cells.append([idle_cell(rows[-1][c], c) for c in head])
-        classes.append("idle")
+    head, cells = text_cells(rep)
+    classes = [""] * len(rep.groups) + (["idle"] if rep.idle is not None else [])
     return f"<h2>All groups by {esc(rep.by)}</h2>" + _table(head, cells, "groups", classes)
 
 
