@@ -90,7 +90,7 @@ class Proxy:
             return answers.unauthorized(self.metrics, exc)
         if content_encoded(request.headers):
             return answers.encoded(self.metrics, request)
-        held = self.memory.reserve(memory_bucket(request.headers, principal))
+        held = Reservation(self.memory, memory_bucket(request.headers, principal))
         try:
             if endpoint in AUDIO_ROUTES:
                 return await self._read_audio(request, path, endpoint, principal, held)
