@@ -74,7 +74,7 @@ class Proxy:
         if path == SPEND_PATH:  # the sidecar's own route: answered here, never forwarded
             return await answer(request, self.identity, self.deps.statement)
         resp = await self._route(request, path)
-        return in_route_shape(resp, True) if anthropic_route(path) else resp
+        return in_route_shape(resp) if anthropic_route(path) else resp
 
     async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
         endpoint = classify(request.method, path)
