@@ -85,7 +85,10 @@ class Proxy:
             )
             if endpoint is None:  # a required key is checked, also here
                 principal = principal or self.identity.resolve(request.headers, None)
-                return await self._not_metered(request, path, principal)
+                # Forwarded as is, unless it is a POST that may generate.
+                if request.method != "POST" or path in self.s.free_routes:
+                    return await self._passthrough(request, path)
+                return await self._unmetered(request, path, None, principal)
         except Unauthorized as exc:
             return answers.unauthorized(self.metrics, exc)
         if content_encoded(request.headers):
@@ -148,14 +151,6 @@ class Proxy:
         model = info.model or self.tgi_name.configured
         ex = new_exchange(request, info, path, model, size, principal, self.s, self.deps)
         return await self._metered(request, ex, held)
-
-    async def _not_metered(
-        self, request: web.Request, path: str, principal: Principal
-    ) -> web.StreamResponse:
-        """Not a metered route: forwarded as is, unless it is a POST that may generate."""
-        if request.method != "POST" or path in self.s.free_routes:
-            return await self._passthrough(request, path)
-        return await self._unmetered(request, path, None, principal)
 
     async def _unmetered(
         self,
