@@ -230,7 +230,7 @@ class Proxy:
         logged and counted, and the request goes on."""
         try:
             return await gate(ex)
-        except (Refusal, asyncio.CancelledError):
+        except Refusal:
             raise
         except Exception:
             log.exception("gate failed for request %s", ex.request_id)

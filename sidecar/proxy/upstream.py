@@ -426,9 +426,7 @@ async def _send(conn: Connection, body: AsyncIterable[bytes], *, chunked: bool) 
             if chunk:
                 await writer.write(chunk)
         await writer.write_eof()
-    except asyncio.CancelledError:
-        raise
-    except Exception:
+    except Exception:  # (a cancellation is no Exception: it goes on as it is)
         conn.close()
     finally:
         conn.sending = None if conn.sending is asyncio.current_task() else conn.sending
