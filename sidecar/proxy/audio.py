@@ -82,10 +82,7 @@ class Upload:
         self._scan = FormScan(mark, limits.head_bytes) if mark is not None else None
         self.late: str | None = None
 
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._chunks()
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncIterator[bytes]:
         sent, content = len(self._head), self._request.content
         if self._head:
             self._check(self._head)

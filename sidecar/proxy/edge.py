@@ -50,11 +50,6 @@ class ConnectionGuard:
         """aiohttp's own keep-alive timeout: later than ours, so ours decides (and counts)."""
         return self.keepalive_timeout + self.header_timeout + 1.0
 
-    def protocol_factory(
-        self, make: Callable[[], asyncio.Protocol]
-    ) -> Callable[[], asyncio.Protocol]:
-        return lambda: GuardedConnection(self, make())
-
     def wrap(self, handler: Handler) -> Handler:
         """`handler` (the server's: every request, those the router or the Expect handler
         answer too), telling the connection when a request is in it. Not an app middleware:
@@ -173,11 +168,12 @@ async def listen(
 ) -> asyncio.AbstractServer:
     """Accept connections for `runner`'s app, each (and each of its requests) behind `guard`.
     Close the returned server before `runner.cleanup()` (as a site would be stopped)."""
-    assert runner.server is not None, "call runner.setup() first"
+    server = runner.server
+    assert server is not None, "call runner.setup() first"
     # A connection takes the server's handler when it is made: every request comes through here,
     # the ones aiohttp answers before the app's handler (404 from the router, 417) included.
-    runner.server.request_handler = guard.wrap(runner.server.request_handler)
+    server.request_handler = guard.wrap(server.request_handler)
     loop = asyncio.get_running_loop()
     return await loop.create_server(
-        guard.protocol_factory(runner.server), host, port, reuse_address=True, backlog=128
+        lambda: GuardedConnection(guard, server()), host, port, reuse_address=True, backlog=128
     )

@@ -73,7 +73,7 @@ class PromptCounter:
     def __init__(self, upstream: Upstream, api: str, metrics: Metrics) -> None:
         self.upstream, self.api, self.metrics = upstream, api, metrics
 
-    async def count(self, info: RequestInfo, headers: dict[str, str] | None = None) -> int | None:
+    async def count(self, info: RequestInfo, headers: dict[str, str]) -> int | None:
         api = info.api or self.api
         if (ids := prompt_token_ids(info, api)) is not None:
             return ids
@@ -82,7 +82,7 @@ class PromptCounter:
             return None
         total = 0
         for path, body in calls:
-            n = await self._one(path, body, headers or {})
+            n = await self._one(path, body, headers)
             if n is None:
                 self.metrics.upstream_errors.labels("tokenize").inc()
                 return None

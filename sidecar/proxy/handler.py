@@ -74,7 +74,7 @@ class Proxy:
         if path == SPEND_PATH:  # the sidecar's own route: answered here, never forwarded
             return await answer(request, self.identity, self.deps.statement)
         resp = await self._route(request, path)
-        return in_route_shape(resp, True) if anthropic_route(path) else resp
+        return in_route_shape(resp) if anthropic_route(path) else resp
 
     async def _route(self, request: web.Request, path: str) -> web.StreamResponse:
         endpoint = classify(request.method, path)
@@ -85,12 +85,15 @@ class Proxy:
             )
             if endpoint is None:  # a required key is checked, also here
                 principal = principal or self.identity.resolve(request.headers, None)
-                return await self._not_metered(request, path, principal)
+                # Forwarded as is, unless it is a POST that may generate.
+                if request.method != "POST" or path in self.s.free_routes:
+                    return await self._passthrough(request, path)
+                return await self._unmetered(request, path, None, principal)
         except Unauthorized as exc:
             return answers.unauthorized(self.metrics, exc)
         if content_encoded(request.headers):
             return answers.encoded(self.metrics, request)
-        held = self.memory.reserve(memory_bucket(request.headers, principal))
+        held = Reservation(self.memory, memory_bucket(request.headers, principal))
         try:
             if endpoint in AUDIO_ROUTES:
                 return await self._read_audio(request, path, endpoint, principal, held)
@@ -148,14 +151,6 @@ class Proxy:
         model = info.model or self.tgi_name.configured
         ex = new_exchange(request, info, path, model, size, principal, self.s, self.deps)
         return await self._metered(request, ex, held)
-
-    async def _not_metered(
-        self, request: web.Request, path: str, principal: Principal
-    ) -> web.StreamResponse:
-        """Not a metered route: forwarded as is, unless it is a POST that may generate."""
-        if request.method != "POST" or path in self.s.free_routes:
-            return await self._passthrough(request, path)
-        return await self._unmetered(request, path, None, principal)
 
     async def _unmetered(
         self,
@@ -235,7 +230,7 @@ class Proxy:
         logged and counted, and the request goes on."""
         try:
             return await gate(ex)
-        except (Refusal, asyncio.CancelledError):
+        except Refusal:
             raise
         except Exception:
             log.exception("gate failed for request %s", ex.request_id)

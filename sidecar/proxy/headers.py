@@ -39,9 +39,11 @@ HOP_BY_HOP = frozenset(
 
 
 def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """`src` without the headers in `drop` (lower case) and those named in its Connection."""
+    """`src` without the headers in `drop` (lower case) and those named in its Connection: the
+    options of every Connection field line (RFC 9110 7.6.1: one list, however many lines)."""
     if "Connection" in src:
-        drop = drop | _connection_listed(src)
+        listed = (_joined(src, "Connection") or "").split(",")
+        drop = drop | {t.strip().lower() for t in listed if t.strip()}
     out: CIMultiDict[str] = CIMultiDict(src)  # a copy in C, then a dozen lookups: half the time
     for name in drop:
         if name in out:
@@ -52,13 +54,12 @@ def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str
 # Expect: the sidecar answers a 100-continue itself (aiohttp's server sends the 100 before the
 # handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
-_LENGTH = HOP_BY_HOP | {"content-length"}
 # The header on each admitted response where limits apply: the least left of them after its
 # hold. The sidecar's alone: an upstream's is never relayed (it would tell a client a budget
 # figure no store decided, also where no limit applies).
 BUDGET_HEADER = "x-tollbooth-budget-remaining-usd"
 _RESPONSE = HOP_BY_HOP | {BUDGET_HEADER}
-_RESPONSE_LENGTH = _LENGTH | {BUDGET_HEADER}
+_RESPONSE_LENGTH = _RESPONSE | {"content-length"}
 
 
 def request_headers(
@@ -100,24 +101,14 @@ def response_headers(src: Mapping[str, str], *, drop_length: bool) -> CIMultiDic
     return _end_to_end(src, _RESPONSE_LENGTH if drop_length else _RESPONSE)
 
 
-def _connection_listed(headers: Mapping[str, str]) -> set[str]:
-    """The options named in every Connection field line (RFC 9110 7.6.1: one list, however many
-    lines carry it)."""
-    value = _joined(headers, "Connection") or ""
-    return {t.strip().lower() for t in value.split(",") if t.strip()}
-
-
-def error_body(err_type: str, message: str) -> bytes:
-    """OpenAI's error shape; `code` is the same machine-readable string as `type`."""
-    return json.dumps({"error": {"message": message, "type": err_type, "code": err_type}}).encode()
-
-
 class SidecarError(web.Response):
     """An error the sidecar answers itself (never an upstream's), so that the route's own error
-    shape can be chosen once the route is known (`in_route_shape`)."""
+    shape can be chosen once the route is known (`in_route_shape`). OpenAI's shape; `code` is the
+    same machine-readable string as `type`."""
 
     def __init__(self, status: int, err_type: str, message: str, **kwargs: Any) -> None:
-        super().__init__(status=status, body=error_body(err_type, message), **kwargs)
+        err = {"message": message, "type": err_type, "code": err_type}
+        super().__init__(status=status, body=json.dumps({"error": err}).encode(), **kwargs)
         self.err_type, self.message = err_type, message
 
 
@@ -149,10 +140,10 @@ def anthropic_error_body(status: int, err_type: str, message: str) -> bytes:
     return json.dumps({"type": "error", "error": err}).encode()
 
 
-def in_route_shape(resp: web.StreamResponse, anthropic: bool) -> web.StreamResponse:
-    """The sidecar's own error in the shape of the route it answers (`anthropic`: a route of the
-    Anthropic Messages API); an upstream's answer is never touched."""
-    if anthropic and isinstance(resp, SidecarError) and not resp.prepared:
+def in_route_shape(resp: web.StreamResponse) -> web.StreamResponse:
+    """The sidecar's own error in the shape of the Anthropic Messages API, for its routes; an
+    upstream's answer is never touched."""
+    if isinstance(resp, SidecarError) and not resp.prepared:
         resp.body = anthropic_error_body(resp.status, resp.err_type, resp.message)
     return resp
 

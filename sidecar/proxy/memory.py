@@ -78,28 +78,20 @@ class Reservation:
     held: int = 0
     handed_over: bool = False  # the exchange owns it now: released when the meter has its record
 
-    def add(self, n: int) -> str | None:
-        """Reserve `n` more bytes; None when they fit, else why not (nothing reserved)."""
+    def take(self, n: int) -> None:
+        """Reserve `n` more bytes, or raise NoRoom (nothing reserved)."""
         pool, bucket = self.pool, self.bucket
         if pool.limit and pool.total + n > pool.limit:
-            return TOTAL
+            raise NoRoom(TOTAL, never=self.held + n > pool.limit)
         if bucket is not None and pool.per_key:
             mine = pool.by_bucket.get(bucket, 0)
             if mine + n > pool.per_key:
-                return PER_KEY
+                raise NoRoom(PER_KEY, never=self.held + n > pool.per_key)
             pool.by_bucket[bucket] = mine + n
         pool.total += n
         if pool.total > pool.peak:
             pool.peak = pool.total
         self.held += n
-        return None
-
-    def take(self, n: int) -> None:
-        """Reserve `n` more bytes, or raise NoRoom."""
-        reason = self.add(n)
-        if reason is not None:
-            ceiling = self.pool.limit if reason == TOTAL else self.pool.per_key
-            raise NoRoom(reason, never=self.held + n > ceiling)
 
     def give_back(self, n: int) -> None:
         """Return `n` of the bytes reserved (a parse that is over)."""
@@ -127,6 +119,3 @@ class RequestMemory:
     total: int = 0
     by_bucket: dict[str, int] = field(default_factory=dict)  # buckets with bytes reserved now
     peak: int = 0  # the most reserved at once since start (tests and the benchmark read it)
-
-    def reserve(self, bucket: str | None) -> Reservation:
-        return Reservation(self, bucket)

@@ -136,7 +136,10 @@ async def stream(
                 _sample(ex, out, capture)
             if not out:
                 continue
-            try:  # `_write`, inlined: this loop runs once per read of the upstream
+            # The client's leaving is caught here, where it happens: aiohttp's
+            # ClientConnectionResetError is also a ClientConnectionError, the class the
+            # upstream's failures are caught by below.
+            try:
                 await write(out)
             except ConnectionResetError:
                 client_left(ex)
@@ -157,28 +160,14 @@ async def stream(
         finish_later(ex, up, meter, s, deps)
         raise
     tail = _end_stream(ex, meter, deps)
-    if tail and not await _write(resp, tail, ex):
-        return resp
     with contextlib.suppress(ConnectionResetError):  # usage is known; leaving now is a 499
+        if tail:
+            await resp.write(tail)
+            ex.bytes_out += len(tail)
         await resp.write_eof()
         return resp
     client_left(ex)
     return resp
-
-
-async def _write(resp: web.StreamResponse, data: bytes, ex: Exchange) -> bool:
-    """Write to the client. False when it went away: the request ends as 499.
-
-    Caught here, where it happens, because aiohttp's ClientConnectionResetError is also a
-    ClientConnectionError, the class the upstream's failures are caught by.
-    """
-    try:
-        await resp.write(data)
-    except ConnectionResetError:
-        client_left(ex)
-        return False
-    ex.bytes_out += len(data)
-    return True
 
 
 async def relay(

@@ -72,12 +72,7 @@ def classify(method: str, path: str) -> Endpoint | None:
 
 
 # Unmetered routes that generate, named in llm_unmetered_requests_total; any other is "other".
-_UNMETERED_CLASSES = frozenset(
-    {
-        "/inference/v1/generate",
-        "/invocations",
-    }
-)
+_UNMETERED_CLASSES = frozenset({"/inference/v1/generate", "/invocations"})
 
 
 def endpoint_class(path: str) -> str:

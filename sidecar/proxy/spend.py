@@ -42,11 +42,9 @@ async def answer(
     if identity.keys is not None and identity.keys.lookup(key) is None:
         return error_response(401, "invalid_api_key", "invalid API key")
     user = sanitize(principal.user, 128)  # as request.new_exchange names the billed user
-    limits = (
-        await statement(user, principal.team, principal.project, principal.tags)
-        if (statement is not None)
-        else []
-    )
+    limits: list[dict[str, object]] | None = []
+    if statement is not None:
+        limits = await statement(user, principal.team, principal.project, principal.tags)
     if limits is None:
         return error_response(
             503, "budget_store_unavailable", "the shared budget store cannot be read now", 1
