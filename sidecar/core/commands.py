@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import urlsplit
 
@@ -58,17 +59,6 @@ def hostport(url: str) -> str:
     return urlsplit(url).netloc
 
 
-def needs_lab(cmd: Command) -> Command:
-    """`cmd` imports the lab lazily; without it installed, a clear error instead of a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        if importlib.util.find_spec("tollbooth_lab") is None:
-            raise SystemExit(LAB_MISSING.format(command=args.command))
-        return cmd(args)
-
-    return run
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from ..billing import chargeback, report
 
@@ -93,8 +83,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     text = chargeback.render(rep, args.format)
     text += "" if text.endswith("\n") else "\n"
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        Path(args.output).write_text(text, encoding="utf-8")
     else:
         sys.stdout.write(text)
     return 0
@@ -240,10 +229,13 @@ def make_requests_flags(p: argparse.ArgumentParser) -> None:
     _add_distribution_flags(p)
 
 
+# The bench's flags made from BenchOptions fields, under the fields' names.
+BENCH_KNOBS = ("warmup", "token_budget", "max_batch", "lower_factor", "max_attempts")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import asdict
-    from pathlib import Path
 
     from tollbooth_lab.bench import Arrival, BenchOptions, generate, read, run
     from tollbooth_lab.bench.output import write_all
@@ -256,17 +248,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         dist = _distribution(args)
         reqs, source = generate(dist), {"generated": asdict(dist)}
-    arrival = (
-        Arrival("concurrency", args.concurrency)
-        if args.concurrency
-        else Arrival("rate", args.rate)
-        if args.rate
-        else Arrival("burst", args.burst)
-        if args.burst
-        else Arrival("file", 0)
-        if args.requests
-        else Arrival()
-    )
+    arrival = Arrival("file", 0) if args.requests else Arrival()
+    for kind in ("concurrency", "rate", "burst"):  # mutually exclusive flags
+        if getattr(args, kind):
+            arrival = Arrival(kind, getattr(args, kind))
     pricing = load_pricing_file(args.pricing) if args.pricing else load().pricing
     if args.config:
         pricing = load(args.config).pricing
@@ -282,15 +267,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         upstream=args.upstream,
         model=args.model,
         arrival=arrival,
-        warmup=args.warmup,
-        token_budget=args.token_budget,
-        max_batch=args.max_batch,
-        lower_factor=args.lower_factor,
-        max_attempts=args.max_attempts,
         pricing=pricing,
         sim_api=args.api,
         sim_params=engine_params(args),
         seed=args.seed,
+        **{name: getattr(args, name) for name in BENCH_KNOBS},
     )
     result = asyncio.run(run(opts, reqs, source))
     for path in write_all(result, opts.out_dir):
@@ -318,7 +299,7 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
     g.add_argument("--burst", type=int, help="bursts of N")
     p.add_argument("--out", required=True, help="output directory")
-    for name in ("warmup", "token_budget", "max_batch", "lower_factor", "max_attempts"):
+    for name in BENCH_KNOBS:
         option(p, BenchOptions, name)
     p.add_argument("--pricing", help="pricing YAML for cost per 1k tokens")
     p.add_argument("--config", help="tollbooth config whose pricing to use")
@@ -328,6 +309,8 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("tollbooth_lab") is None:  # its flags are the sidecar's own
+        raise SystemExit(LAB_MISSING.format(command=args.command))
     from tollbooth_lab import demo
 
     from ..telemetry import logs
@@ -350,7 +333,7 @@ def add_demo(sub: Sub) -> None:
         default=hostport(UpstreamConfig().url),
         help="HOST:PORT for the simulator (upstream.url's)",
     )
-    p.set_defaults(func=needs_lab(cmd_demo))
+    p.set_defaults(func=cmd_demo)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
