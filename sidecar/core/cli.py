@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .. import __version__
 from ..config import Config, ConfigError, ServerConfig, load
@@ -59,22 +59,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_serve)
 
 
-Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
-
-
-def _subcommands() -> list[Adder]:
-    adders: list[Adder] = [_add_serve]
+def build_parser() -> argparse.ArgumentParser:
     from . import commands
 
-    adders.extend(commands.ADDERS)
-    return adders
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollbooth", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tollbooth {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in _subcommands():
+    for add in [_add_serve, *commands.ADDERS]:
         add(sub)
     return parser
 
