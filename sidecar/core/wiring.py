@@ -74,9 +74,8 @@ def wire(
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store, teams=sc.teams
     )
-    sc.metrics.registry.register(
-        BudgetState(cfg.budgets, sc.metrics, budgets)
-    )  # limits, what is left
+    # the budgets' limits and what is left of them, read when scraped
+    sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics, budgets))
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
