@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Adder = Callable[[Sub], None]
 Command = Callable[[argparse.Namespace], int]
+
+# HOST:PORT of the sidecar's default upstream: where the simulator listens.
+SIMULATOR_LISTEN = urlsplit(UpstreamConfig().url).netloc
 
 LAB_MISSING = (
     "tollbooth {command}: needs the lab (the simulator, bench harness and demo), a separate "
@@ -52,11 +56,6 @@ class LabCommand:
         self.add_flags(p)
         p.set_defaults(func=self.run, command=self.name)
         return p
-
-
-def hostport(url: str) -> str:
-    """HOST:PORT of a URL: the simulator listens where the sidecar's default upstream points."""
-    return urlsplit(url).netloc
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -175,7 +174,7 @@ def simulate_flags(p: argparse.ArgumentParser) -> None:
     from tollbooth_lab.simulator import create_simulator
 
     given = inspect.signature(create_simulator).parameters
-    p.add_argument("--listen", default=hostport(UpstreamConfig().url))
+    p.add_argument("--listen", default=SIMULATOR_LISTEN)
     p.add_argument("--api", choices=["vllm", "tgi"], default=given["api"].default)
     p.add_argument("--model", default=given["model"].default)
     add_engine_flags(p)
@@ -240,7 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tollbooth_lab.bench import Arrival, BenchOptions, generate, read, run
     from tollbooth_lab.bench.output import write_all
 
-    from ..config import ConfigError, load
+    from ..config import AdmissionConfig, ConfigError, load
     from ..metering.pricing import load_pricing_file
 
     if args.requests:
@@ -256,11 +255,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.config:
         pricing = load(args.config).pricing
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    known = typing.get_args(typing.get_type_hints(AdmissionConfig)["strategy"])
     for s in strategies:
-        if s not in ("none", "serial", "fixed-batch", "token-budget"):
-            raise ConfigError(
-                f"--strategies: '{s}' is not one of none, serial, fixed-batch, token-budget"
-            )
+        if s not in known:
+            raise ConfigError(f"--strategies: '{s}' is not one of {', '.join(known)}")
     opts = BenchOptions(
         strategies=strategies,
         out_dir=Path(args.out),
@@ -330,7 +328,7 @@ def add_demo(sub: Sub) -> None:
     option(p, ServerConfig, "admin_listen", help="HOST:PORT for /metrics (server.admin_listen)")
     p.add_argument(
         "--upstream-listen",
-        default=hostport(UpstreamConfig().url),
+        default=SIMULATOR_LISTEN,
         help="HOST:PORT for the simulator (upstream.url's)",
     )
     p.set_defaults(func=cmd_demo)
