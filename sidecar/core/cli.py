@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from ..config import Config, ConfigError, ServerConfig, load
+from ..config import ConfigError, ServerConfig, load
 from ..telemetry import logs
 
 
@@ -25,21 +25,17 @@ def _run(coro: object) -> None:
         asyncio.run(coro)  # type: ignore[arg-type]
 
 
-def load_config(args: argparse.Namespace) -> Config:
-    overrides = {
-        "upstream.url": getattr(args, "upstream", None),
-        "server.listen": getattr(args, "listen", None),
-        "server.admin_listen": getattr(args, "admin_listen", None),
-        "ledger.path": getattr(args, "ledger", None),
-    }
-    return load(getattr(args, "config", None), overrides)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from .app import Sidecar, serve
     from .wiring import wire
 
-    config = load_config(args)
+    overrides = {  # each flag overrides its key only when given
+        "upstream.url": args.upstream,
+        "server.listen": args.listen,
+        "server.admin_listen": args.admin_listen,
+        "ledger.path": args.ledger,
+    }
+    config = load(args.config, overrides)
     logs.setup(config.logging.level, config.logging.format)
     sc = Sidecar(config, pricing_path=args.pricing)
     wire(sc)
