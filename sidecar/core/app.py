@@ -95,8 +95,12 @@ class Sidecar:
 
     def reload(self) -> None:
         """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
-        self._reload_keys()
         if self.identity.keys is not None:
+            try:
+                self.identity.reload()
+                log.info("SIGHUP: %d API keys re-read", len(self.identity.keys))
+            except Exception as exc:
+                log.error("SIGHUP: API keys not changed: %s", exc)
             _init_label_sets(self)  # the new keys' users
         if not self.pricing_path:
             log.info("SIGHUP: no --pricing file given; prices unchanged")
@@ -107,15 +111,6 @@ class Sidecar:
             log.info("SIGHUP: prices re-read from %s", self.pricing_path)
         except Exception as exc:  # keep the old prices rather than lose accounting
             log.error("SIGHUP: prices not changed: %s", exc)
-
-    def _reload_keys(self) -> None:
-        if self.identity.keys is None:
-            return
-        try:
-            self.identity.reload()
-            log.info("SIGHUP: %d API keys re-read", len(self.identity.keys))
-        except Exception as exc:
-            log.error("SIGHUP: API keys not changed: %s", exc)
 
 
 def _init_label_sets(sc: Sidecar) -> None:
