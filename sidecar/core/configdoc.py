@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import typing
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from ..config import Config
 from ..telemetry import thresholds
-from .flags import field_comments
+from .flags import field_comments, typed
 
 HEADER = """\
 # Tollbooth configuration: every key with its default. Every key is optional.
@@ -101,11 +101,7 @@ def _is_section(hint: Any, value: Any) -> bool:
 
 def _choices(hint: Any) -> str:
     """'a | b | c' for a Literal field (also when optional): the allowed values."""
-    options = typing.get_args(hint) if typing.get_origin(hint) is not Literal else (hint,)
-    for option in options:
-        if typing.get_origin(option) is Literal:
-            return " | ".join(str(v) for v in typing.get_args(option))
-    return ""
+    return " | ".join(str(v) for v in typed(hint).get("choices", ()))
 
 
 def _plain(value: Any) -> Any:
