@@ -37,8 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     }
     config = load(args.config, overrides)
     logs.setup(config.logging.level, config.logging.format)
-    sc = Sidecar(config, pricing_path=args.pricing)
-    wire(sc)
+    sc = wire(Sidecar(config, pricing_path=args.pricing))
     _run(serve(sc))
     return 0
 
