@@ -80,8 +80,9 @@ def _section(lines: list[str], obj: Any, prefix: str, depth: int) -> None:
         value = getattr(obj, f.name)
         above = comments.get(f.name, [])
         lines.extend(f"{indent}# {c}".rstrip() for c in above)
-        note = NOTES.get(key) or ("" if above else _choices(hints[f.name]))
-        if _is_section(hints[f.name], value):
+        hint = hints[f.name]
+        note = NOTES.get(key) or ("" if above else _choices(hint))
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section, never None
             lines.append(_with_note(f"{indent}{f.name}:", note))
             _section(lines, value, f"{key}.", depth + 1)
         else:
@@ -92,11 +93,6 @@ def _with_note(line: str, note: str) -> str:
     if not note:
         return line
     return f"{line.ljust(NOTE_COLUMN - 1)} # {note}"
-
-
-def _is_section(hint: Any, value: Any) -> bool:
-    """A nested block: a field whose type is a dataclass (not optional, not in a container)."""
-    return isinstance(hint, type) and dataclasses.is_dataclass(hint) and value is not None
 
 
 def _choices(hint: Any) -> str:
