@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from tollbooth_lab.simulator import EngineParams
 
 Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-Adder = Callable[[Sub], None]
-Command = Callable[[argparse.Namespace], int]
 
 # HOST:PORT of the sidecar's default upstream: where the simulator listens.
 SIMULATOR_LISTEN = urlsplit(UpstreamConfig().url).netloc
@@ -42,7 +40,7 @@ class LabCommand:
     name: str
     help: str
     add_flags: Callable[[argparse.ArgumentParser], None]
-    run: Command
+    run: Callable[[argparse.Namespace], int]
 
     def add(self, sub: Sub) -> None:
         """A placeholder in the main parser; `parser()` reads the flags, --help included."""
@@ -416,7 +414,7 @@ LAB_COMMANDS = [
     ),
 ]
 
-ADDERS: list[Adder] = [
+ADDERS: list[Callable[[Sub], None]] = [
     add_report,
     *(c.add for c in LAB_COMMANDS),
     add_demo,
