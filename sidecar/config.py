@@ -392,11 +392,10 @@ def _scalar(key: str, value: object, hint: Any) -> Any:
 
 def build(cls: type[T], data: object, *, prefix: str = "") -> T:
     """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
-    where = prefix or "<root>"
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        _fail(where, data, "expected a mapping")
+        _fail(prefix or "<root>", data, "expected a mapping")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for k in data:
