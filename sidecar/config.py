@@ -392,11 +392,10 @@ def _scalar(key: str, value: object, hint: Any) -> Any:
 
 def build(cls: type[T], data: object, *, prefix: str = "") -> T:
     """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
-    where = prefix or "<root>"
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        _fail(where, data, "expected a mapping")
+        _fail(prefix or "<root>", data, "expected a mapping")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for k in data:
@@ -475,45 +474,59 @@ def _check_store_url(key: str, value: str | None, schemes: tuple[str, ...], wher
         )
 
 
-def _check_fleet(config: Config) -> None:
-    b, led = config.budgets, config.ledger
-    _check_store_url("budgets.store", b.store, ("redis", "rediss"), "budgets.store_password_env")
-    _check_store_url(
-        "ledger.postgres_url", led.postgres_url, ("postgresql", "postgres"), "PGPASSWORD"
-    )
-    if led.postgres_url and not led.path:
-        raise ConfigError("config 'ledger.postgres_url' needs ledger.path (the local outbox)")
-    for key, value in (
-        ("budgets.store_timeout_s", b.store_timeout_s),
-        ("budgets.lease_s", b.lease_s),
-        ("ledger.ship_interval_s", led.ship_interval_s),
-    ):
-        if value <= 0:
-            _fail(key, value, "must be > 0")
-    if led.ship_batch_rows < 1:
-        _fail("ledger.ship_batch_rows", led.ship_batch_rows, "must be >= 1")
+# The least value of the numbers that need one (`_scalar` has refused a negative one already).
+_BOUNDS: dict[str, tuple[str, int]] = {
+    "budgets.store_timeout_s": (">", 0),
+    "budgets.lease_s": (">", 0),
+    "ledger.ship_interval_s": (">", 0),
+    "ledger.ship_batch_rows": (">=", 1),
+    "server.header_timeout_s": (">", 0),
+    "server.keepalive_timeout_s": (">", 0),
+    "server.body_timeout_s": (">", 0),
+    "upstream.probe_interval_s": (">", 0),
+    "upstream.probe_timeout_s": (">", 0),
+    "reconcile.interval_s": (">", 0),
+    "reconcile.timeout_s": (">", 0),
+    "server.max_audio_body_bytes": (">=", 1),
+    "server.audio_form_bytes": (">=", 1),
+    "budgets.audio_bytes_per_second": (">=", 1),
+    "admission.chars_per_token": (">", 0),
+    "admission.max_batch": (">=", 1),
+    "metering.max_event_bytes": (">=", 1024),
+    "metering.max_tracked_users": (">=", 1),
+    "metering.max_tracked_teams": (">=", 1),
+}
 
 
-_LIMIT_NAME = re.compile(r"[A-Za-z0-9._:@+-]{1,64}|\*")  # a principal's name (identity), or *
-# A model limit applies to the request's model label (telemetry/metrics.py `sanitize`, at most
-# 128 characters): a name the label would change (a comma, `=`, past 128) could never apply.
-_MODEL_NAME = re.compile(r"[A-Za-z0-9._:/@+-]{1,128}|\*")  # model names carry slashes (org/model)
+def _check_bounds(config: Config) -> None:
+    for key, (op, least) in _BOUNDS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value < least or (op == ">" and value == least):
+            _fail(key, value, f"must be {op} {least}")
+
+
+# A limit's name by its scope, and what the error says it expects. A model limit applies to the
+# request's model label (telemetry/metrics.py `sanitize`, at most 128 characters): a name the label
+# would change (a comma, `=`, past 128) could never apply. Model names carry slashes (org/model);
+# any other is a principal's name (identity), or *.
+_MODEL_NAME = (
+    re.compile(r"[A-Za-z0-9._:/@+-]{1,128}|\*"),
+    "expected * or a model name of 1-128 of A-Z a-z 0-9 . _ : / @ + - (its label)",
+)
+_LIMIT_NAME = (
+    re.compile(r"[A-Za-z0-9._:@+-]{1,64}|\*"),
+    "expected * or a name of 1-64 of A-Z a-z 0-9 . _ : @ + -",
+)
 
 
 def _check_limits(b: BudgetConfig) -> None:
     seen: set[tuple[str, str, str]] = set()
     for i, lim in enumerate(b.limits):
         key = f"budgets.limits[{i}]"
-        if lim.scope == "model" and not _MODEL_NAME.fullmatch(lim.name):
-            _fail(
-                f"{key}.name",
-                lim.name,
-                "expected * or a model name of 1-128 of A-Z a-z 0-9 . _ : / @ + - (its label)",
-            )
-        if lim.scope != "model" and not _LIMIT_NAME.fullmatch(lim.name):
-            _fail(
-                f"{key}.name", lim.name, "expected * or a name of 1-64 of A-Z a-z 0-9 . _ : @ + -"
-            )
+        pattern, expected = _MODEL_NAME if lim.scope == "model" else _LIMIT_NAME
+        if not pattern.fullmatch(lim.name):
+            _fail(f"{key}.name", lim.name, expected)
         if lim.scope == "global" and lim.name != "*":
             _fail(f"{key}.name", lim.name, "a global limit has name '*'")
         if lim.soft is not None and not 0 < lim.soft <= 1:
@@ -533,20 +546,16 @@ def _check_limits(b: BudgetConfig) -> None:
 
 def validate(config: Config) -> Config:
     _check_url("upstream.url", config.upstream.url)
-    _check_fleet(config)
+    b, led = config.budgets, config.ledger
+    _check_store_url("budgets.store", b.store, ("redis", "rediss"), "budgets.store_password_env")
+    _check_store_url(
+        "ledger.postgres_url", led.postgres_url, ("postgresql", "postgres"), "PGPASSWORD"
+    )
+    if led.postgres_url and not led.path:
+        raise ConfigError("config 'ledger.postgres_url' needs ledger.path (the local outbox)")
+    _check_bounds(config)
     parse_hostport("server.listen", config.server.listen)
     parse_hostport("server.admin_listen", config.server.admin_listen)
-    for key, seconds in (
-        ("server.header_timeout_s", config.server.header_timeout_s),
-        ("server.keepalive_timeout_s", config.server.keepalive_timeout_s),
-        ("server.body_timeout_s", config.server.body_timeout_s),
-        ("upstream.probe_interval_s", config.upstream.probe_interval_s),
-        ("upstream.probe_timeout_s", config.upstream.probe_timeout_s),
-        ("reconcile.interval_s", config.reconcile.interval_s),
-        ("reconcile.timeout_s", config.reconcile.timeout_s),
-    ):
-        if seconds <= 0:
-            _fail(key, seconds, "must be > 0")
     if not config.upstream.probe_path.startswith("/"):
         _fail("upstream.probe_path", config.upstream.probe_path, "must start with /")
     if not config.upstream.metrics_path.startswith("/"):
@@ -558,19 +567,6 @@ def validate(config: Config) -> Config:
             srv.max_buffered_request_bytes_per_key,
             "must not exceed server.max_buffered_request_bytes",
         )
-    for key, count in (
-        ("server.max_audio_body_bytes", srv.max_audio_body_bytes),
-        ("server.audio_form_bytes", srv.audio_form_bytes),
-        ("budgets.audio_bytes_per_second", config.budgets.audio_bytes_per_second),
-    ):
-        if count < 1:
-            _fail(key, count, "must be >= 1")
-    if config.admission.chars_per_token <= 0:
-        _fail("admission.chars_per_token", config.admission.chars_per_token, "must be > 0")
-    if config.admission.max_batch < 1:
-        _fail("admission.max_batch", config.admission.max_batch, "must be >= 1")
-    if config.metering.max_event_bytes < 1024:
-        _fail("metering.max_event_bytes", config.metering.max_event_bytes, "must be >= 1024")
     if not 0.0 <= config.logging.sample_success <= 1.0:
         _fail("logging.sample_success", config.logging.sample_success, "must be in [0, 1]")
     _check_limits(config.budgets)
@@ -583,10 +579,6 @@ def validate(config: Config) -> Config:
         )
     if config.budgets.day_start_hour_utc > 23:
         _fail("budgets.day_start_hour_utc", config.budgets.day_start_hour_utc, "must be 0-23")
-    if config.metering.max_tracked_users < 1:
-        _fail("metering.max_tracked_users", config.metering.max_tracked_users, "must be >= 1")
-    if config.metering.max_tracked_teams < 1:
-        _fail("metering.max_tracked_teams", config.metering.max_tracked_teams, "must be >= 1")
     for route in config.metering.free_routes:
         if not route.startswith("/"):
             _fail("metering.free_routes", route, "each route must start with '/'")

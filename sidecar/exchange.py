@@ -178,8 +178,6 @@ class Cost:
 
 
 _UID_PREFIX = uuid.uuid4().hex[:12]  # per process; ids are prefix + counter, unique and cheap
-
-
 _UID_COUNTER = itertools.count(1)
 
 

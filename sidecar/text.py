@@ -20,7 +20,6 @@ REASON_CHARS = 64  # error types, finish reasons
 
 _DIGEST_HEX = 16
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-REPLACEMENT = "\ufffd"
 
 
 def digest(value: str) -> str:
@@ -35,7 +34,7 @@ def clean(value: str, limit: int) -> str:
         value = value[: limit - _DIGEST_HEX - 1] + "~" + digest(value)
     if value.isprintable():  # the usual case: one scan in C, no copy
         return value
-    return _UNSAFE.sub(REPLACEMENT, value)
+    return _UNSAFE.sub("\ufffd", value)
 
 
 def clean_or_none(value: object, limit: int) -> str | None:

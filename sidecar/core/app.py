@@ -27,7 +27,7 @@ from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.audio import AudioLimits
 from ..proxy.edge import ConnectionGuard, listen
-from ..proxy.finishers import Finishers, PromptCounter
+from ..proxy.finishers import PromptCounter
 from ..proxy.handler import Proxy
 from ..proxy.identity import Identity, upstream_authorization
 from ..proxy.routes import routing_path
@@ -95,8 +95,12 @@ class Sidecar:
 
     def reload(self) -> None:
         """SIGHUP: re-read the prices and the keys file; a bad file keeps the old table."""
-        self._reload_keys()
         if self.identity.keys is not None:
+            try:
+                self.identity.reload()
+                log.info("SIGHUP: %d API keys re-read", len(self.identity.keys))
+            except Exception as exc:
+                log.error("SIGHUP: API keys not changed: %s", exc)
             _init_label_sets(self)  # the new keys' users
         if not self.pricing_path:
             log.info("SIGHUP: no --pricing file given; prices unchanged")
@@ -107,15 +111,6 @@ class Sidecar:
             log.info("SIGHUP: prices re-read from %s", self.pricing_path)
         except Exception as exc:  # keep the old prices rather than lose accounting
             log.error("SIGHUP: prices not changed: %s", exc)
-
-    def _reload_keys(self) -> None:
-        if self.identity.keys is None:
-            return
-        try:
-            self.identity.reload()
-            log.info("SIGHUP: %d API keys re-read", len(self.identity.keys))
-        except Exception as exc:
-            log.error("SIGHUP: API keys not changed: %s", exc)
 
 
 def _init_label_sets(sc: Sidecar) -> None:
@@ -144,8 +139,7 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
         sc.config.upstream, sc.metrics, lambda: sc.proxy.upstream if sc.proxy else None
     )
     app.cleanup_ctx.append(probe_context(sc.probe))
-    for ctx in sc.extra_contexts:
-        app.cleanup_ctx.append(ctx)
+    app.cleanup_ctx.extend(sc.extra_contexts)
     app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
     app.router.add_route("*", "/{tail:.*}", _handle)
     return app
@@ -171,7 +165,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
     metering = sc.config.metering
     settings = ProxySettings(
         upstream=base,
-        inject_usage=sc.config.metering.inject_stream_usage,
+        inject_usage=metering.inject_stream_usage,
         max_body=sc.config.server.max_request_body_bytes,
         body_timeout=sc.config.server.body_timeout_s,
         max_buffered=sc.config.server.max_buffered_request_bytes,
@@ -204,8 +198,6 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         limit=up.max_connections,
         authorization=sc.upstream_auth,
     )
-    tgi = TgiModelName(upstream, up.model_name)
-    counter = PromptCounter(upstream, up.api, sc.metrics)
     deps = ProxyDeps(
         upstream=upstream,
         metrics=sc.metrics,
@@ -213,11 +205,10 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         identity=sc.identity,
         users=sc.users,
         models=sc.models,
-        tgi_name=tgi,
+        tgi_name=TgiModelName(upstream, up.model_name),
         gates=sc.gates,
         on_start=sc.on_start,
-        counter=counter,
-        finishers=Finishers(),
+        counter=PromptCounter(upstream, up.api, sc.metrics),
         statement=sc.budgets.statement if sc.budgets is not None else None,
     )
     sc.proxy = Proxy(settings, deps)
@@ -255,17 +246,14 @@ async def _metrics(request: web.Request) -> web.Response:
     registry = request.app[PUBLISHED]  # new series read 0 first: sidecar/telemetry/exposition.py
     if request.query.get("hold") == "0":  # for people and scripts: the registry's true values
         registry = request.app[SIDECAR].metrics.registry
-    accept = request.headers.get("Accept", "")
-    if "application/openmetrics-text" in accept:
+    if "application/openmetrics-text" in request.headers.get("Accept", ""):
         # OpenMetrics carries exemplars (trace ids on the cost and duration histograms).
         body = om_exposition.generate_latest(registry)  # type: ignore[no-untyped-call]
         ctype = om_exposition.CONTENT_TYPE_LATEST
     else:
         body = exposition.generate_latest(registry)
         ctype = exposition.CONTENT_TYPE_LATEST
-    resp = web.Response(body=body)
-    resp.headers["Content-Type"] = ctype
-    return resp
+    return web.Response(body=body, headers={"Content-Type": ctype})
 
 
 async def _healthz(request: web.Request) -> web.Response:

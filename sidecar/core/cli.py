@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .. import __version__
-from ..config import Config, ConfigError, ServerConfig, load
+from ..config import ConfigError, ServerConfig, load
 from ..telemetry import logs
 
 
@@ -25,24 +25,19 @@ def _run(coro: object) -> None:
         asyncio.run(coro)  # type: ignore[arg-type]
 
 
-def load_config(args: argparse.Namespace) -> Config:
-    overrides = {
-        "upstream.url": getattr(args, "upstream", None),
-        "server.listen": getattr(args, "listen", None),
-        "server.admin_listen": getattr(args, "admin_listen", None),
-        "ledger.path": getattr(args, "ledger", None),
-    }
-    return load(getattr(args, "config", None), overrides)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from .app import Sidecar, serve
     from .wiring import wire
 
-    config = load_config(args)
+    overrides = {  # each flag overrides its key only when given
+        "upstream.url": args.upstream,
+        "server.listen": args.listen,
+        "server.admin_listen": args.admin_listen,
+        "ledger.path": args.ledger,
+    }
+    config = load(args.config, overrides)
     logs.setup(config.logging.level, config.logging.format)
-    sc = Sidecar(config, pricing_path=args.pricing)
-    wire(sc)
+    sc = wire(Sidecar(config, pricing_path=args.pricing))
     _run(serve(sc))
     return 0
 
@@ -59,22 +54,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_serve)
 
 
-Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
-
-
-def _subcommands() -> list[Adder]:
-    adders: list[Adder] = [_add_serve]
+def build_parser() -> argparse.ArgumentParser:
     from . import commands
 
-    adders.extend(commands.ADDERS)
-    return adders
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollbooth", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tollbooth {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in _subcommands():
+    for add in [_add_serve, *commands.ADDERS]:
         add(sub)
     return parser
 

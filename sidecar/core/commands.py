@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import urlsplit
 
@@ -18,8 +20,9 @@ if TYPE_CHECKING:
     from tollbooth_lab.simulator import EngineParams
 
 Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-Adder = Callable[[Sub], None]
-Command = Callable[[argparse.Namespace], int]
+
+# HOST:PORT of the sidecar's default upstream: where the simulator listens.
+SIMULATOR_LISTEN = urlsplit(UpstreamConfig().url).netloc
 
 LAB_MISSING = (
     "tollbooth {command}: needs the lab (the simulator, bench harness and demo), a separate "
@@ -37,7 +40,7 @@ class LabCommand:
     name: str
     help: str
     add_flags: Callable[[argparse.ArgumentParser], None]
-    run: Command
+    run: Callable[[argparse.Namespace], int]
 
     def add(self, sub: Sub) -> None:
         """A placeholder in the main parser; `parser()` reads the flags, --help included."""
@@ -51,22 +54,6 @@ class LabCommand:
         self.add_flags(p)
         p.set_defaults(func=self.run, command=self.name)
         return p
-
-
-def hostport(url: str) -> str:
-    """HOST:PORT of a URL: the simulator listens where the sidecar's default upstream points."""
-    return urlsplit(url).netloc
-
-
-def needs_lab(cmd: Command) -> Command:
-    """`cmd` imports the lab lazily; without it installed, a clear error instead of a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        if importlib.util.find_spec("tollbooth_lab") is None:
-            raise SystemExit(LAB_MISSING.format(command=args.command))
-        return cmd(args)
-
-    return run
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -93,8 +80,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     text = chargeback.render(rep, args.format)
     text += "" if text.endswith("\n") else "\n"
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        Path(args.output).write_text(text, encoding="utf-8")
     else:
         sys.stdout.write(text)
     return 0
@@ -186,7 +172,7 @@ def simulate_flags(p: argparse.ArgumentParser) -> None:
     from tollbooth_lab.simulator import create_simulator
 
     given = inspect.signature(create_simulator).parameters
-    p.add_argument("--listen", default=hostport(UpstreamConfig().url))
+    p.add_argument("--listen", default=SIMULATOR_LISTEN)
     p.add_argument("--api", choices=["vllm", "tgi"], default=given["api"].default)
     p.add_argument("--model", default=given["model"].default)
     add_engine_flags(p)
@@ -240,15 +226,18 @@ def make_requests_flags(p: argparse.ArgumentParser) -> None:
     _add_distribution_flags(p)
 
 
+# The bench's flags made from BenchOptions fields, under the fields' names.
+BENCH_KNOBS = ("warmup", "token_budget", "max_batch", "lower_factor", "max_attempts")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import asdict
-    from pathlib import Path
 
     from tollbooth_lab.bench import Arrival, BenchOptions, generate, read, run
     from tollbooth_lab.bench.output import write_all
 
-    from ..config import ConfigError, load
+    from ..config import AdmissionConfig, ConfigError, load
     from ..metering.pricing import load_pricing_file
 
     if args.requests:
@@ -256,41 +245,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         dist = _distribution(args)
         reqs, source = generate(dist), {"generated": asdict(dist)}
-    arrival = (
-        Arrival("concurrency", args.concurrency)
-        if args.concurrency
-        else Arrival("rate", args.rate)
-        if args.rate
-        else Arrival("burst", args.burst)
-        if args.burst
-        else Arrival("file", 0)
-        if args.requests
-        else Arrival()
-    )
+    arrival = Arrival("file", 0) if args.requests else Arrival()
+    for kind in ("concurrency", "rate", "burst"):  # mutually exclusive flags
+        if getattr(args, kind):
+            arrival = Arrival(kind, getattr(args, kind))
     pricing = load_pricing_file(args.pricing) if args.pricing else load().pricing
     if args.config:
         pricing = load(args.config).pricing
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    known = typing.get_args(typing.get_type_hints(AdmissionConfig)["strategy"])
     for s in strategies:
-        if s not in ("none", "serial", "fixed-batch", "token-budget"):
-            raise ConfigError(
-                f"--strategies: '{s}' is not one of none, serial, fixed-batch, token-budget"
-            )
+        if s not in known:
+            raise ConfigError(f"--strategies: '{s}' is not one of {', '.join(known)}")
     opts = BenchOptions(
         strategies=strategies,
         out_dir=Path(args.out),
         upstream=args.upstream,
         model=args.model,
         arrival=arrival,
-        warmup=args.warmup,
-        token_budget=args.token_budget,
-        max_batch=args.max_batch,
-        lower_factor=args.lower_factor,
-        max_attempts=args.max_attempts,
         pricing=pricing,
         sim_api=args.api,
         sim_params=engine_params(args),
         seed=args.seed,
+        **{name: getattr(args, name) for name in BENCH_KNOBS},
     )
     result = asyncio.run(run(opts, reqs, source))
     for path in write_all(result, opts.out_dir):
@@ -318,7 +295,7 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
     g.add_argument("--burst", type=int, help="bursts of N")
     p.add_argument("--out", required=True, help="output directory")
-    for name in ("warmup", "token_budget", "max_batch", "lower_factor", "max_attempts"):
+    for name in BENCH_KNOBS:
         option(p, BenchOptions, name)
     p.add_argument("--pricing", help="pricing YAML for cost per 1k tokens")
     p.add_argument("--config", help="tollbooth config whose pricing to use")
@@ -328,6 +305,8 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("tollbooth_lab") is None:  # its flags are the sidecar's own
+        raise SystemExit(LAB_MISSING.format(command=args.command))
     from tollbooth_lab import demo
 
     from ..telemetry import logs
@@ -347,10 +326,10 @@ def add_demo(sub: Sub) -> None:
     option(p, ServerConfig, "admin_listen", help="HOST:PORT for /metrics (server.admin_listen)")
     p.add_argument(
         "--upstream-listen",
-        default=hostport(UpstreamConfig().url),
+        default=SIMULATOR_LISTEN,
         help="HOST:PORT for the simulator (upstream.url's)",
     )
-    p.set_defaults(func=needs_lab(cmd_demo))
+    p.set_defaults(func=cmd_demo)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -435,7 +414,7 @@ LAB_COMMANDS = [
     ),
 ]
 
-ADDERS: list[Adder] = [
+ADDERS: list[Callable[[Sub], None]] = [
     add_report,
     *(c.add for c in LAB_COMMANDS),
     add_demo,

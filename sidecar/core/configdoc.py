@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import typing
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from ..config import Config
 from ..telemetry import thresholds
-from .flags import field_comments
+from .flags import field_comments, typed
 
 HEADER = """\
 # Tollbooth configuration: every key with its default. Every key is optional.
@@ -80,8 +80,9 @@ def _section(lines: list[str], obj: Any, prefix: str, depth: int) -> None:
         value = getattr(obj, f.name)
         above = comments.get(f.name, [])
         lines.extend(f"{indent}# {c}".rstrip() for c in above)
-        note = NOTES.get(key) or ("" if above else _choices(hints[f.name]))
-        if _is_section(hints[f.name], value):
+        hint = hints[f.name]
+        note = NOTES.get(key) or ("" if above else _choices(hint))
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section, never None
             lines.append(_with_note(f"{indent}{f.name}:", note))
             _section(lines, value, f"{key}.", depth + 1)
         else:
@@ -94,18 +95,9 @@ def _with_note(line: str, note: str) -> str:
     return f"{line.ljust(NOTE_COLUMN - 1)} # {note}"
 
 
-def _is_section(hint: Any, value: Any) -> bool:
-    """A nested block: a field whose type is a dataclass (not optional, not in a container)."""
-    return isinstance(hint, type) and dataclasses.is_dataclass(hint) and value is not None
-
-
 def _choices(hint: Any) -> str:
     """'a | b | c' for a Literal field (also when optional): the allowed values."""
-    options = typing.get_args(hint) if typing.get_origin(hint) is not Literal else (hint,)
-    for option in options:
-        if typing.get_origin(option) is Literal:
-            return " | ".join(str(v) for v in typing.get_args(option))
-    return ""
+    return " | ".join(str(v) for v in typed(hint).get("choices", ()))
 
 
 def _plain(value: Any) -> Any:

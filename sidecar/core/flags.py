@@ -39,7 +39,7 @@ def option(
     if hint is bool and default is False:
         kw["action"] = "store_true"
     else:
-        kw.update(_typed(hint))
+        kw.update(typed(hint))
     kw.update(overrides)
     if kw.get("action") != "store_true":
         kw["help"] = f"{kw['help'] or ''} (default: %(default)s)".lstrip()  # argparse fills it
@@ -58,7 +58,7 @@ def default_of(cls: type, name: str) -> Any:
     raise TypeError(f"{cls.__name__}.{name} has no default")
 
 
-def _typed(hint: Any) -> dict[str, Any]:
+def typed(hint: Any) -> dict[str, Any]:
     """argparse's `type` (and `choices` for a Literal) for an annotation; `X | None` reads X."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

@@ -42,19 +42,18 @@ def wire(
 ) -> Sidecar:
     """Attach every component the config turns on. Returns `sc` for chaining.
 
-    `nvml` and `span_exporter` are the two boundaries tests replace (a fake NVML module, an
-    in-memory exporter); by default the real ones are used.
+    `nvml`, `span_exporter` and `metric_exporter` are the boundaries tests replace (a fake NVML
+    module, in-memory exporters); by default the real ones are used.
     """
     cfg = sc.config
     if cfg.gpu.enabled:
         attribution = sc.attribution = Attribution(sc.metrics, sc.prices, cfg.admission)
-        collector = GpuCollector(cfg.gpu, sc.metrics, nvml)
 
         def up(c: GpuCollector) -> None:
             attribution.enable(len(c.devices))
             c.on_poll = attribution.poll_energy
 
-        sc.extra_contexts.append(gpu_context(collector, up))
+        sc.extra_contexts.append(gpu_context(GpuCollector(cfg.gpu, sc.metrics, nvml), up))
         sc.meter.add_sink("gpu", attribution.end)  # first sink: device_seconds for the others
     if tracing.enabled(cfg) or span_exporter is not None:
         t = sc.tracing = tracing.Tracing(cfg, sc.metrics, span_exporter)
@@ -74,9 +73,8 @@ def wire(
     budgets = sc.budgets = Budgets(
         cfg.budgets, cfg.admission, sc.metrics, sc.users, sc.prices, store=store, teams=sc.teams
     )
-    sc.metrics.registry.register(
-        BudgetState(cfg.budgets, sc.metrics, budgets)
-    )  # limits, what is left
+    # the budgets' limits and what is left of them, read when scraped
+    sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics, budgets))
     if budgets.enforcing:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
