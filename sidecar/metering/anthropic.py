@@ -47,7 +47,8 @@ _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
 
 
 class AnthropicAdapter(reqsize.ReadOnly):
-    """`/v1/messages` on any server: the format is Anthropic's, whoever serves it."""
+    """`/v1/messages` on any server: the format is Anthropic's, whoever serves it (and a
+    Messages prompt is never token ids)."""
 
     def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         limit, unreadable = reqsize.read_limit(_LIMIT, obj)
@@ -103,9 +104,6 @@ class AnthropicAdapter(reqsize.ReadOnly):
             return None
         keep = {k: obj[k] for k in _COUNTED_KEYS if k in obj}
         return [(COUNT_TOKENS_PATH, json.dumps(keep).encode())]
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None  # a Messages prompt is never token ids
 
 
 # What /v1/messages/count_tokens reads of a Messages request (Anthropic's count_tokens params).

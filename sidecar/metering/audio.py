@@ -295,7 +295,8 @@ def audio_seconds(value: object) -> float | None:
 
 
 class AudioAdapter(OpenAIAdapter):
-    """The answers of the audio routes; their requests are read by `audio_request`."""
+    """The answers of the audio routes; their requests are read by `audio_request`. No call
+    counts an audio prompt (the OpenAI adapter's are for chat and completions only)."""
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -309,12 +310,6 @@ class AudioAdapter(OpenAIAdapter):
         """vLLM's transcription.chunk / translation.chunk events read as chat chunks do: the
         deltas, and the token `usage` chunk at the end when the form asked for it."""
         return ChatStream(endpoint, fast=False, **options)
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # no call counts an audio prompt
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def body_seconds(obj: Mapping[str, Any]) -> Usage:

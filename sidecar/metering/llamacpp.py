@@ -23,7 +23,8 @@ from .stream import CountsStream
 
 
 class LlamaCppAdapter(reqsize.ReadOnly):
-    """llama.cpp's /completion and /infill (tools/server/server.cpp, server-task.cpp)."""
+    """llama.cpp's /completion and /infill (tools/server/server.cpp, server-task.cpp). No call
+    counts a prompt after a disconnect: every event carries its count (`tokens_evaluated`)."""
 
     api = "llamacpp"
 
@@ -65,12 +66,6 @@ class LlamaCppAdapter(reqsize.ReadOnly):
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> LlamaCppStream:
         """The meter for a streamed response (the reference SSE path: no fast path yet)."""
         return LlamaCppStream(endpoint, **options)
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # every event carries the prompt's count (`tokens_evaluated`)
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def _limit(obj: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:

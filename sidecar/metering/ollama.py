@@ -27,7 +27,7 @@ OLLAMA_ROUTES = (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE, Endpoint.OLLAMA
 
 
 class OllamaAdapter(reqsize.ReadOnly):
-    """Ollama's /api/chat, /api/generate and /api/embed."""
+    """Ollama's /api/chat, /api/generate and /api/embed (it has no tokenizer route)."""
 
     api = "ollama"
 
@@ -77,12 +77,6 @@ class OllamaAdapter(reqsize.ReadOnly):
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> OllamaStream:
         """The NDJSON line meter (one path: there is no fast one)."""
         return OllamaStream(endpoint, max_event_bytes=options.get("max_event_bytes"))
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # Ollama has no tokenizer route
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def _num_predict(options: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:

@@ -334,7 +334,8 @@ def repeated_chars(obj: Mapping[str, Any], pairs: tuple[tuple[str, str], ...]) -
 class ReadOnly:
     """The `WireAdapter.inspect` of a wire family whose requests are never edited: its `read`
     says what a JSON-object request asks for; `inspect` adds whether the body is UTF-8, and
-    ignores `inject_usage` (nothing is ever added to such a request)."""
+    ignores `inject_usage` (nothing is ever added to such a request). Unless the family says
+    otherwise, no call counts its prompt after a disconnect and no prompt is token ids."""
 
     def inspect(
         self,
@@ -352,3 +353,9 @@ class ReadOnly:
 
     def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
         raise NotImplementedError
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        return None
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None

@@ -26,7 +26,8 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit is this
 
 
 class SGLangAdapter(reqsize.ReadOnly):
-    """SGLang's /generate."""
+    """SGLang's /generate (no call counts a prompt after a disconnect: every chunk carries its
+    count)."""
 
     api = "sglang"
 
@@ -74,12 +75,6 @@ class SGLangAdapter(reqsize.ReadOnly):
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> SGLangStream:
         """The meter for a streamed /generate (the reference SSE path)."""
         return SGLangStream(endpoint, **options)
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # every chunk carries the prompt's count
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def _limit(params: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
