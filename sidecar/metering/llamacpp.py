@@ -18,7 +18,7 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import Counts, body_results, counts_of, error_type, number, summed
-from .reqsize import body_size, prompt_chars
+from .reqsize import prompt_chars
 from .stream import CountsStream
 
 
@@ -28,26 +28,14 @@ class LlamaCppAdapter(reqsize.ReadOnly):
 
     api = "llamacpp"
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
-        limit, unreadable = _limit(obj)
-        text_chars, prompt_ids = body_size(obj)
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            stream=obj.get("stream") is True,  # nlohmann's get<bool>: only a JSON boolean
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(obj.get("temperature")),
-            prompt_chars=prompt_chars(obj),
-            n=_prompts(obj),
-            choices=_prompts(obj),
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=reqsize.output_cap(limit, obj, {}),
-        )
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
+        info.max_tokens, info.unreadable = _limit(obj)
+        info.stream = obj.get("stream") is True  # nlohmann's get<bool>: only a JSON boolean
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.temperature = number(obj.get("temperature"))
+        info.prompt_chars = prompt_chars(obj)
+        info.n = info.choices = _prompts(obj)
+        info.output_cap = reqsize.output_cap(info.max_tokens, obj, {})
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1

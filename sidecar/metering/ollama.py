@@ -20,7 +20,7 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import INVALID_USAGE, body_value, count, number
-from .reqsize import body_size, prompt_chars
+from .reqsize import prompt_chars
 from .sse import DEFAULT_MAX_EVENT_BYTES
 
 OLLAMA_ROUTES = (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE, Endpoint.OLLAMA_EMBED)
@@ -31,33 +31,22 @@ class OllamaAdapter(reqsize.ReadOnly):
 
     api = "ollama"
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
         options = obj.get("options")
         options = options if isinstance(options, dict) else {}
         # Go matches `Options` or `OPTIONS` to `options` too, merging a later one into it
-        limit, unreadable = _num_predict(options)
+        limit, info.unreadable = _num_predict(options)
         if twins := reqsize.case_twins(obj, ("options",)):
-            limit, unreadable = None, twins
-        text_chars, prompt_ids = body_size(obj)
+            limit, info.unreadable = None, twins
         messages = obj.get("messages")
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            # `Stream *bool`: absent or null is a stream; Go refuses a non-boolean
-            stream=endpoint is not Endpoint.OLLAMA_EMBED and obj.get("stream") is not False,
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(options.get("temperature")),
-            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
-            messages=len(messages) if isinstance(messages, list) else 0,
-            prompt_chars=prompt_chars(obj),
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=limit,  # Ollama reads no other limit field
-        )
+        # `Stream *bool`: absent or null is a stream; Go refuses a non-boolean
+        info.stream = info.endpoint is not Endpoint.OLLAMA_EMBED and obj.get("stream") is not False
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.max_tokens = info.output_cap = limit  # Ollama reads no other limit field
+        info.temperature = number(options.get("temperature"))
+        info.tools = len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0
+        info.messages = len(messages) if isinstance(messages, list) else 0
+        info.prompt_chars = prompt_chars(obj)
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
