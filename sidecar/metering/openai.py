@@ -65,7 +65,15 @@ class OpenAIAdapter:
         """Read what the request asks for. With `inject_usage`, a streaming chat/completions body
         that is a UTF-8 JSON object gets `include_usage` (and, with `continuous_usage`, vLLM's
         running totals on every chunk)."""
-        max_tokens, n, unreadable = self._limits(endpoint, obj)
+        # The output limit as the route's server reads it (only the fields it reads: `reqsize`)
+        # and n; the limits present that are no integer the server would read are unreadable.
+        fields = reqsize.limit_fields(endpoint, self.api)
+        max_tokens, unreadable = reqsize.read_limit(fields, obj)
+        n = obj.get("n")
+        read_n = n if n is None or type(n) is int else lax_int(n)
+        if n is not None and read_n is None:
+            unreadable += ("n",)
+        n = read_n if read_n is not None and read_n > 0 else None
         # An absent field is answered here, without the call that would say so: most bodies
         # have no `stream`, `user` or `temperature`.
         stream = obj.get("stream")
@@ -98,26 +106,13 @@ class OpenAIAdapter:
         info.output_cap = reqsize.output_cap(max_tokens, obj, obj)
         return info
 
-    def _limits(
-        self, endpoint: Endpoint, obj: Mapping[str, Any]
-    ) -> tuple[int | None, int | None, tuple[str, ...]]:
-        """(the output limit as the route's server reads it, n, the limits present that are no
-        integer the server would read). Only the fields that route reads (`reqsize`)."""
-        limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, self.api), obj)
-        n = obj.get("n")
-        read_n = n if n is None or type(n) is int else lax_int(n)
-        if n is not None and read_n is None:
-            unreadable += ("n",)
-        return limit, reqsize.positive(read_n), unreadable
-
     # --- responses --------------------------------------------------------------------------------
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
-        obj = body_value(body)
-        return body_usage(endpoint, obj)
+        return body_usage(endpoint, body_value(body))
 
     def stream(
         self, endpoint: Endpoint, *, fast: bool = True, **options: Any

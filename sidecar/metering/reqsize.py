@@ -37,10 +37,6 @@ def lax_int(value: object) -> int | None:
     return None
 
 
-def positive(v: int | None) -> int | None:
-    return v if v is not None and v > 0 else None
-
-
 # --- output limits --------------------------------------------------------------------------------
 
 # The fields each route's server reads its output limit from, first positive first (the table in
