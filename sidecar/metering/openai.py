@@ -130,8 +130,8 @@ class OpenAIAdapter:
         """The upstream calls that count this request's prompt exactly as its generation did:
         (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
         vLLM's /tokenize renders chat messages with the same template inputs as the chat route."""
-        obj = _body_object(info)
-        if obj is None:
+        obj = body_value(info.body)
+        if not isinstance(obj, dict):
             return None
         if info.endpoint is Endpoint.CHAT and isinstance(obj.get("messages"), list):
             body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
@@ -145,10 +145,8 @@ class OpenAIAdapter:
         """A completion whose prompt is token ids is counted without asking anyone."""
         if info.endpoint is not Endpoint.COMPLETIONS:
             return None
-        try:
-            prompt = json.loads(info.body).get("prompt")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            return None
+        obj = body_value(info.body)
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return len(prompt)
         return None
@@ -166,14 +164,6 @@ _VLLM_TEMPLATE_KEYS = (
     "add_special_tokens",
     "mm_processor_kwargs",
 )
-
-
-def _body_object(info: RequestInfo) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(info.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def one_prompt(obj: Mapping[str, Any]) -> str | None:
