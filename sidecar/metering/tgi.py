@@ -259,12 +259,10 @@ class TGIStream(SSEMeter):
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
-        self._tokens = 0
         self._details: Mapping[str, Any] | None = None
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         if isinstance(obj.get("token"), dict):
-            self._tokens += 1
             self._s.token_events += 1
         details = obj.get("details")
         if isinstance(details, dict):
@@ -282,9 +280,9 @@ class TGIStream(SSEMeter):
         out, inp = count(raw_out), count(raw_in)
         if invalid(raw_out, out) or invalid(raw_in, inp):
             return replace(base, unknown_reason=INVALID_USAGE)
-        if out is None and self._tokens:
+        if out is None and self._s.token_events:
             # TGI's /generate_stream sends exactly one event per generated token.
-            out = count(self._tokens)
+            out = count(self._s.token_events)
         if out is None:  # no token event at all: not a stream of the shape we count
             reason: str | None = "no_token_events"
         else:
@@ -304,13 +302,11 @@ class FastTGIStream(WireMeter, TGIStream):
         return (m.end(), True, -1) if m is not None else None
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
-        self._tokens += 1  # all that `_read` does with it
-        self._s.token_events += 1
+        self._s.token_events += 1  # all that `_read` does with it
         return False
 
     def _on_event(self, ev: Event) -> bool:
         if ev.data is not None and TGI_TOKEN_EVENT.fullmatch(ev.data):
-            self._tokens += 1
             self._s.token_events += 1
             return False
         return super()._on_event(ev)
