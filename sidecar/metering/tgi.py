@@ -74,26 +74,21 @@ class TGIAdapter:
         params = obj.get("parameters")
         params = params if isinstance(params, dict) else {}
         limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, "tgi"), params)
-        text_chars, prompt_ids = body_size(obj)
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            stream=_stream_flag(endpoint, obj),
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(params.get("temperature")),
-            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
-            messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
-            prompt_chars=prompt_chars(obj),
-            choices=_best_of(params) if endpoint in _BEST_OF else 1,
-            utf8=text is not None,
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=reqsize.output_cap(limit, obj, params),
-        )
+        info = RequestInfo(endpoint, body, True)  # by attribute, as `openai.inspect` builds it
+        info.stream = _stream_flag(endpoint, obj)
+        info.model = clean_or_none(obj.get("model"), MODEL_CHARS)
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.max_tokens = limit
+        info.temperature = number(params.get("temperature"))
+        info.tools = len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0
+        info.messages = len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0
+        info.prompt_chars = prompt_chars(obj)
+        info.choices = _best_of(params) if endpoint in _BEST_OF else 1
+        info.utf8 = text is not None
+        info.text_chars, info.prompt_ids = body_size(obj)
+        info.unreadable = unreadable
+        info.output_cap = reqsize.output_cap(limit, obj, params)
+        return info
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -155,21 +150,17 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     instances = [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
     read = [reqsize.vertex_limit(i) for i in instances]
     limits = [limit for limit, _ in read]
-    text_chars, prompt_ids = body_size(obj)
-    return RequestInfo(
-        endpoint=Endpoint.TGI_VERTEX,
-        body=body,
-        parsed=True,
-        # one limit for every instance (the largest): the hold multiplies it by the instances
-        max_tokens=max(limits) if limits and None not in limits else None,  # type: ignore[type-var]
-        messages=sum(len(i["messages"]) for i in instances if isinstance(i.get("messages"), list)),
-        prompt_chars=sum(prompt_chars(i) for i in instances),
-        n=max(1, len(instances)),  # estimates multiply the limit by n, as for n choices
-        choices=max(1, sum(_instance_sequences(i) for i in instances)),
-        text_chars=text_chars,
-        prompt_ids=prompt_ids,
-        unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
-    )
+    info = RequestInfo(Endpoint.TGI_VERTEX, body, True)
+    # one limit for every instance (the largest): the hold multiplies it by the instances
+    info.max_tokens = max(limits) if limits and None not in limits else None  # type: ignore[type-var]
+    messages = [i.get("messages") for i in instances]
+    info.messages = sum(len(m) for m in messages if isinstance(m, list))
+    info.prompt_chars = sum(prompt_chars(i) for i in instances)
+    info.n = max(1, len(instances))  # estimates multiply the limit by n, as for n choices
+    info.choices = max(1, sum(_instance_sequences(i) for i in instances))
+    info.text_chars, info.prompt_ids = body_size(obj)
+    info.unreadable = tuple(dict.fromkeys(k for _, bad in read for k in bad))
+    return info
 
 
 # TGI's non-streaming generate routes run `parameters.best_of` generations (its streams refuse
