@@ -96,9 +96,12 @@ class TGIAdapter:
         """Usage of a complete (non-streaming) response. `sequences`: what the request's
         `choices` says it generates (on the generate routes, `best_of`)."""
         obj = body_value(body)
-        if endpoint is Endpoint.TGI_VERTEX:
-            return _vertex_body_usage(obj)
-        return _tgi_body_usage(obj, headers, sequences)
+        if endpoint is not Endpoint.TGI_VERTEX:
+            return _tgi_body_usage(obj, headers, sequences)
+        # /vertex answers `{"predictions": [text, ...]}`: no token counts, no count headers
+        if isinstance(obj, dict) and obj.get("error") is not None:
+            return Usage(error=error_type(obj), unknown_reason="error_response")
+        return Usage(unknown_reason="no_usage")
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> TGIStream:
         """The meter for /generate_stream; `fast` adds the token-event path (`FastTGIStream`)."""
@@ -232,13 +235,6 @@ def _with_best_of(best: int, others: object, expected: int) -> int | None:
             return None
         total += n
     return count(total)
-
-
-def _vertex_body_usage(obj: object) -> Usage:
-    """TGI's /vertex answers `{"predictions": [text, ...]}`: no token counts, no count headers."""
-    if isinstance(obj, dict) and obj.get("error") is not None:
-        return Usage(error=error_type(obj), unknown_reason="error_response")
-    return Usage(unknown_reason="no_usage")
 
 
 # --- streams --------------------------------------------------------------------------------------
