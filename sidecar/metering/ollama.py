@@ -56,7 +56,7 @@ class OllamaAdapter(reqsize.ReadOnly):
         if not isinstance(obj, dict):
             return Usage(unknown_reason="no_usage")
         if isinstance(obj.get("error"), str):
-            return Usage(error=_error(obj), unknown_reason="error_response")
+            return Usage(error=_ERROR, unknown_reason="error_response")
         if endpoint is Endpoint.OLLAMA_EMBED:
             return _embed_usage(obj)
         if obj.get("done") is not True:
@@ -83,8 +83,7 @@ def _num_predict(options: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...
     return (limit if limit > 0 else None), ()
 
 
-def _error(obj: Mapping[str, Any]) -> str:
-    return "error"  # Ollama's error is a free-text message: never a label
+_ERROR = "error"  # Ollama's error is a free-text message: never a label
 
 
 def _counted(obj: Mapping[str, Any], key: str) -> tuple[int | None, bool]:
@@ -181,7 +180,7 @@ class OllamaStream:
         if self._model is None:
             self._model = clean_or_none(obj.get("model"), MODEL_CHARS)
         if isinstance(obj.get("error"), str):
-            self._error = _error(obj)
+            self._error = _ERROR
             return
         if obj.get("done") is True:
             self._final = _final_usage(obj)
