@@ -24,7 +24,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import ID_CHARS, MODEL_CHARS, clean, clean_or_none
-from .counts import INVALID_USAGE, body_value, count, error_type, lax_true
+from .counts import INVALID_USAGE, body_value, error_type, header_count, lax_true
 from .openai import ChatStream, OpenAIAdapter
 
 # The most seconds of audio one answer may report: 10 million (115 days of audio). More, a
@@ -258,7 +258,7 @@ def audio_request(
     once), a stream, the output limit; `audio_bytes` is what its hold counts seconds from."""
     fields = {} if form.duplicate else form.fields
     model = fields.get("model")
-    limit = count(_int(fields.get("max_completion_tokens")))
+    limit = header_count(fields.get("max_completion_tokens", "").strip())
     return RequestInfo(
         endpoint=endpoint,
         body=head,
@@ -271,12 +271,6 @@ def audio_request(
         audio_bytes=audio_bytes,
         ambiguous=f"the form field '{form.duplicate}' is sent twice" if form.duplicate else None,
     )
-
-
-def _int(text: str | None) -> int | None:
-    if text is None or not text.strip().isascii() or not text.strip().isdigit():
-        return None
-    return int(text.strip()) if len(text.strip()) < 19 else None
 
 
 def audio_seconds(value: object) -> float | None:
