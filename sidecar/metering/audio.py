@@ -295,30 +295,26 @@ class AudioAdapter(OpenAIAdapter):
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
+        """Usage of a json or verbose_json answer."""
         obj = body_value(body)
         if not isinstance(obj, dict):  # response_format text (or srt, vtt): no usage in it
             return Usage(unknown_reason="no_usage")
-        return body_seconds(obj)
+        if obj.get("error") is not None:
+            return Usage(error=error_type(obj), unknown_reason="error_response")
+        rid = clean_or_none(obj.get("id"), ID_CHARS)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and usage.get("type") == "duration":
+            raw = usage.get("seconds")
+        elif "duration" in obj:  # verbose_json: the audio's duration, as a string
+            raw = obj.get("duration")
+        else:
+            return Usage(response_id=rid, unknown_reason="no_usage")
+        seconds = audio_seconds(raw)
+        if seconds is None:
+            return Usage(response_id=rid, unknown_reason=INVALID_USAGE)
+        return Usage(audio_seconds=seconds, response_id=rid)
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> ChatStream:
         """vLLM's transcription.chunk / translation.chunk events read as chat chunks do: the
         deltas, and the token `usage` chunk at the end when the form asked for it."""
         return ChatStream(endpoint, fast=False, **options)
-
-
-def body_seconds(obj: Mapping[str, Any]) -> Usage:
-    """Usage of a decoded json or verbose_json answer."""
-    if obj.get("error") is not None:
-        return Usage(error=error_type(obj), unknown_reason="error_response")
-    rid = clean_or_none(obj.get("id"), ID_CHARS)
-    usage = obj.get("usage")
-    if isinstance(usage, dict) and usage.get("type") == "duration":
-        raw = usage.get("seconds")
-    elif "duration" in obj:  # verbose_json: the audio's duration, as a string
-        raw = obj.get("duration")
-    else:
-        return Usage(response_id=rid, unknown_reason="no_usage")
-    seconds = audio_seconds(raw)
-    if seconds is None:
-        return Usage(response_id=rid, unknown_reason=INVALID_USAGE)
-    return Usage(audio_seconds=seconds, response_id=rid)
