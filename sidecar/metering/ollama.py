@@ -203,10 +203,7 @@ class OllamaStream:
     def usage_so_far(self) -> Usage:
         if self._oversized:
             return Usage(model=self._model, error=self._error, unknown_reason="event_too_large")
-        if self._final is not None:
-            return (
-                self._final
-                if self._error is None
-                else Usage(error=self._error, model=self._model, unknown_reason="error_response")
-            )
-        return Usage(model=self._model, error=self._error, unknown_reason="no_usage")
+        if self._final is not None and self._error is None:
+            return self._final
+        reason = "no_usage" if self._final is None else "error_response"
+        return Usage(model=self._model, error=self._error, unknown_reason=reason)
