@@ -62,9 +62,7 @@ class OpenAIAdapter:
         inject_usage: bool,
         continuous_usage: bool = False,
     ) -> RequestInfo:
-        """Read what the request asks for. With `inject_usage`, a streaming chat/completions body
-        that is a UTF-8 JSON object gets `include_usage` (and, with `continuous_usage`, vLLM's
-        running totals on every chunk)."""
+        """Read what the request asks for, with usage asked for as `wire.inspect_request` says."""
         # The output limit as the route's server reads it (only the fields it reads: `reqsize`)
         # and n; the limits present that are no integer the server would read are unreadable.
         fields = reqsize.limit_fields(endpoint, self.api)
