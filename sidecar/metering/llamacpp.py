@@ -95,8 +95,7 @@ class LlamaCppStream(CountsStream):
     running `tokens_predicted` and `tokens_evaluated` of its prompt (`index`); the prompt's last,
     `stop: true`, holds its totals. `:` lines (keep-alive) are SSE comments."""
 
-    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
-        return _final_counts(obj)
+    _counts_of = staticmethod(_final_counts)  # read as a body result is (no wrapper frame an event)
 
     def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
         if obj.get("stop") is True:

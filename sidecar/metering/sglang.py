@@ -109,8 +109,7 @@ class SGLangStream(CountsStream):
     """A streamed /generate: `data:` chunks, each with its prompt's (`index`) `meta_info` so far
     (cumulative), then `data: [DONE]`."""
 
-    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
-        return _counts(obj)
+    _counts_of = staticmethod(_counts)  # read as a body result is (no wrapper frame an event)
 
     def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
         if (read[1] or 0) > (self._counts.get(index, NO_COUNTS)[1] or 0):
