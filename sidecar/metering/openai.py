@@ -97,7 +97,7 @@ class OpenAIAdapter:
         info.tools = len(tools) if isinstance(tools, list) else 0
         info.messages = len(messages) if isinstance(messages, list) else 0
         info.prompt_chars = prompt_chars(obj)
-        info.choices = max(1, n or 1) * _prompts(endpoint, obj)
+        info.choices = (n or 1) * _prompts(endpoint, obj)  # n: None or positive
         info.utf8 = text is not None
         info.text_chars, info.prompt_ids = body_size(obj)
         info.unreadable = unreadable
