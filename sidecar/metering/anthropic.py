@@ -32,7 +32,7 @@ from .counts import (
     lax_true,
     number,
 )
-from .reqsize import body_size, prompt_chars
+from .reqsize import prompt_chars
 from .sse import Event
 from .stream import SSEMeter
 
@@ -47,31 +47,20 @@ _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
 
 
 class AnthropicAdapter(reqsize.ReadOnly):
-    """`/v1/messages` on any server: the format is Anthropic's, whoever serves it."""
+    """`/v1/messages` on any server: the format is Anthropic's, whoever serves it (and a
+    Messages prompt is never token ids)."""
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
-        limit, unreadable = reqsize.read_limit(_LIMIT, obj)
-        text_chars, prompt_ids = body_size(obj)  # every string: system, messages, tools too
-        meta = obj.get("metadata")
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            # vLLM reads `stream: bool | None` with pydantic (lax: "true", 1 stream too)
-            stream=lax_true(obj.get("stream")),
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(meta.get("user_id"), USER_CHARS) if isinstance(meta, dict) else None,
-            max_tokens=limit,
-            temperature=number(obj.get("temperature")),
-            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
-            messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
-            prompt_chars=prompt_chars(obj) + _system_chars(obj.get("system")),
-            choices=1,
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=reqsize.output_cap(limit, obj, obj),
-        )
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
+        info.max_tokens, info.unreadable = reqsize.read_limit(_LIMIT, obj)
+        # vLLM reads `stream: bool | None` with pydantic (lax: "true", 1 stream too)
+        info.stream = lax_true(obj.get("stream"))
+        if isinstance(meta := obj.get("metadata"), dict):
+            info.user = clean_or_none(meta.get("user_id"), USER_CHARS)
+        info.temperature = number(obj.get("temperature"))
+        info.tools = len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0
+        info.messages = len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0
+        info.prompt_chars = prompt_chars(obj) + _system_chars(obj.get("system"))
+        info.output_cap = reqsize.output_cap(info.max_tokens, obj, obj)
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -103,9 +92,6 @@ class AnthropicAdapter(reqsize.ReadOnly):
             return None
         keep = {k: obj[k] for k in _COUNTED_KEYS if k in obj}
         return [(COUNT_TOKENS_PATH, json.dumps(keep).encode())]
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None  # a Messages prompt is never token ids
 
 
 # What /v1/messages/count_tokens reads of a Messages request (Anthropic's count_tokens params).

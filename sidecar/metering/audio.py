@@ -24,7 +24,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import ID_CHARS, MODEL_CHARS, clean, clean_or_none
-from .counts import INVALID_USAGE, body_value, count, error_type, lax_true
+from .counts import INVALID_USAGE, body_value, error_type, header_count, lax_true
 from .openai import ChatStream, OpenAIAdapter
 
 # The most seconds of audio one answer may report: 10 million (115 days of audio). More, a
@@ -258,7 +258,7 @@ def audio_request(
     once), a stream, the output limit; `audio_bytes` is what its hold counts seconds from."""
     fields = {} if form.duplicate else form.fields
     model = fields.get("model")
-    limit = count(_int(fields.get("max_completion_tokens")))
+    limit = header_count(fields.get("max_completion_tokens", "").strip())
     return RequestInfo(
         endpoint=endpoint,
         body=head,
@@ -271,12 +271,6 @@ def audio_request(
         audio_bytes=audio_bytes,
         ambiguous=f"the form field '{form.duplicate}' is sent twice" if form.duplicate else None,
     )
-
-
-def _int(text: str | None) -> int | None:
-    if text is None or not text.strip().isascii() or not text.strip().isdigit():
-        return None
-    return int(text.strip()) if len(text.strip()) < 19 else None
 
 
 def audio_seconds(value: object) -> float | None:
@@ -295,41 +289,32 @@ def audio_seconds(value: object) -> float | None:
 
 
 class AudioAdapter(OpenAIAdapter):
-    """The answers of the audio routes; their requests are read by `audio_request`."""
+    """The answers of the audio routes; their requests are read by `audio_request`. No call
+    counts an audio prompt (the OpenAI adapter's are for chat and completions only)."""
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
+        """Usage of a json or verbose_json answer."""
         obj = body_value(body)
         if not isinstance(obj, dict):  # response_format text (or srt, vtt): no usage in it
             return Usage(unknown_reason="no_usage")
-        return body_seconds(obj)
+        if obj.get("error") is not None:
+            return Usage(error=error_type(obj), unknown_reason="error_response")
+        rid = clean_or_none(obj.get("id"), ID_CHARS)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and usage.get("type") == "duration":
+            raw = usage.get("seconds")
+        elif "duration" in obj:  # verbose_json: the audio's duration, as a string
+            raw = obj.get("duration")
+        else:
+            return Usage(response_id=rid, unknown_reason="no_usage")
+        seconds = audio_seconds(raw)
+        if seconds is None:
+            return Usage(response_id=rid, unknown_reason=INVALID_USAGE)
+        return Usage(audio_seconds=seconds, response_id=rid)
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> ChatStream:
         """vLLM's transcription.chunk / translation.chunk events read as chat chunks do: the
         deltas, and the token `usage` chunk at the end when the form asked for it."""
         return ChatStream(endpoint, fast=False, **options)
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # no call counts an audio prompt
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
-
-
-def body_seconds(obj: Mapping[str, Any]) -> Usage:
-    """Usage of a decoded json or verbose_json answer."""
-    if obj.get("error") is not None:
-        return Usage(error=error_type(obj), unknown_reason="error_response")
-    rid = clean_or_none(obj.get("id"), ID_CHARS)
-    usage = obj.get("usage")
-    if isinstance(usage, dict) and usage.get("type") == "duration":
-        raw = usage.get("seconds")
-    elif "duration" in obj:  # verbose_json: the audio's duration, as a string
-        raw = obj.get("duration")
-    else:
-        return Usage(response_id=rid, unknown_reason="no_usage")
-    seconds = audio_seconds(raw)
-    if seconds is None:
-        return Usage(response_id=rid, unknown_reason=INVALID_USAGE)
-    return Usage(audio_seconds=seconds, response_id=rid)

@@ -146,7 +146,7 @@ def count(v: object) -> int | None:
 
 
 def header_count(v: str | None) -> int | None:
-    """A count in a header: its ASCII digits, from 0 to MAX_TOKEN_COUNT."""
+    """A count in a header (or a form field): its ASCII digits, from 0 to MAX_TOKEN_COUNT."""
     if v is not None and v.isascii() and v.isdigit() and len(v) < 19:
         return count(int(v))
     return None

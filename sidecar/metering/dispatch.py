@@ -17,10 +17,6 @@ class AmbiguousBody(ValueError):
     """An /invocations body more than one route could serve; refused with 400."""
 
 
-def _names(order: tuple[tuple[str, Any, Endpoint], ...]) -> str:
-    return ", ".join(f"'{key}'" for key, _, _ in order)
-
-
 def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
     """The route `/invocations` dispatches a body to, in the order the server tries them.
 
@@ -32,7 +28,8 @@ def invocation_endpoint(obj: Mapping[str, Any], api: str) -> Endpoint:
     if sum(key in obj for key, _, _ in order) > 1:
         # Which route serves it then depends on which request model fails to validate first
         # (TGI serves {"inputs", "parameters": {"seed": -1}, "messages"} as chat): not guessed.
-        raise AmbiguousBody("an /invocations body names more than one of " + _names(order))
+        names = ", ".join(f"'{key}'" for key, _, _ in order)
+        raise AmbiguousBody("an /invocations body names more than one of " + names)
     for key, kinds, endpoint in order:
         if isinstance(obj.get(key), kinds):
             return endpoint

@@ -18,35 +18,24 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import Counts, body_results, counts_of, error_type, number, summed
-from .reqsize import body_size, prompt_chars
+from .reqsize import prompt_chars
 from .stream import CountsStream
 
 
 class LlamaCppAdapter(reqsize.ReadOnly):
-    """llama.cpp's /completion and /infill (tools/server/server.cpp, server-task.cpp)."""
+    """llama.cpp's /completion and /infill (tools/server/server.cpp, server-task.cpp). No call
+    counts a prompt after a disconnect: every event carries its count (`tokens_evaluated`)."""
 
     api = "llamacpp"
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
-        limit, unreadable = _limit(obj)
-        text_chars, prompt_ids = body_size(obj)
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            stream=obj.get("stream") is True,  # nlohmann's get<bool>: only a JSON boolean
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(obj.get("temperature")),
-            prompt_chars=prompt_chars(obj),
-            n=_prompts(obj),
-            choices=_prompts(obj),
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=reqsize.output_cap(limit, obj, {}),
-        )
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
+        info.max_tokens, info.unreadable = _limit(obj)
+        info.stream = obj.get("stream") is True  # nlohmann's get<bool>: only a JSON boolean
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.temperature = number(obj.get("temperature"))
+        info.prompt_chars = prompt_chars(obj)
+        info.n = info.choices = _prompts(obj)
+        info.output_cap = reqsize.output_cap(info.max_tokens, obj, {})
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -65,12 +54,6 @@ class LlamaCppAdapter(reqsize.ReadOnly):
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> LlamaCppStream:
         """The meter for a streamed response (the reference SSE path: no fast path yet)."""
         return LlamaCppStream(endpoint, **options)
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # every event carries the prompt's count (`tokens_evaluated`)
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def _limit(obj: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
@@ -112,8 +95,7 @@ class LlamaCppStream(CountsStream):
     running `tokens_predicted` and `tokens_evaluated` of its prompt (`index`); the prompt's last,
     `stop: true`, holds its totals. `:` lines (keep-alive) are SSE comments."""
 
-    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
-        return _final_counts(obj)
+    _counts_of = staticmethod(_final_counts)  # read as a body result is (no wrapper frame an event)
 
     def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
         if obj.get("stop") is True:

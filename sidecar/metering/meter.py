@@ -95,9 +95,12 @@ class Meter:
         m, ep, model = self.metrics, ex.endpoint.label, ex.model
         cost = price_cost(self.prices, ex)
         if cost is None:
-            # Each measured direction is spent even if the other is unknown.
-            if (partial := _partial_cost(self.prices, ex)) is not None:
-                m.child(m.cost, model, "input", ep, ex.user).inc(partial)
+            # Each measured direction is spent even if the other is unknown: the input, when
+            # only the output is unknown.
+            if ex.usage.output_tokens is None:
+                partial = self.prices.input_cost(priced_model(ex), ex.usage)
+                if partial is not None:
+                    m.child(m.cost, model, "input", ep, ex.user).inc(partial)
             m.child(m.cost_unknown, model, ex.cost_unknown_reason or "unknown").inc()
             return
         s = m.series.get((model, ep, ex.user)) or _new_series(m, model, ep, ex.user)
@@ -136,13 +139,6 @@ def price_cost(prices: PriceBook, ex: Exchange) -> Cost | None:
     if ex.cost is None and ex.cost_unknown_reason is None:
         ex.cost, ex.cost_unknown_reason = prices.cost(priced_model(ex), ex.usage)
     return ex.cost
-
-
-def _partial_cost(prices: PriceBook, ex: Exchange) -> float | None:
-    """Input spend when only the input was measured (output unknown)."""
-    if ex.usage.output_tokens is not None:
-        return None
-    return prices.input_cost(priced_model(ex), ex.usage)
 
 
 def _new_series(m: Metrics, model: str, ep: str, user: str) -> RequestSeries:

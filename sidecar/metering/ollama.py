@@ -20,44 +20,33 @@ from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import INVALID_USAGE, body_value, count, number
-from .reqsize import body_size, prompt_chars
+from .reqsize import prompt_chars
 from .sse import DEFAULT_MAX_EVENT_BYTES
 
 OLLAMA_ROUTES = (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE, Endpoint.OLLAMA_EMBED)
 
 
 class OllamaAdapter(reqsize.ReadOnly):
-    """Ollama's /api/chat, /api/generate and /api/embed."""
+    """Ollama's /api/chat, /api/generate and /api/embed (it has no tokenizer route)."""
 
     api = "ollama"
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
         options = obj.get("options")
         options = options if isinstance(options, dict) else {}
         # Go matches `Options` or `OPTIONS` to `options` too, merging a later one into it
-        limit, unreadable = _num_predict(options)
+        limit, info.unreadable = _num_predict(options)
         if twins := reqsize.case_twins(obj, ("options",)):
-            limit, unreadable = None, twins
-        text_chars, prompt_ids = body_size(obj)
+            limit, info.unreadable = None, twins
         messages = obj.get("messages")
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            # `Stream *bool`: absent or null is a stream; Go refuses a non-boolean
-            stream=endpoint is not Endpoint.OLLAMA_EMBED and obj.get("stream") is not False,
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(options.get("temperature")),
-            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
-            messages=len(messages) if isinstance(messages, list) else 0,
-            prompt_chars=prompt_chars(obj),
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=limit,  # Ollama reads no other limit field
-        )
+        # `Stream *bool`: absent or null is a stream; Go refuses a non-boolean
+        info.stream = info.endpoint is not Endpoint.OLLAMA_EMBED and obj.get("stream") is not False
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.max_tokens = info.output_cap = limit  # Ollama reads no other limit field
+        info.temperature = number(options.get("temperature"))
+        info.tools = len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0
+        info.messages = len(messages) if isinstance(messages, list) else 0
+        info.prompt_chars = prompt_chars(obj)
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -67,7 +56,7 @@ class OllamaAdapter(reqsize.ReadOnly):
         if not isinstance(obj, dict):
             return Usage(unknown_reason="no_usage")
         if isinstance(obj.get("error"), str):
-            return Usage(error=_error(obj), unknown_reason="error_response")
+            return Usage(error=_ERROR, unknown_reason="error_response")
         if endpoint is Endpoint.OLLAMA_EMBED:
             return _embed_usage(obj)
         if obj.get("done") is not True:
@@ -77,12 +66,6 @@ class OllamaAdapter(reqsize.ReadOnly):
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> OllamaStream:
         """The NDJSON line meter (one path: there is no fast one)."""
         return OllamaStream(endpoint, max_event_bytes=options.get("max_event_bytes"))
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # Ollama has no tokenizer route
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def _num_predict(options: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
@@ -100,8 +83,7 @@ def _num_predict(options: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...
     return (limit if limit > 0 else None), ()
 
 
-def _error(obj: Mapping[str, Any]) -> str:
-    return "error"  # Ollama's error is a free-text message: never a label
+_ERROR = "error"  # Ollama's error is a free-text message: never a label
 
 
 def _counted(obj: Mapping[str, Any], key: str) -> tuple[int | None, bool]:
@@ -198,7 +180,7 @@ class OllamaStream:
         if self._model is None:
             self._model = clean_or_none(obj.get("model"), MODEL_CHARS)
         if isinstance(obj.get("error"), str):
-            self._error = _error(obj)
+            self._error = _ERROR
             return
         if obj.get("done") is True:
             self._final = _final_usage(obj)
@@ -221,10 +203,7 @@ class OllamaStream:
     def usage_so_far(self) -> Usage:
         if self._oversized:
             return Usage(model=self._model, error=self._error, unknown_reason="event_too_large")
-        if self._final is not None:
-            return (
-                self._final
-                if self._error is None
-                else Usage(error=self._error, model=self._model, unknown_reason="error_response")
-            )
-        return Usage(model=self._model, error=self._error, unknown_reason="no_usage")
+        if self._final is not None and self._error is None:
+            return self._final
+        reason = "no_usage" if self._final is None else "error_response"
+        return Usage(model=self._model, error=self._error, unknown_reason=reason)

@@ -62,10 +62,16 @@ class OpenAIAdapter:
         inject_usage: bool,
         continuous_usage: bool = False,
     ) -> RequestInfo:
-        """Read what the request asks for. With `inject_usage`, a streaming chat/completions body
-        that is a UTF-8 JSON object gets `include_usage` (and, with `continuous_usage`, vLLM's
-        running totals on every chunk)."""
-        max_tokens, n, unreadable = self._limits(endpoint, obj)
+        """Read what the request asks for, with usage asked for as `wire.inspect_request` says."""
+        # The output limit as the route's server reads it (only the fields it reads: `reqsize`)
+        # and n; the limits present that are no integer the server would read are unreadable.
+        fields = reqsize.limit_fields(endpoint, self.api)
+        max_tokens, unreadable = reqsize.read_limit(fields, obj)
+        n = obj.get("n")
+        read_n = n if n is None or type(n) is int else lax_int(n)
+        if n is not None and read_n is None:
+            unreadable += ("n",)
+        n = read_n if read_n is not None and read_n > 0 else None
         # An absent field is answered here, without the call that would say so: most bodies
         # have no `stream`, `user` or `temperature`.
         stream = obj.get("stream")
@@ -91,7 +97,7 @@ class OpenAIAdapter:
         info.tools = len(tools) if isinstance(tools, list) else 0
         info.messages = len(messages) if isinstance(messages, list) else 0
         info.prompt_chars = prompt_chars(obj)
-        info.choices = max(1, n or 1) * _prompts(endpoint, obj)
+        info.choices = (n or 1) * _prompts(endpoint, obj)  # n: None or positive
         info.utf8 = text is not None
         info.text_chars, info.prompt_ids = body_size(obj)
         info.unreadable = unreadable
@@ -102,26 +108,13 @@ class OpenAIAdapter:
             info.output_cap = None  # one generation per built-in tool call, each with its limit
         return info
 
-    def _limits(
-        self, endpoint: Endpoint, obj: Mapping[str, Any]
-    ) -> tuple[int | None, int | None, tuple[str, ...]]:
-        """(the output limit as the route's server reads it, n, the limits present that are no
-        integer the server would read). Only the fields that route reads (`reqsize`)."""
-        limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, self.api), obj)
-        n = obj.get("n")
-        read_n = n if n is None or type(n) is int else lax_int(n)
-        if n is not None and read_n is None:
-            unreadable += ("n",)
-        return limit, reqsize.positive(read_n), unreadable
-
     # --- responses --------------------------------------------------------------------------------
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
-        obj = body_value(body)
-        return body_usage(endpoint, obj)
+        return body_usage(endpoint, body_value(body))
 
     def stream(
         self, endpoint: Endpoint, *, fast: bool = True, **options: Any
@@ -139,8 +132,8 @@ class OpenAIAdapter:
         """The upstream calls that count this request's prompt exactly as its generation did:
         (path, JSON body) pairs whose counts add up to the prompt tokens. None when no call can.
         vLLM's /tokenize renders chat messages with the same template inputs as the chat route."""
-        obj = _body_object(info)
-        if obj is None:
+        obj = body_value(info.body)
+        if not isinstance(obj, dict):
             return None
         if info.endpoint is Endpoint.CHAT and isinstance(obj.get("messages"), list):
             body = {k: obj[k] for k in _VLLM_TEMPLATE_KEYS if k in obj}
@@ -154,10 +147,8 @@ class OpenAIAdapter:
         """A completion whose prompt is token ids is counted without asking anyone."""
         if info.endpoint is not Endpoint.COMPLETIONS:
             return None
-        try:
-            prompt = json.loads(info.body).get("prompt")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            return None
+        obj = body_value(info.body)
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return len(prompt)
         return None
@@ -175,14 +166,6 @@ _VLLM_TEMPLATE_KEYS = (
     "add_special_tokens",
     "mm_processor_kwargs",
 )
-
-
-def _body_object(info: RequestInfo) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(info.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def one_prompt(obj: Mapping[str, Any]) -> str | None:

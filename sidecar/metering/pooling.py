@@ -52,8 +52,7 @@ class PoolingAdapter(OpenAIAdapter):
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
     ) -> Usage:
         """`usage.prompt_tokens` as the input; the output is 0 when the body does not say."""
-        obj = body_value(body)
-        usage = body_usage(endpoint, obj)
+        usage = body_usage(endpoint, body_value(body))
         if usage.input_tokens is not None and usage.output_tokens is None:
             # nothing is generated on these routes: zero is what happened, not a guess
             usage = replace(usage, output_tokens=0, unknown_reason=None)

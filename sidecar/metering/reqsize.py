@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo
+from ..text import MODEL_CHARS, clean_or_none
 
 _LAX_INT = re.compile(r"[0-9]+(?:_[0-9]+)*(?:\.0*)?")
 _BIG = 2**62  # any longer number of digits reads as this (a hold that large is refused)
@@ -34,10 +35,6 @@ def lax_int(value: object) -> int | None:
             digits = text.partition(".")[0].replace("_", "")
             return int(digits) if len(digits) < 19 else _BIG
     return None
-
-
-def positive(v: int | None) -> int | None:
-    return v if v is not None and v > 0 else None
 
 
 # --- output limits --------------------------------------------------------------------------------
@@ -332,9 +329,11 @@ def repeated_chars(obj: Mapping[str, Any], pairs: tuple[tuple[str, str], ...]) -
 
 
 class ReadOnly:
-    """The `WireAdapter.inspect` of a wire family whose requests are never edited: its `read`
-    says what a JSON-object request asks for; `inspect` adds whether the body is UTF-8, and
-    ignores `inject_usage` (nothing is ever added to such a request)."""
+    """The `WireAdapter.inspect` of a wire family whose requests are never edited: `inspect`
+    reads what every such request has alike (its model, the size of its text, whether the body
+    is UTF-8) and ignores `inject_usage` (nothing is ever added to such a request); the
+    family's `read` fills in the rest of what a JSON-object request asks for. Unless the family
+    says otherwise, no call counts its prompt after a disconnect and no prompt is token ids."""
 
     def inspect(
         self,
@@ -346,9 +345,18 @@ class ReadOnly:
         inject_usage: bool,
         continuous_usage: bool = False,
     ) -> RequestInfo:
-        info = self.read(endpoint, body, obj)
+        info = RequestInfo(endpoint, body, True)  # by attribute, as `openai.inspect` builds it
+        info.model = clean_or_none(obj.get("model"), MODEL_CHARS)
         info.utf8 = text is not None
+        info.text_chars, info.prompt_ids = body_size(obj)
+        self.read(info, obj)
         return info
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
         raise NotImplementedError
+
+    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
+        return None
+
+    def prompt_token_ids(self, info: RequestInfo) -> int | None:
+        return None

@@ -16,21 +16,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
-from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from ..text import REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import NO_COUNTS, Counts, body_results, counts_of, error_type, lax_true, number, summed
-from .reqsize import body_size, lax_int, prompt_chars
+from .reqsize import lax_int, prompt_chars
 from .stream import CountsStream
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit is this one
 
 
 class SGLangAdapter(reqsize.ReadOnly):
-    """SGLang's /generate."""
+    """SGLang's /generate (no call counts a prompt after a disconnect: every chunk carries its
+    count)."""
 
     api = "sglang"
 
-    def read(self, endpoint: Endpoint, body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
+    def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
         params = obj.get("sampling_params")
         # a batch may give one sampling_params per prompt: the largest limit holds for all
         given = params if isinstance(params, list) else [params]
@@ -38,26 +39,14 @@ class SGLangAdapter(reqsize.ReadOnly):
         limits = [lim for lim, _ in read]
         limit = None if None in limits else max(limits)  # type: ignore[type-var]
         first = given[0] if given and isinstance(given[0], dict) else {}
-        n = lax_int(first.get("n")) or 1
-        prompts = _prompts(obj)
-        text_chars, prompt_ids = body_size(obj)
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            stream=lax_true(obj.get("stream")),
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(first.get("temperature")),
-            prompt_chars=prompt_chars(obj),
-            n=max(1, n),
-            choices=prompts * max(1, n),
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
-            output_cap=limit,
-        )
+        info.stream = lax_true(obj.get("stream"))
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.max_tokens = info.output_cap = limit
+        info.temperature = number(first.get("temperature"))
+        info.prompt_chars = prompt_chars(obj)
+        info.n = max(1, lax_int(first.get("n")) or 1)
+        info.choices = _prompts(obj) * info.n
+        info.unreadable = tuple(dict.fromkeys(k for _, bad in read for k in bad))
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -74,12 +63,6 @@ class SGLangAdapter(reqsize.ReadOnly):
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> SGLangStream:
         """The meter for a streamed /generate (the reference SSE path)."""
         return SGLangStream(endpoint, **options)
-
-    def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
-        return None  # every chunk carries the prompt's count
-
-    def prompt_token_ids(self, info: RequestInfo) -> int | None:
-        return None
 
 
 def _limit(params: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
@@ -126,8 +109,7 @@ class SGLangStream(CountsStream):
     """A streamed /generate: `data:` chunks, each with its prompt's (`index`) `meta_info` so far
     (cumulative), then `data: [DONE]`."""
 
-    def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
-        return _counts(obj)
+    _counts_of = staticmethod(_counts)  # read as a body result is (no wrapper frame an event)
 
     def _step(self, index: int, read: Counts, obj: Mapping[str, Any]) -> None:
         if (read[1] or 0) > (self._counts.get(index, NO_COUNTS)[1] or 0):

@@ -165,13 +165,11 @@ def _splice_stream_options(text: str, obj: Mapping[str, Any], running: bool) -> 
     wanted = '"include_usage":true' + (',"continuous_usage_stats":true' if running else "")
     if "stream_options" not in obj:  # no member decodes to that key: the usual case, no scan
         return insert_first(text, text.index("{"), '"stream_options":{' + wanted + "}")
+    # `members` reads the text as json.loads read `obj`: a member decodes to that key
     top = members(text)
-    if top is None:
-        return None
-    current = last(top, "stream_options")
+    current = None if top is None else last(top, "stream_options")
     if current is None:
-        brace = text.index("{")
-        return insert_first(text, brace, '"stream_options":{' + wanted + "}")
+        return None
     if obj["stream_options"] is None:
         span = (current.value_start, current.value_end, "{" + wanted + "}")
         return apply(text, [span])

@@ -74,26 +74,21 @@ class TGIAdapter:
         params = obj.get("parameters")
         params = params if isinstance(params, dict) else {}
         limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, "tgi"), params)
-        text_chars, prompt_ids = body_size(obj)
-        return RequestInfo(
-            endpoint=endpoint,
-            body=body,
-            parsed=True,
-            stream=_stream_flag(endpoint, obj),
-            model=clean_or_none(obj.get("model"), MODEL_CHARS),
-            user=clean_or_none(obj.get("user"), USER_CHARS),
-            max_tokens=limit,
-            temperature=number(params.get("temperature")),
-            tools=len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0,
-            messages=len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0,
-            prompt_chars=prompt_chars(obj),
-            choices=_best_of(params) if endpoint in _BEST_OF else 1,
-            utf8=text is not None,
-            text_chars=text_chars,
-            prompt_ids=prompt_ids,
-            unreadable=unreadable,
-            output_cap=reqsize.output_cap(limit, obj, params),
-        )
+        info = RequestInfo(endpoint, body, True)  # by attribute, as `openai.inspect` builds it
+        info.stream = _stream_flag(endpoint, obj)
+        info.model = clean_or_none(obj.get("model"), MODEL_CHARS)
+        info.user = clean_or_none(obj.get("user"), USER_CHARS)
+        info.max_tokens = limit
+        info.temperature = number(params.get("temperature"))
+        info.tools = len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0
+        info.messages = len(obj["messages"]) if isinstance(obj.get("messages"), list) else 0
+        info.prompt_chars = prompt_chars(obj)
+        info.choices = _best_of(params) if endpoint in _BEST_OF else 1
+        info.utf8 = text is not None
+        info.text_chars, info.prompt_ids = body_size(obj)
+        info.unreadable = unreadable
+        info.output_cap = reqsize.output_cap(limit, obj, params)
+        return info
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -101,9 +96,12 @@ class TGIAdapter:
         """Usage of a complete (non-streaming) response. `sequences`: what the request's
         `choices` says it generates (on the generate routes, `best_of`)."""
         obj = body_value(body)
-        if endpoint is Endpoint.TGI_VERTEX:
-            return _vertex_body_usage(obj)
-        return _tgi_body_usage(obj, headers, sequences)
+        if endpoint is not Endpoint.TGI_VERTEX:
+            return _tgi_body_usage(obj, headers, sequences)
+        # /vertex answers `{"predictions": [text, ...]}`: no token counts, no count headers
+        if isinstance(obj, dict) and obj.get("error") is not None:
+            return Usage(error=error_type(obj), unknown_reason="error_response")
+        return Usage(unknown_reason="no_usage")
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> TGIStream:
         """The meter for /generate_stream; `fast` adds the token-event path (`FastTGIStream`)."""
@@ -155,21 +153,17 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     instances = [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
     read = [reqsize.vertex_limit(i) for i in instances]
     limits = [limit for limit, _ in read]
-    text_chars, prompt_ids = body_size(obj)
-    return RequestInfo(
-        endpoint=Endpoint.TGI_VERTEX,
-        body=body,
-        parsed=True,
-        # one limit for every instance (the largest): the hold multiplies it by the instances
-        max_tokens=max(limits) if limits and None not in limits else None,  # type: ignore[type-var]
-        messages=sum(len(i["messages"]) for i in instances if isinstance(i.get("messages"), list)),
-        prompt_chars=sum(prompt_chars(i) for i in instances),
-        n=max(1, len(instances)),  # estimates multiply the limit by n, as for n choices
-        choices=max(1, sum(_instance_sequences(i) for i in instances)),
-        text_chars=text_chars,
-        prompt_ids=prompt_ids,
-        unreadable=tuple(dict.fromkeys(k for _, bad in read for k in bad)),
-    )
+    info = RequestInfo(Endpoint.TGI_VERTEX, body, True)
+    # one limit for every instance (the largest): the hold multiplies it by the instances
+    info.max_tokens = max(limits) if limits and None not in limits else None  # type: ignore[type-var]
+    messages = [i.get("messages") for i in instances]
+    info.messages = sum(len(m) for m in messages if isinstance(m, list))
+    info.prompt_chars = sum(prompt_chars(i) for i in instances)
+    info.n = max(1, len(instances))  # estimates multiply the limit by n, as for n choices
+    info.choices = max(1, sum(_instance_sequences(i) for i in instances))
+    info.text_chars, info.prompt_ids = body_size(obj)
+    info.unreadable = tuple(dict.fromkeys(k for _, bad in read for k in bad))
+    return info
 
 
 # TGI's non-streaming generate routes run `parameters.best_of` generations (its streams refuse
@@ -243,13 +237,6 @@ def _with_best_of(best: int, others: object, expected: int) -> int | None:
     return count(total)
 
 
-def _vertex_body_usage(obj: object) -> Usage:
-    """TGI's /vertex answers `{"predictions": [text, ...]}`: no token counts, no count headers."""
-    if isinstance(obj, dict) and obj.get("error") is not None:
-        return Usage(error=error_type(obj), unknown_reason="error_response")
-    return Usage(unknown_reason="no_usage")
-
-
 # --- streams --------------------------------------------------------------------------------------
 
 
@@ -259,12 +246,10 @@ class TGIStream(SSEMeter):
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
-        self._tokens = 0
         self._details: Mapping[str, Any] | None = None
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         if isinstance(obj.get("token"), dict):
-            self._tokens += 1
             self._s.token_events += 1
         details = obj.get("details")
         if isinstance(details, dict):
@@ -282,9 +267,9 @@ class TGIStream(SSEMeter):
         out, inp = count(raw_out), count(raw_in)
         if invalid(raw_out, out) or invalid(raw_in, inp):
             return replace(base, unknown_reason=INVALID_USAGE)
-        if out is None and self._tokens:
+        if out is None and self._s.token_events:
             # TGI's /generate_stream sends exactly one event per generated token.
-            out = count(self._tokens)
+            out = count(self._s.token_events)
         if out is None:  # no token event at all: not a stream of the shape we count
             reason: str | None = "no_token_events"
         else:
@@ -304,13 +289,11 @@ class FastTGIStream(WireMeter, TGIStream):
         return (m.end(), True, -1) if m is not None else None
 
     def _wire_event(self, data: bytes, found: WireEvent) -> bool:
-        self._tokens += 1  # all that `_read` does with it
-        self._s.token_events += 1
+        self._s.token_events += 1  # all that `_read` does with it
         return False
 
     def _on_event(self, ev: Event) -> bool:
         if ev.data is not None and TGI_TOKEN_EVENT.fullmatch(ev.data):
-            self._tokens += 1
             self._s.token_events += 1
             return False
         return super()._on_event(ev)

@@ -144,18 +144,15 @@ def inspect_request(
     `include_usage` (and, with `continuous_usage`, vLLM's running totals on every chunk).
     """
     text, obj = parse(body)
-    if endpoint is Endpoint.INVOCATIONS:
-        try:
+    try:
+        if endpoint is Endpoint.INVOCATIONS:
             endpoint = invocation_endpoint(obj, api) if isinstance(obj, dict) else Endpoint.OTHER
-        except AmbiguousBody as exc:
-            return RequestInfo(endpoint=Endpoint.OTHER, body=body, parsed=False, ambiguous=str(exc))
-    if not isinstance(obj, dict):
-        return RequestInfo(endpoint=endpoint, body=body, parsed=False, utf8=text is not None)
-    if endpoint is Endpoint.TGI_GENERATE:
-        try:
+        if not isinstance(obj, dict):
+            return RequestInfo(endpoint=endpoint, body=body, parsed=False, utf8=text is not None)
+        if endpoint is Endpoint.TGI_GENERATE:
             api = generate_api(obj, api)
-        except AmbiguousBody as exc:
-            return RequestInfo(endpoint=Endpoint.OTHER, body=body, parsed=False, ambiguous=str(exc))
+    except AmbiguousBody as exc:  # no route (or server) can be told for the body
+        return RequestInfo(endpoint=Endpoint.OTHER, body=body, parsed=False, ambiguous=str(exc))
     info = adapter_for(endpoint, api).inspect(
         endpoint, body, text, obj, inject_usage=inject_usage, continuous_usage=continuous_usage
     )
