@@ -434,7 +434,6 @@ class RedisStore:
         source: Source | None = None,
         *,
         max_scopes: int,
-        client: Redis | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config, self.metrics, self.today, self.source = config, metrics, today, source
@@ -443,7 +442,7 @@ class RedisStore:
         self.lease_ms = math.ceil(config.lease_s * 1000)
         self.interval = min(config.lease_s / 3, HEARTBEAT_S)
         self.id = secrets.token_hex(8)
-        self.redis = client if client is not None else redis_client(config)
+        self.redis = redis_client(config)
         self.scripts = {name: self.redis.register_script(src) for name, src in SCRIPTS.items()}
         self.breaker = Breaker(BREAKER_FAILURES, BREAKER_COOLDOWN_S)
         self.open: dict[str, Hold] = {}  # held in Redis by this sidecar: leases to renew
@@ -753,20 +752,18 @@ class RedisStore:
     async def _after_settle(self, batch: list[tuple[Hold, int, int]], replies: list[Any]) -> None:
         """A settlement that found its day unseeded (Redis emptied) waits for the reseed; one
         for a day whose keys are gone for good is dropped."""
-        for (hold, charge, _), r in zip(batch, replies, strict=True):
-            if r != b"unseeded":
-                self.settling.pop(hold.request_id, None)
-            if isinstance(r, bytes) and (r == b"invalid" or r.endswith(b":clamped")):
+        today, waiting = self.today(), []
+        for item, r in zip(batch, replies, strict=True):
+            hold, charge, _ = item
+            if r == b"unseeded" and hold.day >= today:
+                waiting.append(item)
+                continue
+            self.settling.pop(hold.request_id, None)
+            if r == b"unseeded":
+                self.metrics.settles_dropped.inc()
+            elif isinstance(r, bytes) and (r == b"invalid" or r.endswith(b":clamped")):
                 # invalid: nothing changed there; the hold's lease ends and the sweep charges it
                 self._refused_by_script("settle", hold, f"charge {charge!r}: {r!r}")
-        unseeded = [item for item, r in zip(batch, replies, strict=True) if r == b"unseeded"]
-        today = self.today()
-        late = [item for item in unseeded if item[0].day < today]
-        if late:
-            self.metrics.settles_dropped.inc(len(late))
-            for hold, _, _ in late:
-                self.settling.pop(hold.request_id, None)
-        waiting = [item for item in unseeded if item[0].day >= today]
         if waiting:
             self._requeue(waiting)
             if not await self.reseed(waiting[0][0].day):
