@@ -289,6 +289,12 @@ class LocalStore:
         """Spend by scope key in day `day` and its month (the used-ratio gauge)."""
         return _current(self.spent, self.day, self.month, day)
 
+    def note(self, day: int, key: str, spent: int) -> None:
+        """Spend of a scope as a shared store answered it, kept like this store's own (the
+        used-ratio gauge of a fleet)."""
+        if self._at(day) and (key in self.spent or len(self.spent) < self.max_scopes):
+            self.spent[key] = spent
+
 
 def _current(spent: Mapping[str, int], at: int, month: int, day: int) -> Mapping[str, int]:
     """What of `spent` (kept for day `at` and month `month`) belongs to day `day`."""
@@ -297,28 +303,6 @@ def _current(spent: Mapping[str, int], at: int, month: int, day: int) -> Mapping
     if month_start(day) == month:
         return {k: v for k, v in spent.items() if k.startswith(MONTH)}
     return {}
-
-
-class Seen:
-    """Spend by scope key as a shared store last answered it, for the current day and month,
-    at most `cap` keys (the used-ratio gauge of a fleet)."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.day = self.month = -1
-        self.spent: dict[str, int] = {}
-
-    def note(self, day: int, key: str, spent: int) -> None:
-        if day < self.day:
-            return
-        if day > self.day:
-            self.spent = dict(_current(self.spent, self.day, self.month, day))
-            self.day, self.month = day, month_start(day)
-        if key in self.spent or len(self.spent) < self.cap:
-            self.spent[key] = spent
-
-    def now(self, day: int) -> Mapping[str, int]:
-        return _current(self.spent, self.day, self.month, day)
 
 
 # (user, team, project, tags comma-joined, model, 1 if in today's budget day, measured cost USD,

@@ -41,7 +41,6 @@ from .budget import (
     Hold,
     LocalStore,
     Scope,
-    Seen,
     Verdict,
     month_start,
 )
@@ -455,7 +454,7 @@ class RedisStore:
         self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
         self.alive = 1
         self.local = LocalStore(max_scopes, metrics)  # this sidecar's share while Redis is away
-        self.seen = Seen(max_scopes)  # spend by scope at this sidecar's last admission to it
+        self.seen = LocalStore(max_scopes)  # spend by scope at this sidecar's last admission to it
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -538,13 +537,12 @@ class RedisStore:
             return Verdict(False, None, "unavailable")
         if status in (b"ok", b"again"):
             n = len(hold.scopes)
-            for s, left in zip(hold.scopes, reply[1:], strict=False):
-                self._remember(hold.day, s.key, int(left))
-            for s, was in zip(hold.scopes, reply[1 + n :], strict=False):
+            lefts = [int(left) for left in reply[1 : 1 + n]]
+            for s, left, was in zip(hold.scopes, lefts, reply[1 + n :], strict=False):
+                self._remember(hold.day, s.key, left)
                 self.seen.note(hold.day, s.key, int(was))
             self.open[hold.request_id] = hold
-            least = min((int(left) for left in reply[1 : 1 + n]), default=None)
-            return Verdict(True, left=least)
+            return Verdict(True, left=min(lefts, default=None))
         scope = hold.scopes[int(reply[1]) - 1]
         if status == b"capacity":
             return Verdict(False, scope, "capacity")
@@ -618,7 +616,7 @@ class RedisStore:
         return [(values[2 * i], values[2 * i + 1]) for i in range(len(scopes))]
 
     def spent_now(self, day: int) -> Mapping[str, int]:
-        return self.seen.now(day)
+        return self.seen.spent_now(day)
 
     # --- without Redis
 
