@@ -337,10 +337,6 @@ class Budgets:
         self.clock = clock
         self._gauge_day = self.day_start(clock())
 
-    @property
-    def enforcing(self) -> bool:
-        return bool(self.rules)
-
     def day_start(self, now: float) -> int:
         offset = self.config.day_start_hour_utc * 3600
         return int((now - offset) // DAY) * DAY + offset

@@ -661,16 +661,13 @@ class RedisStore:
                 self.metrics.store_refused.inc()
                 return Verdict(False, s, "unavailable")
             share.append(replace(s, limit=max(0, left) // max(1, self.alive)))
-        verdict = await self.local.reserve(
-            Hold(hold.request_id, hold.day, hold.amount, tuple(share))
-        )
+        verdict = await self.local.reserve(replace(hold, scopes=tuple(share)))
         self.metrics.store_local.labels("admitted" if verdict.admitted else "refused").inc()
         if verdict.admitted:  # against this sidecar's share: not what is left, so not shown
             return Verdict(True)
         if verdict.scope is None:
             return verdict
-        original = next(s for s in hold.scopes if s.key == verdict.scope.key)
-        return Verdict(False, original, verdict.reason)
+        return Verdict(False, hold.scopes[share.index(verdict.scope)], verdict.reason)
 
     # --- seeding a day from the ledger
 
