@@ -250,32 +250,28 @@ return charged
 
 RENEW = """
 if not (int(ARGV[1]) and int(ARGV[2])) then return -1 end
-local i = 3
+local groups, i = {}, 3  -- each: id, amount, scope keys
 while i <= #ARGV do
   local n = int(ARGV[i + 2])
   if not (n and int(ARGV[i + 1])) or i + 2 + n > #ARGV then return -1 end
+  local scopes = {}
   for j = 1, n do
-    if ARGV[i + 2 + j] == '' then return -1 end
+    scopes[j] = ARGV[i + 2 + j]
+    if scopes[j] == '' then return -1 end
   end
+  groups[#groups + 1] = {ARGV[i], ARGV[i + 1], scopes}
   i = i + 3 + n
 end
 local t = redis.call('TIME')
 local deadline = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[1]))
 local made = 0
-i = 3
-while i <= #ARGV do
-  local id, n = ARGV[i], int(ARGV[i + 2])
-  if redis.call('HEXISTS', holds, id) == 1 then
-    redis.call('ZADD', leases, 'XX', deadline, id)
+for _, g in ipairs(groups) do
+  if redis.call('HEXISTS', holds, g[1]) == 1 then
+    redis.call('ZADD', leases, 'XX', deadline, g[1])
   else
-    local scopes = {}
-    for j = 1, n do
-      scopes[j] = ARGV[i + 2 + j]
-    end
-    hold(id, ARGV[i + 1], scopes, deadline)
+    hold(g[1], g[2], g[3], deadline)
     made = made + 1
   end
-  i = i + 3 + n
 end
 if made > 0 then
   for k = 1, 4 do redis.call('EXPIREAT', KEYS[k], ARGV[2]) end
@@ -592,8 +588,7 @@ class RedisStore:
         """Each scope's spent and held, read from Redis (None while it cannot be reached)."""
         if not scopes:
             return []
-        day_spent, day_held, _, _, seeded = day_keys(day)
-        month_spent, month_held = month_keys(day)[:2]
+        day_spent, day_held, _, _, seeded, month_spent, month_held, _ = script_keys(day)
 
         async def read() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
