@@ -501,10 +501,9 @@ class Budgets:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter."""
-        partial = not measured_in_full(ex.usage)
         if hold.unpriced and self.prices.price(priced_model(ex)) is None:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
-        if partial and ex.upstream_start is not None and consumed(ex):
+        if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
             return max(hold.amount, to_micros(measured))
         return to_micros(measured)
@@ -592,11 +591,9 @@ def _names(
     """The scope names of kind `kind` a request or a ledger row is charged to."""
     if kind == "global":
         return ("*",)
-    if kind == "user":
-        return (user,) if user else ()
     if kind == "tag":
         return tags
-    one = {"team": team, "project": project, "model": model}[kind]
+    one = {"user": user, "team": team, "project": project, "model": model}[kind]
     return (one,) if one else ()
 
 

@@ -676,11 +676,10 @@ class RedisStore:
 
     async def _read_and_seed(self, day: int) -> bool:
         try:
-            if self.source is None:  # no ledger: the day starts from zero
-                spent: Mapping[str, int] = {}
-                read_at = self.clock()
-            else:
-                spent, read_at = await self.source(day)
+            # no ledger: the day starts from zero
+            spent, read_at = (
+                await self.source(day) if self.source is not None else ({}, self.clock())
+            )
             seeded = await self._seed(day, spent, read_at)
             await self._renew()  # holds lost with Redis's data come back before a decision
         except StoreDown:
