@@ -112,9 +112,6 @@ class Rule:
     each: LimitConfig | None
     named: Mapping[str, LimitConfig]
 
-    def limit(self, name: str) -> LimitConfig | None:
-        return self.named.get(name, self.each)
-
 
 def limit_list(config: BudgetConfig) -> tuple[LimitConfig, ...]:
     """`budgets.limits`, with the day shorthands (global_daily_usd, user_daily_usd, users,
@@ -361,7 +358,7 @@ class Budgets:
         out = []
         for rule in self.rules:
             for name in _names(rule.kind, user, team, project, tags, model):
-                lim = rule.limit(name)
+                lim = rule.named.get(name, rule.each)
                 if lim is not None:
                     out.append(Scope(rule.kind, name, to_micros(lim.usd), rule.window))
         return tuple(out)

@@ -607,8 +607,7 @@ class RedisStore:
                 raw = await self._guard("usage", read)
         except StoreDown:
             return None
-        values = [_micros(v) for v in raw[1:]]
-        return [(values[2 * i], values[2 * i + 1]) for i in range(len(scopes))]
+        return [(_micros(s), _micros(h)) for s, h in zip(raw[1::2], raw[2::2], strict=True)]
 
     def spent_now(self, day: int) -> Mapping[str, int]:
         return self.seen.spent_now(day)
