@@ -315,8 +315,8 @@ if redis.call('PTTL', KEYS[1]) < window then redis.call('PEXPIRE', KEYS[1], wind
 return redis.call('ZCARD', KEYS[1])
 """
 
-# COMMON goes first in each script of a day's keys (all take `script_keys`): their names, the
-# checks of its numbers, the clamped writes, and the hold records written and released.
+# COMMON goes first in every script but the heartbeat (each takes `script_keys`): the keys' names,
+# the checks of numbers, the clamped writes, and a hold's record written and released.
 SCRIPTS = {
     "reserve": COMMON + RESERVE,
     "settle": COMMON + SETTLE,
