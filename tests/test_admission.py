@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sidecar.billing.admission import Admission
 from sidecar.config import AdmissionConfig
-from sidecar.exchange import Refusal
+from sidecar.exchange import Refusal, estimate_tokens
 from sidecar.telemetry.metrics import Metrics
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
@@ -167,10 +167,10 @@ async def test_close_resolves_every_future() -> None:
 
 
 def test_estimate_is_prompt_plus_max_new_tokens() -> None:
-    adm = make(chars_per_token=4.0, default_max_tokens=50)
-    assert adm.estimate(40, 10, None) == 20
-    assert adm.estimate(41, None, None) == 61
-    assert adm.estimate(0, 10, 3) == 30
+    config = make(chars_per_token=4.0, default_max_tokens=50).config
+    assert estimate_tokens(config, 40, 10, None) == 20
+    assert estimate_tokens(config, 41, None, None) == 61
+    assert estimate_tokens(config, 0, 10, 3) == 30
 
 
 async def test_through_the_proxy(start_sidecar: StartSidecar) -> None:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sidecar.billing.budget import MAX_MICROS, Budgets, Hold, LocalStore, Scope, to_micros
-from sidecar.billing.redis_store import RedisStore, day_keys
+from sidecar.billing.redis_store import RedisStore, day_keys, script_keys
 from sidecar.config import (
     AdmissionConfig,
     BudgetConfig,
@@ -274,7 +274,7 @@ async def test_a_reservation_out_of_range_changes_nothing_and_is_refused(
         assert (await store.reserve(Hold("a", TODAY, 400_000, (USER,)))).admitted
         args[5] = store.seeds[TODAY]
         before = redis_state(redis_server)
-        reply = await store.scripts["reserve"](keys=day_keys(TODAY), args=args)
+        reply = await store.scripts["reserve"](keys=script_keys(TODAY), args=args)
         assert reply == [b"invalid"]
         assert redis_state(redis_server) == before
         verdict = store._verdict(Hold("r", TODAY, 5, (USER,)), reply)
@@ -288,13 +288,11 @@ async def test_renew_and_seed_out_of_range_change_nothing(redis_server: Any) -> 
     try:
         assert (await store.reserve(Hold("a", TODAY, 400_000, (USER,)))).admitted
         before = redis_state(redis_server)
-        keys = day_keys(TODAY)
         renew = [60_000, TODAY + 1, "b", 7, 1, "user:u", "c", 10**30, 1, "user:u"]
-        assert await store.scripts["renew"](keys=keys[:4], args=renew) == -1
+        assert await store.scripts["renew"](keys=script_keys(TODAY), args=renew) == -1
         assert redis_state(redis_server) == before  # not even the valid first record
-        empty = day_keys(TODAY + 86400)
         seed = [1, TODAY + 86400 * 3, "user:u", 5, "team:t", -5]
-        assert await store.scripts["seed"](keys=[empty[0], empty[4]], args=seed) == -1
+        assert await store.scripts["seed"](keys=script_keys(TODAY + 86400), args=seed) == -1
         assert redis_state(redis_server, TODAY + 86400)["seeded"] is None
     finally:
         await store.close()

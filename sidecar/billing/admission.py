@@ -46,15 +46,10 @@ class Decision:
 
 
 class Admission:
-    def __init__(
-        self,
-        config: AdmissionConfig,
-        metrics: Metrics,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, config: AdmissionConfig, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.clock = clock
+        self.clock = time.monotonic
         self.queue: collections.deque[Waiter] = collections.deque()
         self.in_use = 0  # estimated tokens (token-budget) or requests (serial, fixed-batch)
         self.waiting_tokens = 0  # estimated tokens of the queue, kept as it changes
@@ -76,17 +71,6 @@ class Admission:
         if self.strategy == "serial":
             return 1
         return self.config.max_batch
-
-    # --- the estimate (admission only)
-
-    def estimate(
-        self,
-        prompt_chars: int,
-        max_tokens: int | None,
-        n: int | None,
-        prompt_tokens: int | None = None,
-    ) -> int:
-        return estimate_tokens(self.config, prompt_chars, max_tokens, n, prompt_tokens)
 
     # --- acquire / release
 
@@ -237,7 +221,7 @@ class Admission:
         """The proxy's gate: estimate, wait, record the queue time (also when refused)."""
         info = ex.info
         chars = info.prompt_chars if info.parsed else len(info.body)
-        tokens = self.estimate(chars, info.max_tokens, info.n, ex.prompt_tokens)
+        tokens = estimate_tokens(self.config, chars, info.max_tokens, info.n, ex.prompt_tokens)
         start = self.clock()
         try:
             return await self.acquire(tokens, ex.model)

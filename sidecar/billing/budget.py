@@ -112,9 +112,6 @@ class Rule:
     each: LimitConfig | None
     named: Mapping[str, LimitConfig]
 
-    def limit(self, name: str) -> LimitConfig | None:
-        return self.named.get(name, self.each)
-
 
 def limit_list(config: BudgetConfig) -> tuple[LimitConfig, ...]:
     """`budgets.limits`, with the day shorthands (global_daily_usd, user_daily_usd, users,
@@ -229,15 +226,9 @@ class LocalStore:
         """Move to `day` if it is newer (a new month: to its month too); False for a day already
         gone. A new day forgets the day scopes; the month scopes go with their month only."""
         if day > self.day:
-            self.day, month = day, month_start(day)
-            if month > self.month:
-                self.month = month
-                self.spent.clear()
-                self.held.clear()
-            else:
-                for table in (self.spent, self.held):
-                    for key in [k for k in table if not k.startswith(MONTH)]:
-                        del table[key]
+            self.spent = dict(_current(self.spent, self.day, self.month, day))
+            self.held = dict(_current(self.held, self.day, self.month, day))
+            self.day, self.month = day, month_start(day)
             self.holds = {k: h for k, h in self.holds.items() if h.day >= self.month}
         return day == self.day
 
@@ -287,17 +278,19 @@ class LocalStore:
                 self.spent[key] = self._checked(micros)
 
     async def usage(self, day: int, scopes: Sequence[Scope]) -> list[tuple[int, int]] | None:
-        return [self._usage(day, s) for s in scopes]
-
-    def _usage(self, day: int, s: Scope) -> tuple[int, int]:
-        current = day == self.day if s.window == "day" else month_start(day) == self.month
-        if not current:
-            return 0, 0
-        return self.spent.get(s.key, 0), self.held.get(s.key, 0)
+        spent = _current(self.spent, self.day, self.month, day)
+        held = _current(self.held, self.day, self.month, day)
+        return [(spent.get(s.key, 0), held.get(s.key, 0)) for s in scopes]
 
     def spent_now(self, day: int) -> Mapping[str, int]:
         """Spend by scope key in day `day` and its month (the used-ratio gauge)."""
         return _current(self.spent, self.day, self.month, day)
+
+    def note(self, day: int, key: str, spent: int) -> None:
+        """Spend of a scope as a shared store answered it, kept like this store's own (the
+        used-ratio gauge of a fleet)."""
+        if self._at(day) and (key in self.spent or len(self.spent) < self.max_scopes):
+            self.spent[key] = spent
 
 
 def _current(spent: Mapping[str, int], at: int, month: int, day: int) -> Mapping[str, int]:
@@ -307,28 +300,6 @@ def _current(spent: Mapping[str, int], at: int, month: int, day: int) -> Mapping
     if month_start(day) == month:
         return {k: v for k, v in spent.items() if k.startswith(MONTH)}
     return {}
-
-
-class Seen:
-    """Spend by scope key as a shared store last answered it, for the current day and month,
-    at most `cap` keys (the used-ratio gauge of a fleet)."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.day = self.month = -1
-        self.spent: dict[str, int] = {}
-
-    def note(self, day: int, key: str, spent: int) -> None:
-        if day < self.day:
-            return
-        if day > self.day:
-            self.spent = dict(_current(self.spent, self.day, self.month, day))
-            self.day, self.month = day, month_start(day)
-        if key in self.spent or len(self.spent) < self.cap:
-            self.spent[key] = spent
-
-    def now(self, day: int) -> Mapping[str, int]:
-        return _current(self.spent, self.day, self.month, day)
 
 
 # (user, team, project, tags comma-joined, model, 1 if in today's budget day, measured cost USD,
@@ -363,10 +334,6 @@ class Budgets:
         self.clock = clock
         self._gauge_day = self.day_start(clock())
 
-    @property
-    def enforcing(self) -> bool:
-        return bool(self.rules)
-
     def day_start(self, now: float) -> int:
         offset = self.config.day_start_hour_utc * 3600
         return int((now - offset) // DAY) * DAY + offset
@@ -378,11 +345,6 @@ class Budgets:
 
     # --- what a request is charged to, and its worst case
 
-    def scopes(self, ex: Exchange) -> tuple[Scope, ...]:
-        """Every limit that applies to the request: its user's, team's, project's, each of its
-        tags', its model's and the global one, in each window that has one."""
-        return self.scopes_for(ex.user_id, ex.team, ex.project, ex.tags, ex.model)
-
     def scopes_for(
         self,
         user: str,
@@ -391,21 +353,15 @@ class Budgets:
         tags: Sequence[str],
         model: str | None,
     ) -> tuple[Scope, ...]:
+        """Every limit that applies to a request or a ledger row: its user's, team's, project's,
+        each of its tags', its model's and the global one, in each window that has one."""
         out = []
         for rule in self.rules:
             for name in _names(rule.kind, user, team, project, tags, model):
-                lim = rule.limit(name)
+                lim = rule.named.get(name, rule.each)
                 if lim is not None:
                     out.append(Scope(rule.kind, name, to_micros(lim.usd), rule.window))
         return tuple(out)
-
-    def named_model_scopes(self) -> tuple[Scope, ...]:
-        return tuple(
-            Scope("model", name, to_micros(lim.usd), rule.window)
-            for rule in self.rules
-            if rule.kind == "model"
-            for name, lim in rule.named.items()
-        )
 
     def worst_case_usd(self, ex: Exchange) -> float:
         """The prompt (exact when sized by the upstream, else every character of the body's text
@@ -441,7 +397,7 @@ class Budgets:
 
     async def gate(self, ex: Exchange) -> None:
         """Reserve the worst case on every scope, or refuse before the queue and the upstream."""
-        scopes = self.scopes(ex)
+        scopes = self.scopes_for(ex.user_id, ex.team, ex.project, ex.tags, ex.model)
         if not scopes:
             return None
         if ex.info.endpoint in AUDIO_ROUTES and priced_model(ex) is None:
@@ -542,10 +498,9 @@ class Budgets:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter."""
-        partial = not measured_in_full(ex.usage)
         if hold.unpriced and self.prices.price(priced_model(ex)) is None:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
-        if partial and ex.upstream_start is not None and consumed(ex):
+        if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
             return max(hold.amount, to_micros(measured))
         return to_micros(measured)
@@ -589,13 +544,9 @@ class Budgets:
         dollars: dict[str, float] = {}
         for user, team, project, tags, model, in_day, _, cost in rows:
             tag_list = tags.split(",") if tags else ()
-            for rule in self.rules:
-                if rule.window == "day" and not in_day:
-                    continue
-                for name in _names(rule.kind, user or "", team, project, tag_list, model):
-                    if rule.limit(name) is not None:
-                        key = Scope(rule.kind, name, 0, rule.window).key
-                        dollars[key] = dollars.get(key, 0.0) + cost
+            for s in self.scopes_for(user or "", team, project, tag_list, model):
+                if in_day or s.window == "month":
+                    dollars[s.key] = dollars.get(s.key, 0.0) + cost
         return {key: to_micros(amount) for key, amount in dollars.items()}
 
     async def statement(
@@ -604,7 +555,12 @@ class Budgets:
         """The limits that apply to one principal (its user's, team's, project's, tags', each
         named model limit and the global one) with their spend: GET /v1/tollbooth/spend. None
         when the store cannot be read now."""
-        scopes = self.scopes_for(user, team, project, tags, None) + self.named_model_scopes()
+        scopes = self.scopes_for(user, team, project, tags, None) + tuple(
+            Scope("model", name, to_micros(lim.usd), rule.window)
+            for rule in self.rules
+            if rule.kind == "model"
+            for name, lim in rule.named.items()
+        )
         usage = await self.store.usage(self.day_start(self.clock()), scopes)
         if usage is None:
             return None
@@ -632,11 +588,9 @@ def _names(
     """The scope names of kind `kind` a request or a ledger row is charged to."""
     if kind == "global":
         return ("*",)
-    if kind == "user":
-        return (user,) if user else ()
     if kind == "tag":
         return tags
-    one = {"team": team, "project": project, "model": model}[kind]
+    one = {"user": user, "team": team, "project": project, "model": model}[kind]
     return (one,) if one else ()
 
 

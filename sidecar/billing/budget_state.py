@@ -39,13 +39,12 @@ class BudgetState(Collector):
         self.config, self.metrics, self.budgets = config, metrics, budgets
 
     def collect(self) -> Iterator[Metric]:
-        c = self.config
         limit = GaugeMetricFamily(
             LIMIT,
             'Daily budget in USD of each configured scope (user name "*": the per-user default).',
             labels=["scope", "name"],
         )
-        for lim in limit_list(c):  # the day limits (month ones: llm_budget_used_ratio)
+        for lim in limit_list(self.config):  # the day limits (month ones: llm_budget_used_ratio)
             if lim.window == "day":
                 limit.add_metric([lim.scope, lim.name], lim.usd)
         yield limit

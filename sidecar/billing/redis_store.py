@@ -41,7 +41,6 @@ from .budget import (
     Hold,
     LocalStore,
     Scope,
-    Seen,
     Verdict,
     month_start,
 )
@@ -76,7 +75,9 @@ Source = Callable[[int], Awaitable[tuple[Mapping[str, int], float]]]
 # a total is written clamped into [0, MAX_MICROS], never negative (a negative hold is a bigger
 # budget), and a settlement that had to clamp answers with ':clamped' (counted).
 
-NUMBERS = """
+COMMON = """
+local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local mspent, mheld, mseeded = KEYS[6], KEYS[7], KEYS[8]
 local MAX = 9007199254740991
 local function int(s)
   if type(s) == 'number' then s = string.format('%d', s) end
@@ -115,26 +116,49 @@ local function record(rec)
   end
   return r
 end
+-- hold `id` of `amount` (a checked decimal string) on each of `scopes`, no limit checked
+local function hold(id, amount, scopes, deadline)
+  for _, key in ipairs(scopes) do
+    local h = pick(key, held, mheld)
+    put(h, key, stored(h, key) + int(amount))
+    redis.call('HSETNX', pick(key, spent, mspent), key, 0)
+  end
+  redis.call('HSET', holds, id, cjson.encode({'h', amount, scopes}))
+  redis.call('ZADD', leases, deadline, id)
+end
+-- a hold record's amount out of `held` and `charge` into `spent` on each of its scopes; an 'x'
+-- record's amount is in `spent` already (the sweep moved it)
+local function release(r, charge)
+  local amount = int(r[2])
+  for _, key in ipairs(r[3]) do
+    local s, h = pick(key, spent, mspent), pick(key, held, mheld)
+    if r[1] == 'h' then
+      put(h, key, stored(h, key) - amount)
+      put(s, key, stored(s, key) + charge)
+    else
+      put(s, key, stored(s, key) + charge - amount)
+    end
+  end
+end
 """
 
 RESERVE = """
-local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local mspent, mheld = KEYS[6], KEYS[7]
 local id, amount = ARGV[1], int(ARGV[2])
 local n = (#ARGV - 6) / 2
 if not (amount and int(ARGV[3]) and int(ARGV[4]) and int(ARGV[5])) or n ~= math.floor(n) then
   return {'invalid'}
 end
+local scopes = {}
 for i = 1, n do
-  if ARGV[5 + 2 * i] == '' or not int(ARGV[6 + 2 * i]) then return {'invalid'} end
+  scopes[i] = ARGV[5 + 2 * i]
+  if scopes[i] == '' or not int(ARGV[6 + 2 * i]) then return {'invalid'} end
 end
 local read = redis.call('GET', seeded)
 if not read then return {'unseeded'} end
 if read ~= ARGV[6] then return {'reseeded', read} end
 if redis.call('HEXISTS', holds, id) == 1 then return {'again'} end
 local new, first_new = 0, 0
-for i = 1, n do
-  local key = ARGV[5 + 2 * i]
+for i, key in ipairs(scopes) do
   if redis.call('HEXISTS', pick(key, spent, mspent), key) == 0 then
     new = new + 1
     if first_new == 0 then first_new = i end
@@ -146,35 +170,23 @@ if new > 0 and tracked + new > int(ARGV[5]) then
   return {'capacity', first_new}
 end
 local out = {'ok'}
-for i = 1, n do
-  local key = ARGV[5 + 2 * i]
+for i, key in ipairs(scopes) do
   local was = stored(pick(key, spent, mspent), key)
   local left = int(ARGV[6 + 2 * i]) - was - stored(pick(key, held, mheld), key)
   if amount > left then return {'budget', i, string.format('%d', left)} end
   out[i + 1] = string.format('%d', left - amount)
   out[n + i + 1] = string.format('%d', was)  -- spent before this hold: the used-ratio gauge
 end
-local scopes = {}
-for i = 1, n do
-  local key = ARGV[5 + 2 * i]
-  local h = pick(key, held, mheld)
-  put(h, key, stored(h, key) + amount)
-  redis.call('HSETNX', pick(key, spent, mspent), key, 0)
-  scopes[i] = key
-end
-expire_month(mspent, ARGV[4])
-expire_month(mheld, ARGV[4])
-redis.call('HSET', holds, id, cjson.encode({'h', ARGV[2], scopes}))
 local t = redis.call('TIME')
 local deadline = t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[3])
-redis.call('ZADD', leases, string.format('%d', deadline), id)
+hold(id, ARGV[2], scopes, string.format('%d', deadline))
+expire_month(mspent, ARGV[4])
+expire_month(mheld, ARGV[4])
 for i = 1, 4 do redis.call('EXPIREAT', KEYS[i], ARGV[4]) end
 return out
 """
 
 SETTLE = """
-local spent, held, holds, leases, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local mspent, mheld, mseeded = KEYS[6], KEYS[7], KEYS[8]
 local id, charge, ended = ARGV[1], int(ARGV[2]), int(ARGV[3])
 if not (charge and ended and int(ARGV[4])) then return 'invalid' end
 for i = 5, #ARGV do
@@ -185,16 +197,7 @@ if rec then
   local r = record(rec)
   if not r then return 'invalid' end
   if r[1] == 's' then return 'again' end
-  local amount = int(r[2])
-  for _, key in ipairs(r[3]) do
-    local s, h = pick(key, spent, mspent), pick(key, held, mheld)
-    if r[1] == 'h' then
-      put(h, key, stored(h, key) - amount)
-      put(s, key, stored(s, key) + charge)
-    else
-      put(s, key, stored(s, key) + charge - amount)
-    end
-  end
+  release(r, charge)
   redis.call('ZREM', leases, id)
   redis.call('HSET', holds, id, '["s"]')
   local status = r[1] == 'h' and 'settled' or 'corrected'
@@ -224,8 +227,6 @@ return 'charged'
 """
 
 SWEEP = """
-local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local mspent, mheld = KEYS[5], KEYS[6]
 local most = int(ARGV[1])
 if not most then return 0 end
 local t = redis.call('TIME')
@@ -237,12 +238,7 @@ for _, id in ipairs(due) do
   local rec = redis.call('HGET', holds, id)
   local r = rec and record(rec)
   if r and r[1] == 'h' then
-    local amount = int(r[2])
-    for _, key in ipairs(r[3]) do
-      local s, h = pick(key, spent, mspent), pick(key, held, mheld)
-      put(h, key, stored(h, key) - amount)
-      put(s, key, stored(s, key) + amount)
-    end
+    release(r, int(r[2]))
     r[1] = 'x'
     redis.call('HSET', holds, id, cjson.encode(r))
     charged = charged + 1
@@ -253,40 +249,29 @@ return charged
 """
 
 RENEW = """
-local spent, held, holds, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local mspent, mheld = KEYS[5], KEYS[6]
 if not (int(ARGV[1]) and int(ARGV[2])) then return -1 end
-local i = 3
+local groups, i = {}, 3  -- each: id, amount, scope keys
 while i <= #ARGV do
   local n = int(ARGV[i + 2])
   if not (n and int(ARGV[i + 1])) or i + 2 + n > #ARGV then return -1 end
+  local scopes = {}
   for j = 1, n do
-    if ARGV[i + 2 + j] == '' then return -1 end
+    scopes[j] = ARGV[i + 2 + j]
+    if scopes[j] == '' then return -1 end
   end
+  groups[#groups + 1] = {ARGV[i], ARGV[i + 1], scopes}
   i = i + 3 + n
 end
 local t = redis.call('TIME')
 local deadline = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[1]))
 local made = 0
-i = 3
-while i <= #ARGV do
-  local id, amount, n = ARGV[i], int(ARGV[i + 1]), int(ARGV[i + 2])
-  if redis.call('HEXISTS', holds, id) == 1 then
-    redis.call('ZADD', leases, 'XX', deadline, id)
+for _, g in ipairs(groups) do
+  if redis.call('HEXISTS', holds, g[1]) == 1 then
+    redis.call('ZADD', leases, 'XX', deadline, g[1])
   else
-    local scopes = {}
-    for j = 1, n do
-      local key = ARGV[i + 2 + j]
-      local h = pick(key, held, mheld)
-      put(h, key, stored(h, key) + amount)
-      redis.call('HSETNX', pick(key, spent, mspent), key, 0)
-      scopes[j] = key
-    end
-    redis.call('HSET', holds, id, cjson.encode({'h', ARGV[i + 1], scopes}))
-    redis.call('ZADD', leases, deadline, id)
+    hold(g[1], g[2], g[3], deadline)
     made = made + 1
   end
-  i = i + 3 + n
 end
 if made > 0 then
   for k = 1, 4 do redis.call('EXPIREAT', KEYS[k], ARGV[2]) end
@@ -301,17 +286,16 @@ if not (int(ARGV[1]) and int(ARGV[2])) or #ARGV % 2 ~= 0 then return -1 end
 for i = 3, #ARGV, 2 do
   if ARGV[i] == '' or not int(ARGV[i + 1]) then return -1 end
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('EXISTS', seeded) == 1 then return 0 end
 -- month keys go in only when their month is not seeded yet: else its total runs on from Redis
-local mspent, mseeded = KEYS[3], KEYS[4]
 local month_open = mspent and redis.call('EXISTS', mseeded) == 0
 for i = 3, #ARGV, 2 do
-  local h = pick(ARGV[i], KEYS[1], mspent)
-  if h == KEYS[1] or month_open then redis.call('HSET', h, ARGV[i], ARGV[i + 1]) end
+  local h = pick(ARGV[i], spent, mspent)
+  if h == spent or month_open then redis.call('HSET', h, ARGV[i], ARGV[i + 1]) end
 end
-redis.call('SET', KEYS[2], ARGV[1])
-redis.call('EXPIREAT', KEYS[1], ARGV[2])
-redis.call('EXPIREAT', KEYS[2], ARGV[2])
+redis.call('SET', seeded, ARGV[1])
+redis.call('EXPIREAT', spent, ARGV[2])
+redis.call('EXPIREAT', seeded, ARGV[2])
 if month_open then
   redis.call('SET', mseeded, ARGV[1])
   expire_month(mspent, ARGV[2])
@@ -331,13 +315,14 @@ if redis.call('PTTL', KEYS[1]) < window then redis.call('PEXPIRE', KEYS[1], wind
 return redis.call('ZCARD', KEYS[1])
 """
 
-# NUMBERS goes first in each script that reads an amount: its checks, and the clamped writes.
+# COMMON goes first in every script but the heartbeat (each takes `script_keys`): the keys' names,
+# the checks of numbers, the clamped writes, and a hold's record written and released.
 SCRIPTS = {
-    "reserve": NUMBERS + RESERVE,
-    "settle": NUMBERS + SETTLE,
-    "sweep": NUMBERS + SWEEP,
-    "renew": NUMBERS + RENEW,
-    "seed": NUMBERS + SEED,
+    "reserve": COMMON + RESERVE,
+    "settle": COMMON + SETTLE,
+    "sweep": COMMON + SWEEP,
+    "renew": COMMON + RENEW,
+    "seed": COMMON + SEED,
     "heartbeat": HEARTBEAT,
 }
 
@@ -356,7 +341,7 @@ def month_keys(day: int) -> list[str]:
 
 
 def script_keys(day: int) -> list[str]:
-    """The day's five keys and its month's spent and held (reserve; settle adds month seeded)."""
+    """The day's five keys and its month's three: the KEYS of every script but the heartbeat."""
     return [*day_keys(day), *month_keys(day)]
 
 
@@ -444,7 +429,6 @@ class RedisStore:
         source: Source | None = None,
         *,
         max_scopes: int,
-        client: Redis | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config, self.metrics, self.today, self.source = config, metrics, today, source
@@ -453,7 +437,7 @@ class RedisStore:
         self.lease_ms = math.ceil(config.lease_s * 1000)
         self.interval = min(config.lease_s / 3, HEARTBEAT_S)
         self.id = secrets.token_hex(8)
-        self.redis = client if client is not None else redis_client(config)
+        self.redis = redis_client(config)
         self.scripts = {name: self.redis.register_script(src) for name, src in SCRIPTS.items()}
         self.breaker = Breaker(BREAKER_FAILURES, BREAKER_COOLDOWN_S)
         self.open: dict[str, Hold] = {}  # held in Redis by this sidecar: leases to renew
@@ -466,7 +450,7 @@ class RedisStore:
         self.seeds: dict[int, bytes] = {}  # the `seeded` marker this sidecar last saw, by day
         self.alive = 1
         self.local = LocalStore(max_scopes, metrics)  # this sidecar's share while Redis is away
-        self.seen = Seen(max_scopes)  # spend by scope at this sidecar's last admission to it
+        self.seen = LocalStore(max_scopes)  # spend by scope at this sidecar's last admission to it
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -549,13 +533,12 @@ class RedisStore:
             return Verdict(False, None, "unavailable")
         if status in (b"ok", b"again"):
             n = len(hold.scopes)
-            for s, left in zip(hold.scopes, reply[1:], strict=False):
-                self._remember(hold.day, s.key, int(left))
-            for s, was in zip(hold.scopes, reply[1 + n :], strict=False):
+            lefts = [int(left) for left in reply[1 : 1 + n]]
+            for s, left, was in zip(hold.scopes, lefts, reply[1 + n :], strict=False):
+                self._remember(hold.day, s.key, left)
                 self.seen.note(hold.day, s.key, int(was))
             self.open[hold.request_id] = hold
-            least = min((int(left) for left in reply[1 : 1 + n]), default=None)
-            return Verdict(True, left=least)
+            return Verdict(True, left=min(lefts, default=None))
         scope = hold.scopes[int(reply[1]) - 1]
         if status == b"capacity":
             return Verdict(False, scope, "capacity")
@@ -593,12 +576,10 @@ class RedisStore:
         await self._seed(day, spent, self.clock())
 
     async def _seed(self, day: int, spent: Mapping[str, int], read_at: float) -> bool:
-        keys = day_keys(day)
         args: list[Any] = [math.floor(read_at * 1000), day + KEEP_S]
         for key, micros in spent.items():
             args += [key, micros]
-        month = month_keys(day)
-        seeded = int(await self._call("seed", [keys[0], keys[4], month[0], month[2]], args))
+        seeded = int(await self._call("seed", script_keys(day), args))
         if seeded < 0:
             self._refused_by_script("seed", None, f"day {day}")
         return seeded > 0
@@ -607,8 +588,7 @@ class RedisStore:
         """Each scope's spent and held, read from Redis (None while it cannot be reached)."""
         if not scopes:
             return []
-        day_spent, day_held, _, _, seeded = day_keys(day)
-        month_spent, month_held = month_keys(day)[:2]
+        day_spent, day_held, _, _, seeded, month_spent, month_held, _ = script_keys(day)
 
         async def read() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -627,11 +607,10 @@ class RedisStore:
                 raw = await self._guard("usage", read)
         except StoreDown:
             return None
-        values = [_micros(v) for v in raw[1:]]
-        return [(values[2 * i], values[2 * i + 1]) for i in range(len(scopes))]
+        return [(_micros(s), _micros(h)) for s, h in zip(raw[1::2], raw[2::2], strict=True)]
 
     def spent_now(self, day: int) -> Mapping[str, int]:
-        return self.seen.now(day)
+        return self.seen.spent_now(day)
 
     # --- without Redis
 
@@ -676,16 +655,13 @@ class RedisStore:
                 self.metrics.store_refused.inc()
                 return Verdict(False, s, "unavailable")
             share.append(replace(s, limit=max(0, left) // max(1, self.alive)))
-        verdict = await self.local.reserve(
-            Hold(hold.request_id, hold.day, hold.amount, tuple(share))
-        )
+        verdict = await self.local.reserve(replace(hold, scopes=tuple(share)))
         self.metrics.store_local.labels("admitted" if verdict.admitted else "refused").inc()
         if verdict.admitted:  # against this sidecar's share: not what is left, so not shown
             return Verdict(True)
         if verdict.scope is None:
             return verdict
-        original = next(s for s in hold.scopes if s.key == verdict.scope.key)
-        return Verdict(False, original, verdict.reason)
+        return Verdict(False, hold.scopes[share.index(verdict.scope)], verdict.reason)
 
     # --- seeding a day from the ledger
 
@@ -699,11 +675,10 @@ class RedisStore:
 
     async def _read_and_seed(self, day: int) -> bool:
         try:
-            if self.source is None:  # no ledger: the day starts from zero
-                spent: Mapping[str, int] = {}
-                read_at = self.clock()
-            else:
-                spent, read_at = await self.source(day)
+            # no ledger: the day starts from zero
+            spent, read_at = (
+                await self.source(day) if self.source is not None else ({}, self.clock())
+            )
             seeded = await self._seed(day, spent, read_at)
             await self._renew()  # holds lost with Redis's data come back before a decision
         except StoreDown:
@@ -765,20 +740,18 @@ class RedisStore:
     async def _after_settle(self, batch: list[tuple[Hold, int, int]], replies: list[Any]) -> None:
         """A settlement that found its day unseeded (Redis emptied) waits for the reseed; one
         for a day whose keys are gone for good is dropped."""
-        for (hold, charge, _), r in zip(batch, replies, strict=True):
-            if r != b"unseeded":
-                self.settling.pop(hold.request_id, None)
-            if isinstance(r, bytes) and (r == b"invalid" or r.endswith(b":clamped")):
+        today, waiting = self.today(), []
+        for item, r in zip(batch, replies, strict=True):
+            hold, charge, _ = item
+            if r == b"unseeded" and hold.day >= today:
+                waiting.append(item)
+                continue
+            self.settling.pop(hold.request_id, None)
+            if r == b"unseeded":
+                self.metrics.settles_dropped.inc()
+            elif isinstance(r, bytes) and (r == b"invalid" or r.endswith(b":clamped")):
                 # invalid: nothing changed there; the hold's lease ends and the sweep charges it
                 self._refused_by_script("settle", hold, f"charge {charge!r}: {r!r}")
-        unseeded = [item for item, r in zip(batch, replies, strict=True) if r == b"unseeded"]
-        today = self.today()
-        late = [item for item in unseeded if item[0].day < today]
-        if late:
-            self.metrics.settles_dropped.inc(len(late))
-            for hold, _, _ in late:
-                self.settling.pop(hold.request_id, None)
-        waiting = [item for item in unseeded if item[0].day >= today]
         if waiting:
             self._requeue(waiting)
             if not await self.reseed(waiting[0][0].day):
@@ -804,8 +777,7 @@ class RedisStore:
         with contextlib.suppress(StoreDown):
             today = self.today()
             for day in (today - DAY, today):
-                keys = day_keys(day)[:4] + month_keys(day)[:2]
-                charged = await self._call("sweep", keys, [SWEEP_BATCH])
+                charged = await self._call("sweep", script_keys(day), [SWEEP_BATCH])
                 self.metrics.holds_expired.inc(int(charged))
 
     async def _renew(self) -> None:
@@ -823,8 +795,7 @@ class RedisStore:
                 args: list[Any] = [self.lease_ms, day + KEEP_S]
                 for h in some[i : i + RENEW_BATCH]:
                     args += [h.request_id, h.amount, len(h.scopes), *(s.key for s in h.scopes)]
-                keys = day_keys(day)[:4] + month_keys(day)[:2]
-                made = int(await self._call("renew", keys, args))
+                made = int(await self._call("renew", script_keys(day), args))
                 if made < 0:
                     self._refused_by_script("renew", None, f"day {day}")
                 elif made:

@@ -75,7 +75,7 @@ def wire(
     )
     # the budgets' limits and what is left of them, read when scraped
     sc.metrics.registry.register(BudgetState(cfg.budgets, sc.metrics, budgets))
-    if budgets.enforcing:  # before the queue: a request over budget never waits in it
+    if budgets.rules:  # before the queue: a request over budget never waits in it
         sc.gates.append(budgets.gate)
     if cfg.admission.strategy != "none":
         sc.admission = Admission(cfg.admission, sc.metrics)
