@@ -87,14 +87,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_report(sub: Sub) -> None:
+    from ..billing.report import DIMENSIONS
+
     p = sub.add_parser("report", help="spend, tokens and latency from the usage ledger")
     p.add_argument(
         "--ledger", required=True, help="ledger SQLite file, or the fleet's postgresql:// URL"
     )
     p.add_argument("--since", default="24h", help="24h, 7d, 30m, or a date (UTC)")
-    p.add_argument(
-        "--by", default="user", choices=["user", "team", "project", "tag", "model", "day", "month"]
-    )
+    p.add_argument("--by", default="user", choices=DIMENSIONS)
     p.add_argument("--month", help="YYYY-MM: that budget month instead of --since")
     option(
         p,

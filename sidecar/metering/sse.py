@@ -15,11 +15,13 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from ..config import MeteringConfig
+
 _EOL = re.compile(rb"\r\n|\r|\n")
 # A blank line: a line ending right after another (a CR followed by LF is one ending, not two).
 _BLANK = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _CR_BLANK = b"\r\r"  # `_skip` state: the event ended at a CR; an LF right after is still its
-DEFAULT_MAX_EVENT_BYTES = 1 << 20
+DEFAULT_MAX_EVENT_BYTES = MeteringConfig.max_event_bytes
 
 
 class Event(NamedTuple):  # a tuple: built once per event, the cheapest record Python has

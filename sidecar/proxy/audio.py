@@ -29,9 +29,9 @@ AUDIO_IN_FLIGHT = 2 * 2**16
 
 @dataclass(frozen=True, kw_only=True)
 class AudioLimits:
-    head_bytes: int = 64 * 1024  # server.audio_form_bytes
-    max_body: int = 32 * 1024 * 1024  # server.max_audio_body_bytes
-    timeout: float = 60.0  # server.body_timeout_s
+    head_bytes: int  # server.audio_form_bytes
+    max_body: int  # server.max_audio_body_bytes
+    timeout: float  # server.body_timeout_s
 
 
 async def read_head(

@@ -62,24 +62,24 @@ class TgiModelName:
         self._failed_at = time.monotonic()
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ProxySettings:
     upstream: str  # base URL without trailing slash
     inject_usage: bool
     max_body: int
-    capture_bytes: int = 0  # audit text capture: keep up to this many response bytes
-    authorization: str | None = None  # the upstream's key (upstream.api_key_env), never logged
-    api: str = "vllm"
-    continuous_usage: bool = False  # ask vLLM for running totals on every chunk (cut back out)
-    free_routes: frozenset[str] = frozenset()  # unmetered POSTs that generate nothing
-    refuse_unknown_routes: bool = True
-    drain_s: float = 5.0  # read a finished stream this long for its usage after the client left
-    size_prompts: bool = False  # admission.tokenize: the exact prompt size before the gates
-    body_timeout: float = 60.0  # a metered request's body arrives within this after its headers
-    max_event_bytes: int = 1 << 20  # metering.max_event_bytes: a longer SSE event is not parsed
-    max_buffered: int = 0  # request memory across all connections (server.max_buffered_...)
-    max_buffered_per_key: int = 0
-    audio: AudioLimits = field(default_factory=AudioLimits)
+    capture_bytes: int  # audit text capture: keep up to this many response bytes
+    authorization: str | None  # the upstream's key (upstream.api_key_env), never logged
+    api: str
+    continuous_usage: bool  # ask vLLM for running totals on every chunk (cut back out)
+    free_routes: frozenset[str]  # unmetered POSTs that generate nothing
+    refuse_unknown_routes: bool
+    drain_s: float  # read a finished stream this long for its usage after the client left
+    size_prompts: bool  # admission.tokenize: the exact prompt size before the gates
+    body_timeout: float  # a metered request's body arrives within this after its headers
+    max_event_bytes: int  # metering.max_event_bytes: a longer SSE event is not parsed
+    max_buffered: int  # request memory across all connections (server.max_buffered_...)
+    max_buffered_per_key: int
+    audio: AudioLimits
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,7 +125,7 @@ class ContextQueueHandler(logging.handlers.QueueHandler):
         return record
 
 
-def setup(level: str = "INFO", fmt: str = "json") -> None:
+def setup(level: str, fmt: str) -> None:
     """Root logging to stderr in the chosen format, written off the event loop. Called once."""
     # Skip what no line of ours prints: the caller's file/line and thread/process names.
     logging._srcfile = None
