@@ -520,6 +520,21 @@ _LIMIT_NAME = (
 )
 
 
+def limit_list(config: BudgetConfig) -> tuple[LimitConfig, ...]:
+    """`budgets.limits`, with the day shorthands (global_daily_usd, user_daily_usd, users,
+    team_daily_usd, teams) expanded into day limits in front of them."""
+    c, out = config, []
+    if c.global_daily_usd is not None:
+        out.append(LimitConfig(scope="global", usd=c.global_daily_usd))
+    if c.team_daily_usd is not None:
+        out.append(LimitConfig(scope="team", usd=c.team_daily_usd))
+    out += [LimitConfig(scope="team", name=t, usd=u) for t, u in c.teams.items()]
+    if c.user_daily_usd is not None:
+        out.append(LimitConfig(scope="user", usd=c.user_daily_usd))
+    out += [LimitConfig(scope="user", name=n, usd=u) for n, u in c.users.items()]
+    return (*out, *c.limits)
+
+
 def _check_limits(b: BudgetConfig) -> None:
     seen: set[tuple[str, str, str]] = set()
     for i, lim in enumerate(b.limits):
@@ -535,13 +550,9 @@ def _check_limits(b: BudgetConfig) -> None:
         if what in seen:
             _fail(key, f"{lim.scope}/{lim.name}/{lim.window}", "given twice")
         seen.add(what)
-    shorthands = [("global", "*", b.global_daily_usd), ("user", "*", b.user_daily_usd)]
-    shorthands += [("team", "*", b.team_daily_usd)]
-    shorthands += [("user", n, u) for n, u in b.users.items()]
-    shorthands += [("team", n, u) for n, u in b.teams.items()]
-    for scope, name, usd in shorthands:
-        if usd is not None and (scope, name, "day") in seen:
-            _fail("budgets.limits", f"{scope}/{name}/day", "also set by a shorthand key")
+    for lim in limit_list(dataclasses.replace(b, limits=())):  # the shorthands' day limits
+        if (lim.scope, lim.name, "day") in seen:
+            _fail("budgets.limits", f"{lim.scope}/{lim.name}/day", "also set by a shorthand key")
 
 
 def validate(config: Config) -> Config:

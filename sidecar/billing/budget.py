@@ -25,7 +25,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from ..config import AdmissionConfig, BudgetConfig, LimitConfig, MeteringConfig, ModelPrice
+from ..config import (
+    AdmissionConfig,
+    BudgetConfig,
+    LimitConfig,
+    MeteringConfig,
+    ModelPrice,
+    limit_list,
+)
 from ..exchange import (
     AUDIO_ROUTES,
     BudgetHold,
@@ -111,21 +118,6 @@ class Rule:
     window: Window
     each: LimitConfig | None
     named: Mapping[str, LimitConfig]
-
-
-def limit_list(config: BudgetConfig) -> tuple[LimitConfig, ...]:
-    """`budgets.limits`, with the day shorthands (global_daily_usd, user_daily_usd, users,
-    team_daily_usd, teams) expanded into day limits in front of them."""
-    c, out = config, []
-    if c.global_daily_usd is not None:
-        out.append(LimitConfig(scope="global", usd=c.global_daily_usd))
-    if c.team_daily_usd is not None:
-        out.append(LimitConfig(scope="team", usd=c.team_daily_usd))
-    out += [LimitConfig(scope="team", name=t, usd=u) for t, u in c.teams.items()]
-    if c.user_daily_usd is not None:
-        out.append(LimitConfig(scope="user", usd=c.user_daily_usd))
-    out += [LimitConfig(scope="user", name=n, usd=u) for n, u in c.users.items()]
-    return (*out, *c.limits)
 
 
 def rules(config: BudgetConfig) -> tuple[Rule, ...]:

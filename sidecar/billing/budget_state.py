@@ -21,9 +21,9 @@ from collections.abc import Iterator, Mapping
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..config import BudgetConfig, LimitConfig
+from ..config import BudgetConfig, LimitConfig, limit_list
 from ..telemetry.metrics import OTHER, Metrics
-from .budget import Budgets, Rule, Scope, limit_list, to_micros
+from .budget import Budgets, Rule, Scope, to_micros
 
 LIMIT = "llm_budget_limit_usd"
 REMAINING = "llm_budget_remaining_usd"
