@@ -2,9 +2,9 @@
 
 Owns: the metered routes (`Endpoint`), what a request asks (`RequestInfo`), what was measured
 (`Usage`), its price (`Cost`), the `Exchange` itself with the verdicts read from it (`consumed`,
-`priced_model`), the hook types (`Sink`, `Gate`), what a budget gate holds (`BudgetHold`), the
-`Refusal` a gate raises, and the token estimate admission and GPU attribution share
-(`estimate_tokens`).
+`priced_model`), the hook types (`Sink`, `Gate`, `CleanupContext`), what a budget gate holds
+(`BudgetHold`), the `Refusal` a gate raises, and the token estimate admission and GPU attribution
+share (`estimate_tokens`).
 Never: imports another part of the sidecar but `config` (a base module, as this one is), or does
 I/O: these are values and pure functions.
 """
@@ -17,12 +17,15 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .config import AdmissionConfig
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 class Endpoint(StrEnum):
@@ -319,6 +322,8 @@ class Refusal(Exception):
 
 # Hooks that later stages plug in (budgets, admission, tracing); each may raise Refusal.
 Gate = Callable[[Exchange], Awaitable[Callable[[], None] | None]]
+# What each resource hands the aiohttp app (`cleanup_ctx`): opened before the yield, closed after.
+CleanupContext = Callable[["web.Application"], AsyncIterator[None]]
 
 
 def estimate_tokens(

@@ -18,7 +18,7 @@ import logging.handlers
 import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ..config import AuditConfig
 from ..credentials import KEY_HEADERS, api_key_id
-from ..exchange import Exchange, priced_model
+from ..exchange import CleanupContext, Exchange, priced_model
 from ..metering.pricing import PriceBook
 from ..metering.sse import SSEParser
 from ..telemetry.accesslog import fields
@@ -291,7 +291,7 @@ def _text_of(obj: Any) -> str:
     return "".join(out)
 
 
-def audit_context(audit: Audit) -> Callable[[web.Application], AsyncIterator[None]]:
+def audit_context(audit: Audit) -> CleanupContext:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         audit.start()
         yield

@@ -37,6 +37,7 @@ from aiohttp import web
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..config import LedgerConfig
+from ..exchange import CleanupContext
 from ..telemetry.metrics import Metrics
 from . import ledger
 from .budget import SpendRow
@@ -474,7 +475,7 @@ def local_spend_rows(path: str, day: float, month: float) -> list[SpendRow]:
         return ledger.spend_rows(conn, day, month)
 
 
-def shipper_contexts(shipper: Shipper) -> tuple[ledger.CleanupContext, ledger.CleanupContext]:
+def shipper_contexts(shipper: Shipper) -> tuple[CleanupContext, CleanupContext]:
     """Two cleanup contexts around the local ledger's: `outer` (before it) ships what the ledger
     wrote last after the ledger closed; `inner` (after it) starts shipping once the ledger is
     open and its retention applied."""

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, TypeAlias, cast
 from aiohttp import web
 
 from ..config import LedgerConfig
-from ..exchange import Exchange, consumed
+from ..exchange import CleanupContext, Exchange, consumed
 from ..telemetry.metrics import Metrics
 from ..text import clean
 from .budget import SpendRow
@@ -90,7 +90,6 @@ RECONNECT_S = 1.0  # how often an unopenable ledger file is tried again
 KEPT_ROWS = 1000  # rows refused even cleaned, kept in memory (and logged) for an operator
 SAFE_TEXT_CHARS = 1 << 20  # a cleaned row's text fields: audit records can be long
 
-CleanupContext: TypeAlias = Callable[[web.Application], AsyncIterator[None]]  # an aiohttp app's
 # What waits for the writer: the values of a row, or a function that makes them (in the thread).
 Values: TypeAlias = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 

@@ -33,6 +33,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ..config import BudgetConfig, ConfigError
+from ..exchange import CleanupContext
 from ..telemetry.metrics import Metrics
 from .budget import (
     DAY,
@@ -837,7 +838,7 @@ def _micros(raw: Any) -> int:
     return min(max(value, 0), MAX_MICROS)
 
 
-def store_context(store: RedisStore) -> Callable[[web.Application], AsyncIterator[None]]:
+def store_context(store: RedisStore) -> CleanupContext:
     """A cleanup context: background upkeep and settlement before the first request; queued
     settlements sent (for up to DRAIN_S) after the last."""
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
 from ..config import Config, parse_hostport
-from ..exchange import Exchange, Gate
+from ..exchange import CleanupContext, Exchange, Gate
 from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.audio import AudioLimits
@@ -49,8 +49,6 @@ if TYPE_CHECKING:  # set by wiring when configured; a single sidecar never loads
 
 log = logging.getLogger("tollbooth")
 
-Ctx = Callable[[web.Application], AsyncIterator[None]]
-
 
 @dataclass
 class Sidecar:
@@ -61,7 +59,7 @@ class Sidecar:
     pricing_path: str | None = None
     draining: bool = False
     proxy: Proxy | None = None
-    extra_contexts: list[Ctx] = field(default_factory=list)
+    extra_contexts: list[CleanupContext] = field(default_factory=list)
     gates: list[Gate] = field(default_factory=list)  # may refuse a request before the upstream
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)
 

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from aiohttp import web
 
 from ..config import LoggingConfig
-from ..exchange import Exchange, consumed, measured
+from ..exchange import CleanupContext, Exchange, consumed, measured
 from .logs import BatchWriter, iso_time, json_line
 from .metrics import Metrics
 
@@ -185,7 +185,7 @@ class AccessLog:
             self._writer.put((time.time(), failed, snapshot(ex)))
 
 
-def access_log_context(log: AccessLog) -> Callable[[web.Application], AsyncIterator[None]]:
+def access_log_context(log: AccessLog) -> CleanupContext:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         log.start()
         yield

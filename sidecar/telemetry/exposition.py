@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
-from ..exchange import STATUS_CLIENT_CLOSED, Endpoint
+from ..exchange import STATUS_CLIENT_CLOSED, CleanupContext, Endpoint
 from .metrics import OTHER, LabelCap, Metrics
 
 log = logging.getLogger("tollbooth.exposition")
@@ -403,7 +403,7 @@ def restore(
 
 def carry_context(
     m: Metrics, view: HeldView, path: Path, users: LabelCap, models: LabelCap
-) -> Callable[[web.Application], AsyncIterator[None]]:
+) -> CleanupContext:
     """The admin app's cleanup context: restore before the listeners open; save after the proxy
     has drained (every request metered)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,7 +31,7 @@ from opentelemetry.semconv.attributes import server_attributes
 
 from .. import __version__
 from ..config import Config
-from ..exchange import Exchange
+from ..exchange import CleanupContext, Exchange
 from .metrics import GENAI_DURATION_ADVICE, GENAI_TOKEN_ADVICE
 from .tracing import resource
 
@@ -106,7 +106,7 @@ class GenAiMetrics:
         self.provider.shutdown()
 
 
-def metrics_context(m: GenAiMetrics) -> Callable[[web.Application], AsyncIterator[None]]:
+def metrics_context(m: GenAiMetrics) -> CleanupContext:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(m.shutdown)  # exports what was recorded since the last export

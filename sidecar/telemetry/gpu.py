@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..config import AdmissionConfig, GpuConfig, PricingConfig
-from ..exchange import Exchange, estimate_tokens
+from ..exchange import CleanupContext, Exchange, estimate_tokens
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.gpu")
@@ -334,9 +334,7 @@ class Attribution:
         self._segments.append((duration, parts))
 
 
-def gpu_context(
-    collector: GpuCollector, on_up: Callable[[GpuCollector], None]
-) -> Callable[[web.Application], AsyncIterator[None]]:
+def gpu_context(collector: GpuCollector, on_up: Callable[[GpuCollector], None]) -> CleanupContext:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         if await asyncio.to_thread(collector.start):
             on_up(collector)

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from ..config import UpstreamConfig
+from ..exchange import CleanupContext
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.health")
@@ -99,7 +100,7 @@ class UpstreamProbe:
             await self.once()
 
 
-def probe_context(probe: UpstreamProbe) -> Callable[[web.Application], AsyncIterator[None]]:
+def probe_context(probe: UpstreamProbe) -> CleanupContext:
     """A cleanup context: one probe before the first request, then one every interval."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:

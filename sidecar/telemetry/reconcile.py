@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from ..exchange import CleanupContext
 from ..text import MODEL_CHARS, clean
 
 log = logging.getLogger("tollbooth.reconcile")
@@ -174,7 +175,7 @@ class Reconciler(Collector):
         yield tokens
 
 
-def reconcile_context(reconciler: Reconciler) -> Callable[[web.Application], AsyncIterator[None]]:
+def reconcile_context(reconciler: Reconciler) -> CleanupContext:
     """A cleanup context: scrapes in the background (the first at once) until closed."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,7 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .. import __version__
 from ..config import Config
-from ..exchange import Exchange
+from ..exchange import CleanupContext, Exchange
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.tracing")
@@ -156,7 +156,7 @@ def attributes(ex: Exchange, provider: str, address: str, port: int) -> dict[str
     return attrs
 
 
-def tracing_context(t: Tracing) -> Callable[[web.Application], AsyncIterator[None]]:
+def tracing_context(t: Tracing) -> CleanupContext:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(t.shutdown)  # flushes what is queued
