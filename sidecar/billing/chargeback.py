@@ -1,4 +1,4 @@
-"""A chargeback report (issue 25): one period of the ledger, grouped, with what a reader needs to
+"""A chargeback report: one period of the ledger, grouped, with what a reader needs to
 trust it: the period, the price book, the idle GPU line, and the series the HTML charts draw.
 
 Owns: `build` (the ledger read once, grouped by the chosen dimension, by day and group, and by

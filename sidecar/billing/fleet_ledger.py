@@ -503,7 +503,7 @@ def _read(url: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
 
 
 def request_rows(url: str, columns: Iterable[str], since: float, until: float) -> list[Any]:
-    """Chargeback (issue 25): the `columns` of each request in [since, until)."""
+    """Chargeback: the `columns` of each request in [since, until)."""
     cols = ", ".join(q(c) for c in columns)
     end = until if math.isfinite(until) else 1e300
     sql = f"SELECT {cols} FROM requests WHERE ts >= %s AND ts < %s ORDER BY ts"

@@ -1,4 +1,4 @@
-"""Fully loaded GPU cost (issue 25): the idle GPU time of a report's period, and its share by use.
+"""Fully loaded GPU cost: the idle GPU time of a report's period, and its share by use.
 
 Owns: idle = the GPU time available in the period (the GPUs the engine held x the period's length)
 minus the device-seconds the ledger attributed to its requests; its price (`gpu_hour_usd`); and

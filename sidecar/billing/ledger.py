@@ -62,15 +62,11 @@ CREATE TABLE IF NOT EXISTS requests (
     device_seconds REAL,              -- the engine's GPUs' time attributed (NULL: no telemetry)
     energy_j REAL,                    -- NULL unless final when the row was written (docs)
     device_cost_usd REAL,             -- device_seconds at pricing.gpu_hour_usd
-    -- reasoning columns (h-pooling) --
     reasoning_tokens INTEGER,         -- a part of output_tokens, never added; NULL: not reported
-    -- end reasoning columns --
     audio_seconds REAL,               -- input audio the server reported (NULL: none reported)
-    -- chargeback (issue 25) begin
     project TEXT,                     -- the principal's project (keys file, trusted header)
     tags TEXT,                        -- its tags, sorted, comma-joined (a tag has no comma)
     budget_usd REAL                   -- what its budgets were charged (NULL: no budget hold)
-    -- chargeback (issue 25) end
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -174,9 +170,9 @@ def row_of(ex: Exchange) -> Row:
         ex.device_seconds,
         ex.energy_j,
         ex.device_cost_usd,
-        u.reasoning_tokens,  # reasoning columns (h-pooling)
+        u.reasoning_tokens,
         u.audio_seconds,
-        ex.project,  # chargeback (issue 25)
+        ex.project,
         ",".join(ex.tags) if ex.tags else None,
         ex.budget_charge_usd,
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 _SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-# Chargeback (issue 25): dimensions read from every request's columns, grouped here.
+# Chargeback: dimensions read from every request's columns, grouped here.
 DIMENSIONS = ("user", "team", "project", "tag", "model", "day", "month")
 PERIODS = {"day": "%Y-%m-%d", "month": "%Y-%m"}  # budget days and months, named by their date
 NONE = "(none)"  # the group of requests without a team, a project or a tag

@@ -52,7 +52,7 @@ def _end_to_end(src: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str
 
 
 # Expect: the sidecar answers a 100-continue itself (aiohttp's server sends the 100 before the
-# handler reads the body); passed on, aiohttp's client would hold the body for the upstream's 100.
+# handler reads the body); upstream.py sends the body at once, so the upstream is asked for none.
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
 # The header on each admitted response where limits apply: the least left of them after its
 # hold. The sidecar's alone: an upstream's is never relayed (it would tell a client a budget
@@ -81,9 +81,9 @@ def request_headers(
 
 
 def _one_spelling(headers: CIMultiDict[str]) -> CIMultiDict[str]:
-    """Every line of a repeated name spelt as its first: aiohttp's client tells names apart by
-    case when it merges its defaults in (`ClientSession._prepare_headers`), and of `x-a: 1` and
-    `X-A: 2` it would send only `X-A: 2`."""
+    """Every line of a repeated name spelt as its first, so the upstream reads one field under one
+    name (RFC 9110 5.3). No value hangs on it (upstream.py writes each line as given); aiohttp's
+    ClientSession, the client before, sent only `X-A: 2` of `x-a: 1` and `X-A: 2`."""
     first: dict[str, str] = {}
     return CIMultiDict((first.setdefault(k.lower(), k), v) for k, v in headers.items())
 
