@@ -5,9 +5,9 @@ ended while Redis was away, counted by the ledger read that reseeded an emptied 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -107,7 +107,8 @@ async def test_a_request_ended_in_an_outage_and_in_the_ledger_is_charged_once(
     ledger.spent = {"user:u": 40_000}  # ...and its row reaches the ledger
     redis_server.client().flushall()  # Redis comes back without its data
     await wait_for(lambda: store.breaker.clock() >= store.breaker.retry_at, "the cooldown")
-    await asyncio.sleep(0.01)  # x ended a millisecond before the ledger read
+    x_ended = next(ms for h, _, ms in store.queue if h.request_id == "x")
+    await wait_for(lambda: time.time() * 1000 > x_ended + 1, "a ledger read after x's end")
     assert (await store.reserve(hold("y", 0.001))).admitted  # x put back, then reseeded
     store.start()  # x's settlement goes out
     await settled(store)
