@@ -85,12 +85,6 @@ async def test_a_hold_swept_after_its_lease_is_corrected_by_its_settlement_not_r
     assert spent(redis_server)["global:*"] == spent(redis_server)["user:u"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a request that ended while Redis was away is charged by the reseed's ledger read "
-    "and again by its settlement: the outage's holds are put back (renew) before the reseed, "
-    "so settle finds a hold record and adds the charge, past the in_seed check (191d86f too)",
-)
 async def test_a_request_ended_in_an_outage_and_in_the_ledger_is_charged_once(
     redis_server: Any,
 ) -> None:
@@ -109,8 +103,32 @@ async def test_a_request_ended_in_an_outage_and_in_the_ledger_is_charged_once(
     await wait_for(lambda: store.breaker.clock() >= store.breaker.retry_at, "the cooldown")
     x_ended = next(ms for h, _, ms in store.queue if h.request_id == "x")
     await wait_for(lambda: time.time() * 1000 > x_ended + 1, "a ledger read after x's end")
-    assert (await store.reserve(hold("y", 0.001))).admitted  # x put back, then reseeded
+    assert (await store.reserve(hold("y", 0.001))).admitted  # x's day reseeded, with x
     store.start()  # x's settlement goes out
     await settled(store)
     assert held(redis_server) == {"user:u": 100_000 + 1_000}  # a and y run
     assert spent(redis_server) == {"user:u": 40_000}  # x once: the ledger's read has it
+
+
+async def test_a_request_ended_in_an_outage_is_charged_before_the_next_decision(
+    redis_server: Any,
+) -> None:
+    """Redis back with its data: the ended request's charge is in it before the next reservation
+    is decided (not left to the settler), and once."""
+    store = make(redis_server)
+    assert (await store.reserve(hold("a", 0.1))).admitted
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        assert (await store.reserve(hold("x", 0.1))).admitted  # against the local share
+        store.settle("x", 40_000)
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await wait_for(lambda: store.breaker.clock() >= store.breaker.retry_at, "the cooldown")
+    assert (await store.reserve(hold("y", 0.001))).admitted
+    assert spent(redis_server) == {"user:u": 40_000}  # the settler was never started
+    assert held(redis_server) == {"user:u": 100_000 + 1_000}
+    assert not store.queue and not store.settling
+    store.start()
+    await settled(store)
+    assert spent(redis_server) == {"user:u": 40_000}

@@ -634,18 +634,40 @@ class RedisStore:
     async def _restore(self) -> None:
         """Put every hold admitted without Redis into it (no limit check: they were admitted),
         before any new decision, so Redis counts them while they run. One that already ended
-        goes in too, until its settlement is answered: it replaces the hold with the charge."""
+        is settled now, before any new decision, not put back as a hold: a hold's settlement
+        adds its charge, so a reseed's ledger read, which holds the ended request's row, would
+        have counted it a second time. Settled, it is charged unless that read has it."""
         async with self._restoring:
-            running, ended = list(self.outage.values()), list(self.settling.values())
+            running = list(self.outage.values())
+            settling = self.settling  # mostly empty: the queue is read only when it is not
+            ended = (
+                [item for item in self.queue if item[0].request_id in settling] if settling else []
+            )
             if not running and not ended:
                 return
-            await self._renew_holds([*running, *ended])
+            await self._renew_holds(running)
             for h in running:
                 if self.outage.pop(h.request_id, None) is not None:
                     self.open[h.request_id] = h
-            for h in ended:
-                self.settling.pop(h.request_id, None)
+            if ended:
+                await self._settle_now(ended)
             log.info("budget store: %d holds admitted without it put back", len(running))
+
+    async def _settle_now(self, batch: list[tuple[Hold, int, int]]) -> None:
+        """Send these queued settlements now (taken out of the queue; put back if Redis cannot
+        be reached, or if it answers that their day is not seeded yet)."""
+        taken = {id(item) for item in batch}
+        self.queue = collections.deque(item for item in self.queue if id(item) not in taken)
+        for i in range(0, len(batch), SETTLE_BATCH):
+            some = batch[i : i + SETTLE_BATCH]
+            try:
+                replies = await self._guard("settle", functools.partial(self._settle_batch, some))
+            except StoreDown:
+                self._requeue(batch[i:])
+                raise
+            if waiting := self._answered(some, replies):
+                self._requeue(waiting)  # the settler waits for the reseed, not a request
+        self.metrics.settles_pending.set(len(self.queue))
 
     async def _local(self, hold: Hold) -> Verdict:
         """Reserve against this sidecar's share of the last known remainder of each scope."""
@@ -739,7 +761,16 @@ class RedisStore:
             self.metrics.settles_dropped.inc()
 
     async def _after_settle(self, batch: list[tuple[Hold, int, int]], replies: list[Any]) -> None:
-        """A settlement that found its day unseeded (Redis emptied) waits for the reseed; one
+        """A settlement that found its day unseeded (Redis emptied) waits for the reseed."""
+        if waiting := self._answered(batch, replies):
+            self._requeue(waiting)
+            if not await self.reseed(waiting[0][0].day):
+                await asyncio.sleep(RESEED_RETRY_S)
+
+    def _answered(
+        self, batch: list[tuple[Hold, int, int]], replies: list[Any]
+    ) -> list[tuple[Hold, int, int]]:
+        """Note each reply; return the settlements that found today unseeded, to send again. One
         for a day whose keys are gone for good is dropped."""
         today, waiting = self.today(), []
         for item, r in zip(batch, replies, strict=True):
@@ -753,10 +784,7 @@ class RedisStore:
             elif isinstance(r, bytes) and (r == b"invalid" or r.endswith(b":clamped")):
                 # invalid: nothing changed there; the hold's lease ends and the sweep charges it
                 self._refused_by_script("settle", hold, f"charge {charge!r}: {r!r}")
-        if waiting:
-            self._requeue(waiting)
-            if not await self.reseed(waiting[0][0].day):
-                await asyncio.sleep(RESEED_RETRY_S)
+        return waiting
 
     # --- upkeep: heartbeat, leases, sweep
 
