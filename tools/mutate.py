@@ -35,34 +35,28 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARDS = "tests/test_billing_guards.py"
 
-# module -> its file below sidecar/ (packages by concern, issue 22)
-PATHS = {
-    "pricing": "metering/pricing.py",
-    "budget": "billing/budget.py",
-    "budget_redis": "billing/redis_store.py",
-    "identity": "proxy/identity.py",
-    "ledger": "billing/ledger.py",
-    "meter": "metering/meter.py",
-    "routes": "proxy/routes.py",
-    "usage": "metering/openai.py",  # the OpenAI adapter: what was usage.py's readers
-    "counts": "metering/counts.py",
-    "reqsize": "metering/reqsize.py",
-    "exchange": "exchange.py",
-    "credentials": "credentials.py",  # bearer(): the Authorization header's reading
-    "tgi": "metering/tgi.py",
-}
 
-# module -> (its tests, the functions to mutate: None for all)
-MODULES: dict[str, tuple[list[str], list[str] | None]] = {
-    "pricing": (["tests/test_pricing.py", GUARDS], None),
-    "budget": (["tests/test_budget.py", GUARDS], None),
-    "budget_redis": (["tests/test_budget_redis.py", GUARDS], None),
-    "identity": (["tests/test_identity.py", GUARDS], None),
-    "ledger": (
+# module (its file's name) -> its file below sidecar/, its tests, the functions to mutate (None:
+# all). The packages by concern: proxy, metering, billing, telemetry, core (issue 22).
+class Module(NamedTuple):
+    path: str
+    tests: list[str]
+    functions: list[str] | None = None
+
+
+MODULES: dict[str, Module] = {
+    "pricing": Module("metering/pricing.py", ["tests/test_pricing.py", GUARDS]),
+    "budget": Module("billing/budget.py", ["tests/test_budget.py", GUARDS]),
+    # the fleet's holds in Redis: the Python around the Lua scripts, and the scripts (as text)
+    "redis_store": Module("billing/redis_store.py", ["tests/test_budget_redis.py", GUARDS]),
+    "identity": Module("proxy/identity.py", ["tests/test_identity.py", GUARDS]),
+    "ledger": Module(
+        "billing/ledger.py",
         [
             "tests/test_ledger.py",
             "tests/test_writers_survive.py",
@@ -71,17 +65,25 @@ MODULES: dict[str, tuple[list[str], list[str] | None]] = {
             "tests/test_budget_report.py",
             GUARDS,
         ],
-        None,
     ),
-    "meter": (["tests/test_meter.py", "tests/test_meter_counters.py", GUARDS], None),
-    "routes": (["tests/test_routes.py", GUARDS], None),
-    "reqsize": (["tests/test_hold_inputs.py", GUARDS], None),
-    "exchange": (["tests/test_meter.py", "tests/test_ledger.py", GUARDS], None),
-    # the OpenAI adapter and the count readers (usage.py until issue 22's wire adapters)
-    "usage": (["tests/test_usage.py", "tests/test_wire.py", "tests/test_budget.py", GUARDS], None),
-    "counts": (["tests/test_usage.py", "tests/test_hostile_numbers.py", GUARDS], None),
-    "credentials": (["tests/test_identity.py", GUARDS], None),
-    "tgi": (["tests/test_tgi.py", GUARDS], None),
+    "meter": Module(
+        "metering/meter.py", ["tests/test_meter.py", "tests/test_meter_counters.py", GUARDS]
+    ),
+    "routes": Module("proxy/routes.py", ["tests/test_routes.py", GUARDS]),
+    "reqsize": Module("metering/reqsize.py", ["tests/test_hold_inputs.py", GUARDS]),
+    # consumed() and priced_model()
+    "exchange": Module("exchange.py", ["tests/test_meter.py", "tests/test_ledger.py", GUARDS]),
+    # the OpenAI wire adapter (what was usage.py's readers)
+    "openai": Module(
+        "metering/openai.py",
+        ["tests/test_usage.py", "tests/test_wire.py", "tests/test_budget.py", GUARDS],
+    ),
+    "counts": Module(
+        "metering/counts.py", ["tests/test_usage.py", "tests/test_hostile_numbers.py", GUARDS]
+    ),
+    # bearer(): the Authorization and x-api-key headers' reading
+    "credentials": Module("credentials.py", ["tests/test_identity.py", GUARDS]),
+    "tgi": Module("metering/tgi.py", ["tests/test_tgi.py", GUARDS]),
 }
 
 # Flaky under load (a same-millisecond race between its ledger read and its settlement), so it
@@ -111,8 +113,14 @@ NAMED: list[tuple[str, str, str]] = [
         "else max(0, math.ceil(micros))",
         "else max(0, int(micros))",
     ),
-    ("budget_redis", "if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end\n", ""),
-    ("budget_redis", "item[0].day < today]", "item[0].day <= today]"),
+    # the seed script writing over a day another sidecar seeded (and has charged since)
+    ("redis_store", "if redis.call('EXISTS', seeded) == 1 then return 0 end\n", ""),
+    # a settlement for today that found Redis unseeded dropped, not kept for the reseed
+    (
+        "redis_store",
+        'r == b"unseeded" and hold.day >= today',
+        'r == b"unseeded" and hold.day > today',
+    ),
     # Bearer read case-sensitively, or unstripped: bearer() moved to credentials.py
     ("credentials", 'scheme.lower() == "bearer"', 'scheme == "Bearer"'),
     ("credentials", "token = token.strip() if", "token = token if"),
@@ -133,16 +141,17 @@ NAMED: list[tuple[str, str, str]] = [
     # consumed() and priced_model() moved from meter.py to exchange.py
     (
         "exchange",
-        "if u.input_tokens is not None or u.output_tokens is not None:\n        return True",
-        "if u.input_tokens is not None and u.output_tokens is not None:\n        return True",
+        "if u.input_tokens is not None or u.output_tokens is not None or",
+        "if u.input_tokens is not None and u.output_tokens is not None or",
     ),
     (
         "exchange",
         "return ex.usage.model or ex.info.model or",
         "return ex.info.model or ex.usage.model or",
     ),
+    # a chat's choices each counted the shared prompt again
     (
-        "usage",
+        "openai",
         "return max(p.input_tokens or 0 for p in parts.values())",
         "return sum(p.input_tokens or 0 for p in parts.values())",
     ),
@@ -239,7 +248,7 @@ def _variants(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
 
 
 def mutants(module: str, functions: list[str] | None) -> list[Mutant]:
-    path = ROOT / "sidecar" / PATHS[module]
+    path = ROOT / "sidecar" / MODULES[module].path
     src = path.read_text()
     lines = src.splitlines(keepends=True)
     tree = ast.parse(src)
@@ -273,8 +282,8 @@ def mutants(module: str, functions: list[str] | None) -> list[Mutant]:
                         name,
                     )
                 )
-    # module-level Lua scripts (budget_redis): comparison flips inside the strings
-    if module == "budget_redis" and functions is None:
+    # module-level Lua scripts (redis_store): comparison flips inside the strings
+    if module == "redis_store" and functions is None:
         out += _lua_mutants(src)
     return out
 
@@ -298,7 +307,7 @@ _LUA_OPS = [
 def _lua_mutants(src: str) -> list[Mutant]:
     """The scripts are strings: their comparisons and signs are mutated as text."""
     out: list[Mutant] = []
-    start = src.index('RESERVE = """')
+    start = src.index('COMMON = """')  # COMMON: the functions every day's script shares
     end = src.index("SCRIPTS = {")
     lines = src.splitlines(keepends=True)
     offset = 0
@@ -312,7 +321,7 @@ def _lua_mutants(src: str) -> list[Mutant]:
             if col >= 0:
                 out.append(
                     Mutant(
-                        "budget_redis", no, "lua", old, new, (no, col), (no, col + len(old)), "lua"
+                        "redis_store", no, "lua", old, new, (no, col), (no, col + len(old)), "lua"
                     )
                 )
     return out
@@ -327,10 +336,20 @@ def apply(src: str, m: Mutant) -> str:
     return "".join(lines[: l0 - 1]) + head + m.after + tail + "".join(lines[l1:])
 
 
-def apply_named(src: str, old: str, new: str) -> str:
-    if src.count(old) != 1:
-        raise SystemExit(f"named mutant not found once: {old!r} ({src.count(old)} times)")
-    return src.replace(old, new)
+def stale_named(modules: list[str]) -> list[str]:
+    """What is wrong with the NAMED entries of `modules`: a module MODULES lacks, or a text its
+    file holds not exactly once (the code moved or was rewritten: the entry must follow it)."""
+    problems = []
+    for module, old, _ in NAMED:
+        if module not in MODULES:
+            problems.append(f"named mutant for {module!r}: no such module in MODULES")
+        elif module in modules:
+            path = f"sidecar/{MODULES[module].path}"
+            found = (ROOT / path).read_text().count(old)
+            if found != 1:
+                times = "not found" if found == 0 else f"found {found} times, not once"
+                problems.append(f"named mutant for {module} ({path}): {times}: {old!r}")
+    return problems
 
 
 def copy_tree(dst: Path) -> None:
@@ -382,28 +401,27 @@ def main() -> int:
     args = ap.parse_args()
     modules = args.module or list(MODULES)
     if args.tests:
-        for name, (_, functions) in MODULES.items():
-            MODULES[name] = (args.tests, functions)
+        for name, entry in MODULES.items():
+            MODULES[name] = entry._replace(tests=args.tests)
+
+    if args.named:
+        problems = stale_named(modules)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            return 2
 
     plan: list[tuple[Mutant, str]] = []  # (mutant, the mutated module's source)
     for module in modules:
-        src = (ROOT / "sidecar" / PATHS[module]).read_text()
+        src = (ROOT / "sidecar" / MODULES[module].path).read_text()
         if args.named:
             for mod, old, new in NAMED:
                 if mod == module:
-                    m = Mutant(
-                        module,
-                        src[: src.index(old)].count("\n") + 1,
-                        "named",
-                        old,
-                        new,
-                        (0, 0),
-                        (0, 0),
-                        "",
-                    )
-                    plan.append((m, apply_named(src, old, new)))
+                    line = src[: src.index(old)].count("\n") + 1
+                    m = Mutant(module, line, "named", old, new, (0, 0), (0, 0), "")
+                    plan.append((m, src.replace(old, new)))
             continue
-        found = mutants(module, MODULES[module][1])
+        found = mutants(module, MODULES[module].functions)
         if args.rerun:
             alive = {
                 (d["line"], tuple(d["start"]), d["after"])
@@ -436,10 +454,10 @@ def main() -> int:
             copy_tree(work)
         base: dict[str, float] = {}
         for module in sorted({m.module for m, _ in plan}):
-            status, took = run_tests(works[0], MODULES[module][0], 900)
+            status, took = run_tests(works[0], MODULES[module].tests, 900)
             if status != "survived":  # once more, to show why
                 os.environ["MUTATE_VERBOSE"] = "1"
-                status, took = run_tests(works[0], MODULES[module][0], 900)
+                status, took = run_tests(works[0], MODULES[module].tests, 900)
                 os.environ.pop("MUTATE_VERBOSE")
             if status != "survived":
                 print(f"{module}: the tests fail without any mutant ({status}): fix that first")
@@ -455,13 +473,13 @@ def main() -> int:
             m, mutated = item
             work = free.get()
             try:
-                target = work / "sidecar" / PATHS[m.module]
+                target = work / "sidecar" / MODULES[m.module].path
                 original = target.read_text()
                 if m.status == "pending":
                     target.write_text(mutated)
                     try:
                         limit = max(20.0, base[m.module] * args.timeout_factor)
-                        m.status, m.seconds = run_tests(work, MODULES[m.module][0], limit)
+                        m.status, m.seconds = run_tests(work, MODULES[m.module].tests, limit)
                     finally:
                         target.write_text(original)
             finally:
