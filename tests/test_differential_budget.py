@@ -166,11 +166,6 @@ def gated(store: Any, first: int = 1) -> tuple[asyncio.Event, asyncio.Event, lis
     return gate, entered, sent
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a cancelled reservation's `_settle_now` does not put back the settlements it "
-    "took: lost, and left in `settling`",
-)
 async def test_a_reservation_cancelled_while_ended_requests_are_settled_loses_none_of_them(
     redis_server: Any,
 ) -> None:

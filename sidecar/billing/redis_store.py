@@ -655,15 +655,17 @@ class RedisStore:
 
     async def _settle_now(self, batch: list[tuple[Hold, int, int]]) -> None:
         """Send these queued settlements now (taken out of the queue; put back if Redis cannot
-        be reached, or if it answers that their day is not seeded yet)."""
+        be reached or the caller is cancelled, or if Redis answers that their day is not seeded
+        yet)."""
         taken = {id(item) for item in batch}
         self.queue = collections.deque(item for item in self.queue if id(item) not in taken)
         for i in range(0, len(batch), SETTLE_BATCH):
             some = batch[i : i + SETTLE_BATCH]
             try:
                 replies = await self._guard("settle", functools.partial(self._settle_batch, some))
-            except StoreDown:
+            except BaseException:  # Redis away, or the reservation cancelled: none of them lost
                 self._requeue(batch[i:])
+                self._wake.set()  # the settler may have found the queue empty meanwhile
                 raise
             if waiting := self._answered(some, replies):
                 self._requeue(waiting)  # the settler waits for the reseed, not a request
