@@ -196,11 +196,6 @@ async def test_a_reservation_cancelled_while_ended_requests_are_settled_loses_no
     assert spent(redis_server) == {"user:u": n * 1_000}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`_settle_now` keeps an 'unseeded' settlement in `settling`: every reservation "
-    "sends it again",
-)
 async def test_ended_requests_that_found_their_day_unseeded_are_not_sent_by_every_reservation(
     redis_server: Any,
 ) -> None:

@@ -668,7 +668,12 @@ class RedisStore:
                 self._wake.set()  # the settler may have found the queue empty meanwhile
                 raise
             if waiting := self._answered(some, replies):
-                self._requeue(waiting)  # the settler waits for the reseed, not a request
+                # the settler sends them after the reseed, not every request: the reseed's ledger
+                # read, which any decision on an unseeded day waits for, counts them until then
+                for hold, _, _ in waiting:
+                    self.settling.pop(hold.request_id, None)
+                self._requeue(waiting)
+                self._wake.set()
         self.metrics.settles_pending.set(len(self.queue))
 
     async def _local(self, hold: Hold) -> Verdict:
