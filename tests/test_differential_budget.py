@@ -227,11 +227,6 @@ async def test_ended_requests_that_found_their_day_unseeded_are_not_sent_by_ever
     assert spent(redis_server) == {"user:u": 30_000}  # once: the ledger's read has them
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`_restore` skips a settlement the settler has in flight: y admitted, "
-    "spent + held 1.2 > 1.0",
-)
 async def test_an_ended_request_in_the_settlers_batch_is_counted_before_the_next_decision(
     redis_server: Any,
 ) -> None:
