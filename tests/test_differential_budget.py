@@ -259,3 +259,45 @@ async def test_an_ended_request_in_the_settlers_batch_is_counted_before_the_next
     await settled(store)
     assert spent(redis_server) == {"user:u": 400_000}
     assert not verdict.admitted, (spent(redis_server), held(redis_server))
+
+
+async def test_redis_stopped_between_the_batches_of_ended_requests_charges_each_once(
+    redis_server: Any,
+) -> None:
+    """Redis stops after the first batch of the outage's ended requests is answered: the rest go
+    back in the queue (still due before the next decision) and are charged once, the second
+    batch's sent settlements, run by Redis when it resumes, answered 'again' when sent again."""
+    store = make(redis_server)
+    assert (await store.reserve(hold("a", 0.1))).admitted
+    n = SETTLE_BATCH + 6
+    assert redis_server.proc is not None
+    pid = redis_server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for i in range(n):
+            assert (await store.reserve(hold(f"x{i}", 0.001))).admitted
+            store.settle(f"x{i}", 1_000)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await wait_for(lambda: store.breaker.clock() >= store.breaker.retry_at, "the cooldown")
+    real, calls = store._settle_batch, [0]
+
+    async def stop_before_second(batch: list[tuple[Any, int, int]]) -> list[Any]:
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(pid, signal.SIGSTOP)
+        return list(await real(batch))
+
+    store._settle_batch = stop_before_second
+    try:
+        assert not (await store.reserve(hold("y", 0.001))).admitted  # no remainder known yet
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert len(store.settling) == 6 and {h.request_id for h, _, _ in store.queue} >= set(
+        store.settling
+    )
+    await wait_for(lambda: store.breaker.clock() >= store.breaker.retry_at, "the cooldown")
+    store.start()
+    await wait_for(lambda: not store.settling, "every ended request settled", timeout=3)
+    await settled(store)
+    assert spent(redis_server) == {"user:u": n * 1_000}
