@@ -301,3 +301,31 @@ async def test_redis_stopped_between_the_batches_of_ended_requests_charges_each_
     await wait_for(lambda: not store.settling, "every ended request settled", timeout=3)
     await settled(store)
     assert spent(redis_server) == {"user:u": n * 1_000}
+
+
+async def test_two_reservations_at_once_after_an_outage_both_wait_for_the_ended_request(
+    redis_server: Any,
+) -> None:
+    """Two reservations enter `_restore` together: one settles x, the other waits on the lock
+    and finds nothing left to do; both are decided with x's charge in Redis, which has it once."""
+    store = make(redis_server)
+    assert (await store.reserve(hold("a", 0.5))).admitted
+    assert redis_server.proc is not None
+    store.breaker.cooldown_s = 60.0  # x's reservation is not sent: never in Redis as a hold
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        await store.tick()
+        assert not store.breaker.closed
+        assert (await store.reserve(hold("x", 0.4))).admitted
+        store.settle("x", 400_000)
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    store.breaker.retry_at = store.breaker.clock()
+    _, _, sent = gated(store, first=0)
+    small, big = await asyncio.gather(
+        store.reserve(hold("y1", 0.05)), store.reserve(hold("y2", 0.3))
+    )
+    assert small.admitted and not big.admitted  # 0.4 + 0.5 + 0.3 > 1.0 in either order
+    assert sent == ["x"] and not store.settling
+    assert spent(redis_server) == {"user:u": 400_000}
+    assert held(redis_server) == {"user:u": 550_000}
