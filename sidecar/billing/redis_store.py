@@ -453,6 +453,7 @@ class RedisStore:
         self.local = LocalStore(max_scopes, metrics)  # this sidecar's share while Redis is away
         self.seen = LocalStore(max_scopes)  # spend by scope at this sidecar's last admission to it
         self.queue: collections.deque[tuple[Hold, int, int]] = collections.deque()
+        self._sending: list[tuple[Hold, int, int]] = []  # the settler's batch in flight
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._reseed: asyncio.Task[bool] | None = None
@@ -640,8 +641,12 @@ class RedisStore:
         async with self._restoring:
             running = list(self.outage.values())
             settling = self.settling  # mostly empty: the queue is read only when it is not
+            # one in the settler's batch in flight too (sent twice: settle is idempotent per hold),
+            # else the decision would not wait for it
             ended = (
-                [item for item in self.queue if item[0].request_id in settling] if settling else []
+                [item for item in (*self._sending, *self.queue) if item[0].request_id in settling]
+                if settling
+                else []
             )
             if not running and not ended:
                 return
@@ -655,19 +660,31 @@ class RedisStore:
 
     async def _settle_now(self, batch: list[tuple[Hold, int, int]]) -> None:
         """Send these queued settlements now (taken out of the queue; put back if Redis cannot
-        be reached, or if it answers that their day is not seeded yet)."""
+        be reached or the caller is cancelled, or if Redis answers that their day is not seeded
+        yet)."""
         taken = {id(item) for item in batch}
         self.queue = collections.deque(item for item in self.queue if id(item) not in taken)
         for i in range(0, len(batch), SETTLE_BATCH):
             some = batch[i : i + SETTLE_BATCH]
             try:
                 replies = await self._guard("settle", functools.partial(self._settle_batch, some))
-            except StoreDown:
-                self._requeue(batch[i:])
+            except BaseException:  # Redis away, or the reservation cancelled: none of them lost
+                self._requeue(self._not_sending(batch[i:]))
+                self._wake.set()  # the settler may have found the queue empty meanwhile
                 raise
             if waiting := self._answered(some, replies):
-                self._requeue(waiting)  # the settler waits for the reseed, not a request
+                # the settler sends them after the reseed, not every request: the reseed's ledger
+                # read, which any decision on an unseeded day waits for, counts them until then
+                for hold, _, _ in waiting:
+                    self.settling.pop(hold.request_id, None)
+                self._requeue(self._not_sending(waiting))
+                self._wake.set()
         self.metrics.settles_pending.set(len(self.queue))
+
+    def _not_sending(self, items: list[tuple[Hold, int, int]]) -> list[tuple[Hold, int, int]]:
+        """Those not in the settler's batch in flight (it puts its own back)."""
+        theirs = {id(item) for item in self._sending}
+        return [item for item in items if id(item) not in theirs]
 
     async def _local(self, hold: Hold) -> Verdict:
         """Reserve against this sidecar's share of the last known remainder of each scope."""
@@ -735,14 +752,17 @@ class RedisStore:
                 await self._wake.wait()
                 continue
             batch = [self.queue.popleft() for _ in range(min(SETTLE_BATCH, len(self.queue)))]
+            self._sending = batch
             try:
                 replies = await self._guard("settle", functools.partial(self._settle_batch, batch))
             except StoreDown:
+                self._sending = []
                 self._requeue(batch)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BREAKER_COOLDOWN_S)
                 continue
             backoff = 0.05
+            self._sending = []
             await self._after_settle(batch, replies)
             self.metrics.settles_pending.set(len(self.queue))
 
