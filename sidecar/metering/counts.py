@@ -173,13 +173,19 @@ def bounded(u: Usage) -> Usage:
     counts = (u.input_tokens, u.output_tokens, u.cached_input_tokens, u.reasoning_tokens)
     if all(n is None or n <= MAX_TOKEN_COUNT for n in counts):
         return u
+    return unmeasured(u, INVALID_USAGE)
+
+
+def unmeasured(u: Usage, reason: str) -> Usage:
+    """`u` with no token count at all (the parts, cached and reasoning, go with the whole), for
+    `reason`: the one way usage is made unknown once read."""
     return replace(
         u,
         input_tokens=None,
         output_tokens=None,
         cached_input_tokens=None,
         reasoning_tokens=None,
-        unknown_reason=INVALID_USAGE,
+        unknown_reason=reason,
     )
 
 

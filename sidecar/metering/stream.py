@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..exchange import Endpoint, Usage
-from .counts import INVALID_USAGE, NO_COUNTS, Counts, error_type, summed
+from .counts import INVALID_USAGE, NO_COUNTS, Counts, error_type, summed, unmeasured
 from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, SSEParser
 
 # What a wire fast path found at a position: (the event's end, whether its text is not empty,
@@ -148,14 +148,7 @@ class SSEMeter:
 
     def _usage(self) -> Usage:
         if self._parser.oversized:  # an event that was not read may have carried anything
-            return replace(
-                self._counted_usage(),
-                input_tokens=None,
-                output_tokens=None,
-                cached_input_tokens=None,
-                reasoning_tokens=None,
-                unknown_reason="event_too_large",
-            )
+            return unmeasured(self._counted_usage(), "event_too_large")
         return self._counted_usage()
 
     def _base(self) -> Usage:

@@ -14,13 +14,12 @@ touched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 from typing import Any, Protocol
 
 from ..exchange import AUDIO_ROUTES, POOLING_ROUTES, Endpoint, RequestInfo, Usage
 from .anthropic import AnthropicAdapter
 from .audio import AudioAdapter
-from .counts import INVALID_USAGE, parse
+from .counts import INVALID_USAGE, parse, unmeasured
 from .dispatch import AmbiguousBody, generate_api, invocation_endpoint
 from .llamacpp import LlamaCppAdapter
 from .ollama import OLLAMA_ROUTES, OllamaAdapter
@@ -186,14 +185,7 @@ def within_request(usage: Usage, info: RequestInfo) -> Usage:
     out, cap = usage.output_tokens, info.output_cap
     if out is None or cap is None or out <= cap * info.choices:
         return usage
-    return replace(
-        usage,
-        input_tokens=None,
-        output_tokens=None,
-        cached_input_tokens=None,
-        reasoning_tokens=None,  # a part of the output that was no measurement
-        unknown_reason=INVALID_USAGE,
-    )
+    return unmeasured(usage, INVALID_USAGE)
 
 
 def open_stream(
