@@ -512,7 +512,7 @@ def test_headers_named_in_any_connection_field_line_are_dropped(
     assert list(got.items()) == _end_to_end_by_definition(items, set(HOP_BY_HOP))
     got = request_headers(src, peer=None, scheme="http")
     kept = _end_to_end_by_definition(items, {*HOP_BY_HOP, "host", "content-length", "expect"})
-    first: dict[str, str] = {}  # upstream: a repeated name spelt as its first line (aiohttp)
+    first: dict[str, str] = {}  # upstream: a repeated name spelt as its first (_one_spelling)
     want = [(first.setdefault(k.lower(), k), v) for k, v in kept]
     assert list(got.items())[: len(want)] == want
 
