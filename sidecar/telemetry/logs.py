@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import contextvars
 import copy
 import json
@@ -255,12 +256,10 @@ class BatchWriter(Generic[T]):
     def _write_each(self, lines: Sequence[str]) -> None:
         """After a failed batch: each line, cleaned when refused as it is, counted when lost."""
         for line in lines:
-            try:
+            with contextlib.suppress(Exception):
                 self._write([line])
                 self.problem = None
                 continue
-            except Exception:
-                pass
             try:
                 self._write([clean(line, SAFE_LINE_CHARS)])
                 self.problem = None
