@@ -2,25 +2,27 @@
 
 Owns: the metered routes (`Endpoint`), what a request asks (`RequestInfo`), what was measured
 (`Usage`), its price (`Cost`), the `Exchange` itself with the verdicts read from it (`consumed`,
-`priced_model`), the hook types (`Sink`, `Gate`, `CleanupContext`), what a budget gate holds
-(`BudgetHold`), the `Refusal` a gate raises, and the token estimate admission and GPU attribution
-share (`estimate_tokens`).
+`priced_model`), the hook types (`Sink`, `Gate`, `CleanupContext`, and the two generic cleanup
+contexts `task_context` and `closing_context`), what a budget gate holds (`BudgetHold`), the
+`Refusal` a gate raises, and the token estimate admission and GPU attribution share
+(`estimate_tokens`).
 Never: imports another part of the sidecar but `config` (a base module, as this one is), or does
-I/O: these are values and pure functions.
+I/O itself: these are values, pure functions and contexts that run only what they are handed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import AdmissionConfig
 
@@ -324,6 +326,36 @@ class Refusal(Exception):
 Gate = Callable[[Exchange], Awaitable[Callable[[], None] | None]]
 # What each resource hands the aiohttp app (`cleanup_ctx`): opened before the yield, closed after.
 CleanupContext = Callable[["web.Application"], AsyncIterator[None]]
+
+
+def task_context(
+    name: str,
+    run: Callable[[], Coroutine[Any, Any, None]],
+    first: Callable[[], Awaitable[object]] | None = None,
+) -> CleanupContext:
+    """`run()` as a background task (after `first()`, when given) until the app closes; then
+    cancelled and awaited."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        if first is not None:
+            await first()
+        task = asyncio.create_task(run(), name=name)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return ctx
+
+
+def closing_context(close: Callable[[], object]) -> CleanupContext:
+    """Nothing to open; `close()` in a thread when the app closes (it may block: a flush)."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(close)
+
+    return ctx
 
 
 def estimate_tokens(

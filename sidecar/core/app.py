@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
 from ..config import Config, parse_hostport
-from ..exchange import CleanupContext, Exchange, Gate
+from ..exchange import CleanupContext, Exchange, Gate, task_context
 from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
 from ..proxy.audio import AudioLimits
@@ -34,7 +34,7 @@ from ..proxy.routes import routing_path
 from ..proxy.settings import ProxyDeps, ProxySettings, TgiModelName
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
-from ..telemetry.health import UpstreamProbe, probe_context, readiness
+from ..telemetry.health import UpstreamProbe, readiness
 from ..telemetry.metrics import OTHER, LabelCap, Metrics
 
 if TYPE_CHECKING:  # set by wiring when configured; a single sidecar never loads psycopg
@@ -136,7 +136,8 @@ def create_app(sidecar: Sidecar | Config) -> web.Application:
     sc.probe = UpstreamProbe(  # readiness: the upstream probed in the background
         sc.config.upstream, sc.metrics, lambda: sc.proxy.upstream if sc.proxy else None
     )
-    app.cleanup_ctx.append(probe_context(sc.probe))
+    # one probe before the first request, then one every interval
+    app.cleanup_ctx.append(task_context("tollbooth-upstream-probe", sc.probe.run, sc.probe.once))
     app.cleanup_ctx.extend(sc.extra_contexts)
     app.cleanup_ctx.append(_finishers_ctx)  # last: closed first, while sinks still take records
     app.router.add_route("*", "/{tail:.*}", _handle)

@@ -18,11 +18,12 @@ from ..billing.audit import Audit, audit_context
 from ..billing.budget import Budgets, max_scopes, month_start, today_by_user_and_team
 from ..billing.budget_state import BudgetState
 from ..billing.ledger import Ledger, ledger_context
+from ..exchange import closing_context, task_context
 from ..telemetry import thresholds, tracing
 from ..telemetry.accesslog import AccessLog, access_log_context
 from ..telemetry.gpu import Attribution, GpuCollector, gpu_context
 from ..telemetry.health import Writer
-from ..telemetry.reconcile import Reconciler, reconcile_context
+from ..telemetry.reconcile import Reconciler
 from .app import Sidecar
 
 if TYPE_CHECKING:  # imported when configured: a single sidecar never loads redis or psycopg
@@ -59,13 +60,14 @@ def wire(
         t = sc.tracing = tracing.Tracing(cfg, sc.metrics, span_exporter)
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
-        sc.extra_contexts.append(tracing.tracing_context(t))
+        sc.extra_contexts.append(closing_context(t.shutdown))  # flushes what is queued
     if tracing.enabled(cfg) or metric_exporter is not None:  # GenAI metrics: the same switch
-        from ..telemetry.genai_metrics import GenAiMetrics, metrics_context
+        from ..telemetry.genai_metrics import GenAiMetrics
 
         genai = GenAiMetrics(cfg, metric_exporter)
         sc.meter.add_sink("genai_metrics", genai.finish)
-        sc.extra_contexts.append(metrics_context(genai))
+        # exports what was recorded since the last export
+        sc.extra_contexts.append(closing_context(genai.shutdown))
     if cfg.reconcile.enabled:
         _reconcile(sc)
     shipper = sc.shipper = _shipper(sc)
@@ -128,7 +130,8 @@ def _reconcile(sc: Sidecar) -> None:
         label=sc.models,
     )
     sc.metrics.registry.register(reconciler)
-    sc.extra_contexts.append(reconcile_context(reconciler))
+    # scrapes in the background (the first at once) until closed
+    sc.extra_contexts.append(task_context("tollbooth-reconcile", reconciler.run))
 
 
 def _watch_writers(sc: Sidecar) -> None:

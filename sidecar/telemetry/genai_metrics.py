@@ -16,13 +16,10 @@ changes the Prometheus metrics. Without OTLP configured nothing here exists.
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ga
@@ -31,7 +28,7 @@ from opentelemetry.semconv.attributes import server_attributes
 
 from .. import __version__
 from ..config import Config
-from ..exchange import CleanupContext, Exchange
+from ..exchange import Exchange
 from .metrics import GENAI_DURATION_ADVICE, GENAI_TOKEN_ADVICE
 from .tracing import resource
 
@@ -104,11 +101,3 @@ class GenAiMetrics:
 
     def shutdown(self) -> None:
         self.provider.shutdown()
-
-
-def metrics_context(m: GenAiMetrics) -> CleanupContext:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        yield
-        await asyncio.to_thread(m.shutdown)  # exports what was recorded since the last export
-
-    return ctx

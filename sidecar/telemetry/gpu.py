@@ -78,21 +78,17 @@ class GpuCollector:
 
     def start(self) -> bool:
         """Initialise NVML and start polling; False (telemetry off) when that is impossible."""
+        c = self.config
         try:
             nvml = self.nvml if self.nvml is not None else load_nvml()
             nvml.nvmlInit()
             self.nvml = nvml
             self.devices = self._select(nvml)
+            why = f"no GPU matches gpu.devices={c.devices} (gpu.devices_file: {c.devices_file})"
         except Exception as exc:  # no library, no driver, no GPU: off, with one line
-            log.warning("GPU telemetry off: %s", _describe(exc))
-            self.metrics.gpu_up.set(0)
-            return False
+            why, self.devices = _describe(exc), []
         if not self.devices:
-            log.warning(
-                "GPU telemetry off: no GPU matches gpu.devices=%s (gpu.devices_file: %s)",
-                self.config.devices,
-                self.config.devices_file,
-            )
+            log.warning("GPU telemetry off: %s", why)
             self.metrics.gpu_up.set(0)
             return False
         self.up = True

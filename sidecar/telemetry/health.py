@@ -10,17 +10,14 @@ Never: probes on a request's path, or makes /readyz wait for the upstream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
-from aiohttp import web
 
 from ..config import UpstreamConfig
-from ..exchange import CleanupContext
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.health")
@@ -98,20 +95,6 @@ class UpstreamProbe:
         while True:
             await asyncio.sleep(self.interval)
             await self.once()
-
-
-def probe_context(probe: UpstreamProbe) -> CleanupContext:
-    """A cleanup context: one probe before the first request, then one every interval."""
-
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        await probe.once()
-        task = asyncio.create_task(probe.run(), name="tollbooth-upstream-probe")
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    return ctx
 
 
 def readiness(

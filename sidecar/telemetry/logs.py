@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import contextvars
 import copy
 import json
@@ -38,6 +39,18 @@ _STD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | 
 }
 
 
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a caller added to the record (`extra=`), but an access line's own."""
+    items = record.__dict__.items()
+    return {
+        k: v for k, v in items if k not in _STD_ATTRS and not k.startswith("_") and k != "access"
+    }
+
+
+def _exception(f: logging.Formatter, record: logging.LogRecord) -> str | None:
+    return f.formatException(record.exc_info) if record.exc_info else record.exc_text or None
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -46,19 +59,11 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        ctx = REQUEST_CONTEXT.get()
-        if ctx:
-            out.update(ctx)
-        access = getattr(record, "access", None)
-        if access is not None:  # an access-log line: its fields, flat
-            out.update(access)
-        for key, value in record.__dict__.items():
-            if key not in _STD_ATTRS and not key.startswith("_") and key != "access":
-                out[key] = value
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        elif record.exc_text:
-            out["exception"] = record.exc_text
+        out.update(REQUEST_CONTEXT.get() or {})
+        out.update(getattr(record, "access", None) or {})  # an access-log line: its fields, flat
+        out.update(_extras(record))
+        if (exception := _exception(self, record)) is not None:
+            out["exception"] = exception
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
@@ -66,20 +71,13 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = iso_time(record.created)
         line = f"{stamp} {record.levelname:<7} {record.name}: {record.getMessage()}"
-        extras = {
-            k: v
-            for k, v in record.__dict__.items()
-            if k not in _STD_ATTRS and not k.startswith("_") and k != "access"
-        }
+        extras = {**(REQUEST_CONTEXT.get() or {}), **_extras(record)}
         extras.update(getattr(record, "access", None) or {})
-        ctx = REQUEST_CONTEXT.get() or {}
-        pairs = " ".join(f"{k}={v}" for k, v in {**ctx, **extras}.items() if v is not None)
+        pairs = " ".join(f"{k}={v}" for k, v in extras.items() if v is not None)
         if pairs:
             line += " " + pairs
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        elif record.exc_text:
-            line += "\n" + record.exc_text
+        if (exception := _exception(self, record)) is not None:
+            line += "\n" + exception
         return line
 
 
@@ -258,12 +256,10 @@ class BatchWriter(Generic[T]):
     def _write_each(self, lines: Sequence[str]) -> None:
         """After a failed batch: each line, cleaned when refused as it is, counted when lost."""
         for line in lines:
-            try:
+            with contextlib.suppress(Exception):
                 self._write([line])
                 self.problem = None
                 continue
-            except Exception:
-                pass
             try:
                 self._write([clean(line, SAFE_LINE_CHARS)])
                 self.problem = None

@@ -15,17 +15,14 @@ failed), logs every failed scrape (only a change of state), or blocks the event 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from ..exchange import CleanupContext
 from ..text import MODEL_CHARS, clean
 
 log = logging.getLogger("tollbooth.reconcile")
@@ -173,16 +170,3 @@ class Reconciler(Collector):
         for (model, kind), value in sorted(merged.items()):
             tokens.add_metric([model, kind], value)
         yield tokens
-
-
-def reconcile_context(reconciler: Reconciler) -> CleanupContext:
-    """A cleanup context: scrapes in the background (the first at once) until closed."""
-
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(reconciler.run(), name="tollbooth-reconcile")
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    return ctx

@@ -10,14 +10,11 @@ Attribute names come from opentelemetry-semantic-conventions 0.66b2 (pinned in p
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -29,7 +26,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .. import __version__
 from ..config import Config
-from ..exchange import CleanupContext, Exchange
+from ..exchange import Exchange
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.tracing")
@@ -154,11 +151,3 @@ def attributes(ex: Exchange, provider: str, address: str, port: int) -> dict[str
     }
     attrs.update({k: v for k, v in optional.items() if v is not None})
     return attrs
-
-
-def tracing_context(t: Tracing) -> CleanupContext:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        yield
-        await asyncio.to_thread(t.shutdown)  # flushes what is queued
-
-    return ctx
