@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from sidecar.billing.budget import DAY, Hold, Scope, to_micros
-from sidecar.billing.redis_store import SIDECARS, RedisStore, day_keys
+from sidecar.billing.redis_scripts import SIDECARS, day_keys
+from sidecar.billing.redis_store import RedisStore
 from sidecar.config import BudgetConfig
 from sidecar.telemetry.metrics import Metrics
 from tests.waiting import wait_for
