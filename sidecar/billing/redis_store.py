@@ -435,12 +435,10 @@ class RedisStore:
             )
             seeded = await self._seed(day, spent, read_at)
             await self._renew()  # holds lost with Redis's data come back before a decision
-        except StoreDown:
-            self._reseed_failed_at = time.monotonic()
-            return False
         except Exception as exc:
-            log.error("budget store: today's spend could not be read from the ledger: %s", exc)
-            self.metrics.store_reseeds.labels("failed").inc()
+            if not isinstance(exc, StoreDown):  # Redis away: not a failed ledger read
+                log.error("budget store: today's spend could not be read from the ledger: %s", exc)
+                self.metrics.store_reseeds.labels("failed").inc()
             self._reseed_failed_at = time.monotonic()
             return False
         self.metrics.store_reseeds.labels("seeded" if seeded else "already_seeded").inc()
