@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from sidecar.billing.budget import DAY, Budgets, Hold, Scope, to_micros, usd
 from sidecar.billing.ledger import Ledger, connect, row_of
-from sidecar.billing.redis_store import RedisStore, day_keys
+from sidecar.billing.redis_scripts import day_keys
+from sidecar.billing.redis_store import RedisStore
 from sidecar.config import (
     AdmissionConfig,
     BudgetConfig,

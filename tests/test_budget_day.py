@@ -12,7 +12,8 @@ from typing import Any
 
 from sidecar.billing.budget import DAY, Budgets, LocalStore, month_start, to_micros
 from sidecar.billing.ledger import Ledger
-from sidecar.billing.redis_store import RedisStore, day_keys
+from sidecar.billing.redis_scripts import day_keys
+from sidecar.billing.redis_store import RedisStore
 from sidecar.billing.report import chargeback
 from sidecar.config import AdmissionConfig, BudgetConfig, LedgerConfig, ModelPrice, PricingConfig
 from sidecar.exchange import Cost, Endpoint, Exchange, RequestInfo, Usage

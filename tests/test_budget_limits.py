@@ -633,7 +633,7 @@ def redis_store(redis_server: Any, clock: Clock) -> Any:
 
 
 def hashes(redis_server: Any, day: int) -> dict[str, dict[bytes, bytes]]:
-    from sidecar.billing.redis_store import day_keys, month_keys
+    from sidecar.billing.redis_scripts import day_keys, month_keys
 
     c = redis_server.client()
     return {
@@ -696,7 +696,7 @@ async def test_a_tight_month_limit_refuses_the_hold_on_every_scope_in_process() 
 async def test_a_month_marker_that_is_not_a_number_never_breaks_a_settlement(
     redis_server: Any,
 ) -> None:
-    from sidecar.billing.redis_store import KEEP_S, day_keys, month_keys, script_keys
+    from sidecar.billing.redis_scripts import KEEP_S, day_keys, month_keys, script_keys
 
     clock = Clock(utc(NEXT, 11, 29, 12))
     day = int(clock() // DAY * DAY)
@@ -718,7 +718,8 @@ async def test_a_month_marker_that_is_not_a_number_never_breaks_a_settlement(
 
 
 async def test_redis_seeds_a_month_once_and_each_day_from_the_ledger(redis_server: Any) -> None:
-    from sidecar.billing.redis_store import RedisStore, day_keys, month_keys
+    from sidecar.billing.redis_scripts import day_keys, month_keys
+    from sidecar.billing.redis_store import RedisStore
 
     clock = Clock(utc(NEXT, 11, 20, 12))
     b = month_budgets(clock)

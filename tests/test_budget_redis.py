@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
+from sidecar.billing import redis_store
 from sidecar.billing.budget import DAY, Hold, Scope, to_micros
-from sidecar.billing.redis_store import SIDECARS, RedisStore, day_keys
+from sidecar.billing.redis_scripts import SIDECARS, day_keys
+from sidecar.billing.redis_store import RedisStore
 from sidecar.config import BudgetConfig
 from sidecar.telemetry.metrics import Metrics
 from tests.waiting import wait_for
@@ -220,6 +222,28 @@ async def test_a_failed_ledger_read_leaves_the_day_unseeded(redis_server: Any) -
     assert not verdict.admitted and verdict.reason == "unavailable"
     assert not redis_server.client().exists(day_keys(TODAY)[4])  # a later read may seed it
     assert value(store, "llm_budget_store_reseeds_total", outcome="failed") == 1
+    await store.close()
+
+
+async def test_redis_lost_during_a_reseed_is_retried_later_and_not_a_failed_ledger_read(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_store, "RESEED_RETRY_S", 3600.0)
+    reads: list[int] = []
+
+    async def read_then_lose_redis(day: int) -> tuple[Mapping[str, int], float]:
+        reads.append(day)
+        store.breaker.in_row, store.breaker.retry_at = store.breaker.failures, math.inf
+        return {}, time.time()
+
+    store = make(redis_server, mode="closed", source=read_then_lose_redis)
+    verdict = await store.reserve(hold("a", 0.1))  # the seed script's call finds the breaker open
+    assert not verdict.admitted and verdict.reason == "unavailable"
+    assert not redis_server.client().exists(day_keys(TODAY)[4])
+    # Redis was away, not the ledger: not a failed ledger read
+    assert value(store, "llm_budget_store_reseeds_total", outcome="failed") == 0
+    assert not await store.reseed(TODAY)  # within RESEED_RETRY_S of the failure: no second read
+    assert reads == [TODAY]
     await store.close()
 
 

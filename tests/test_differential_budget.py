@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from sidecar.billing.budget import Scope, to_micros
-from sidecar.billing.redis_store import SETTLE_BATCH, day_keys
+from sidecar.billing.redis_scripts import day_keys
+from sidecar.billing.redis_store import SETTLE_BATCH
 from tests.test_budget_redis import (
     GLOBAL,
     MADE,

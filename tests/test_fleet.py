@@ -15,7 +15,7 @@ import pytest
 
 from sidecar.billing import redis_store as budget_redis
 from sidecar.billing.budget import DAY
-from sidecar.billing.redis_store import day_keys
+from sidecar.billing.redis_scripts import day_keys
 from sidecar.billing.report import chargeback
 from tests.conftest import StartSidecar
 from tests.procs import Tollbooth, start_tollbooth

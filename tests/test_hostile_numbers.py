@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sidecar.billing.budget import MAX_MICROS, Budgets, Hold, LocalStore, Scope, to_micros
-from sidecar.billing.redis_store import RedisStore, day_keys, script_keys
+from sidecar.billing.redis_scripts import day_keys, script_keys
+from sidecar.billing.redis_store import RedisStore
 from sidecar.config import (
     AdmissionConfig,
     BudgetConfig,

@@ -52,8 +52,10 @@ class Module(NamedTuple):
 MODULES: dict[str, Module] = {
     "pricing": Module("metering/pricing.py", ["tests/test_pricing.py", GUARDS]),
     "budget": Module("billing/budget.py", ["tests/test_budget.py", GUARDS]),
-    # the fleet's holds in Redis: the Python around the Lua scripts, and the scripts (as text)
+    # the fleet's holds in Redis: the Python around the Lua scripts; the scripts (as text) and
+    # the key layout
     "redis_store": Module("billing/redis_store.py", ["tests/test_budget_redis.py", GUARDS]),
+    "redis_scripts": Module("billing/redis_scripts.py", ["tests/test_budget_redis.py", GUARDS]),
     "identity": Module("proxy/identity.py", ["tests/test_identity.py", GUARDS]),
     "ledger": Module(
         "billing/ledger.py",
@@ -114,7 +116,7 @@ NAMED: list[tuple[str, str, str]] = [
         "else max(0, int(micros))",
     ),
     # the seed script writing over a day another sidecar seeded (and has charged since)
-    ("redis_store", "if redis.call('EXISTS', seeded) == 1 then return 0 end\n", ""),
+    ("redis_scripts", "if redis.call('EXISTS', seeded) == 1 then return 0 end\n", ""),
     # a settlement for today that found Redis unseeded dropped, not kept for the reseed
     (
         "redis_store",
@@ -282,8 +284,8 @@ def mutants(module: str, functions: list[str] | None) -> list[Mutant]:
                         name,
                     )
                 )
-    # module-level Lua scripts (redis_store): comparison flips inside the strings
-    if module == "redis_store" and functions is None:
+    # module-level Lua scripts (redis_scripts): comparison flips inside the strings
+    if module == "redis_scripts" and functions is None:
         out += _lua_mutants(src)
     return out
 
@@ -321,7 +323,7 @@ def _lua_mutants(src: str) -> list[Mutant]:
             if col >= 0:
                 out.append(
                     Mutant(
-                        "redis_store", no, "lua", old, new, (no, col), (no, col + len(old)), "lua"
+                        "redis_scripts", no, "lua", old, new, (no, col), (no, col + len(old)), "lua"
                     )
                 )
     return out
