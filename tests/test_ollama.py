@@ -116,6 +116,30 @@ def test_the_docs_examples_are_read() -> None:
     assert (err.error, err.input_tokens) == ("error", None)
 
 
+@pytest.mark.parametrize("key", ["prompt_eval_count", "eval_count"])
+@pytest.mark.parametrize("value", [None, "26", 26.0, True, {}])
+def test_a_count_ollama_cannot_have_sent_is_unknown_never_0(key: str, value: Any) -> None:
+    """`Metrics`' counts are Go `int`s, `omitempty` (api/types.go): Ollama leaves out a 0 and
+    never writes `null` or anything but an integer. Before, a `null` was read as a measured 0
+    (as an absent count is): the other count billed alone, the missing one free."""
+    final = {**DOCS_CHAT_FINAL, key: value}
+    body = usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(final).encode(), {})
+    meter = open_stream(Endpoint.OLLAMA_CHAT)
+    meter.feed(_lines(2) + json.dumps(final).encode() + b"\n")
+    streamed = meter.finish()[1]
+    for u in (body, streamed):
+        assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (None, None, "invalid_usage")
+    if key == "prompt_eval_count":
+        embed = {**DOCS_EMBED, key: value}
+        e = usage_from_body(Endpoint.OLLAMA_EMBED, json.dumps(embed).encode(), {})
+        assert (e.input_tokens, e.output_tokens, e.unknown_reason) == (None, None, "invalid_usage")
+    # absent is the 0 Go's omitempty left out: measured
+    absent = {k: v for k, v in DOCS_CHAT_FINAL.items() if k != key}
+    u = usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(absent).encode(), {})
+    measured = (0, 282) if key == "prompt_eval_count" else (26, 0)
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (*measured, None)
+
+
 def _lines(n: int) -> bytes:
     part = {
         "model": "llama3.2",
@@ -309,11 +333,16 @@ async def ollama_v1_chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _start_v1(
-    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, **config: Any
+async def _start_fake(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    route: tuple[str, Any],
+    **config: Any,
 ) -> tuple[Running, Path]:
+    """A sidecar in front of a fake Ollama answering one `(path, handler)` route."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", ollama_v1_chat)
+    app.router.add_post(*route)
     up = await aiohttp_server(app)
     db = tmp_path / "ledger.db"
     ledger = {"path": str(db), "flush_interval_s": 0.05}
@@ -354,9 +383,9 @@ async def test_ollama_v1_ignoring_max_completion_tokens_is_billed_its_whole_answ
     the 40 tokens Ollama generated and reported were taken as more than the request could ask
     (invalid usage): the ledger's counts and cost NULL, the budget charged the hold of one
     output token. Now a field a server behind the route may ignore sets no cap."""
-    run, db = await _start_v1(
-        start_sidecar, aiohttp_server, tmp_path, budgets={"user_daily_usd": 5.0}
-    )
+    route = ("/v1/chat/completions", ollama_v1_chat)
+    budgets = {"user_daily_usd": 5.0}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
     out = await _v1_chat(run, "vic", stream, max_completion_tokens=1)
     assert out == V1_ANSWER  # the whole answer came
     await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
@@ -372,3 +401,29 @@ async def test_ollama_v1_ignoring_max_completion_tokens_is_billed_its_whole_answ
         Endpoint.CHAT, json.dumps({"max_tokens": 3, "messages": []}).encode(), inject_usage=False
     )
     assert info.output_cap == 3
+
+
+async def null_eval_count(request: web.Request) -> web.Response:
+    """/api/chat answering 300 tokens with `eval_count: null` (no Ollama writes that)."""
+    done = {"model": MODEL, "message": {"role": "assistant", "content": "x " * 300}}
+    done |= {"done": True, "done_reason": "stop", "prompt_eval_count": 5, "eval_count": None}
+    return web.json_response(done)
+
+
+async def test_an_output_count_of_null_is_charged_the_hold_not_free(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Before: `eval_count: null` was read as 0 output: the ledger said 0 and the budget was
+    charged the 5 input tokens alone for 300 generated. Now the usage is unknown: NULL in the
+    ledger, the budget charged the hold (its output term the default 4096 tokens)."""
+    route = ("/api/chat", null_eval_count)
+    budgets = {"user_daily_usd": 50.0}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    async with ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "nil"}) as client:
+        answer = await client.chat(MODEL, MSGS)
+    assert answer.done and answer.eval_count is None
+    await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+    assert sim.ledger_rows(db, V1_COLUMNS) == [("nil", "/api/chat", None, None, None, "200")]
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert run.sc.budgets.store.spent["user:nil"] / 1e6 > sim.token_cost(5, 4096)
+    assert run.value("llm_budget_unmeasured_charges_total") == 1
