@@ -207,6 +207,10 @@ def test_output_within_the_limit_times_the_choices_is_a_count() -> None:
         (Endpoint.CHAT, {"max_completion_tokens": "x", "max_tokens": 5}, "vllm", 900),
         # the route reads none of the fields sent: the server's own default applies, no cap
         (Endpoint.COMPLETIONS, {"max_completion_tokens": 5}, "vllm", 900),
+        # Ollama's /v1/chat/completions reads max_tokens only: a chat without it has no cap
+        (Endpoint.CHAT, {"max_completion_tokens": 5}, "vllm", 900),
+        (Endpoint.CHAT, {"max_completion_tokens": 5, "max_tokens": None}, "vllm", 900),
+        (Endpoint.CHAT, {"max_completion_tokens": 5}, "tgi", 900),
         (Endpoint.TGI_GENERATE, {"max_tokens": 5, "parameters": {}}, "tgi", 900),
     ],
 )

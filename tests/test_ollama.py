@@ -1,5 +1,6 @@
 """Ollama's native /api/chat, /api/generate and /api/embed metered (issue 23), through the real
-`ollama` Python client in front of the simulator speaking Ollama's wire.
+`ollama` Python client in front of the simulator speaking Ollama's wire; and its OpenAI-compatible
+/v1/chat/completions, through the openai SDK in front of a fake that reads the body as Ollama does.
 
 The shapes are Ollama's api/types.go (`ChatResponse`, `GenerateResponse`, `Metrics`, whose counts
 are `omitempty`, `EmbedResponse`) and server/routes.go; the fixtures are the response examples
@@ -13,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import ollama
+import openai
 import pytest
+from aiohttp import web
 
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
@@ -111,6 +114,30 @@ def test_the_docs_examples_are_read() -> None:
     )
     err = usage_from_body(Endpoint.OLLAMA_CHAT, b'{"error":"model \\"x\\" not found"}', {})
     assert (err.error, err.input_tokens) == ("error", None)
+
+
+@pytest.mark.parametrize("key", ["prompt_eval_count", "eval_count"])
+@pytest.mark.parametrize("value", [None, "26", 26.0, True, {}])
+def test_a_count_ollama_cannot_have_sent_is_unknown_never_0(key: str, value: Any) -> None:
+    """`Metrics`' counts are Go `int`s, `omitempty` (api/types.go): Ollama leaves out a 0 and
+    never writes `null` or anything but an integer. Before, a `null` was read as a measured 0
+    (as an absent count is): the other count billed alone, the missing one free."""
+    final = {**DOCS_CHAT_FINAL, key: value}
+    body = usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(final).encode(), {})
+    meter = open_stream(Endpoint.OLLAMA_CHAT)
+    meter.feed(_lines(2) + json.dumps(final).encode() + b"\n")
+    streamed = meter.finish()[1]
+    for u in (body, streamed):
+        assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (None, None, "invalid_usage")
+    if key == "prompt_eval_count":
+        embed = {**DOCS_EMBED, key: value}
+        e = usage_from_body(Endpoint.OLLAMA_EMBED, json.dumps(embed).encode(), {})
+        assert (e.input_tokens, e.output_tokens, e.unknown_reason) == (None, None, "invalid_usage")
+    # absent is the 0 Go's omitempty left out: measured
+    absent = {k: v for k, v in DOCS_CHAT_FINAL.items() if k != key}
+    u = usage_from_body(Endpoint.OLLAMA_CHAT, json.dumps(absent).encode(), {})
+    measured = (0, 282) if key == "prompt_eval_count" else (26, 0)
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (*measured, None)
 
 
 def _lines(n: int) -> bytes:
@@ -260,3 +287,143 @@ async def test_a_burst_against_a_small_budget_is_held(
     await sim.assert_burst_held(
         run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )
+
+
+# --- Ollama's OpenAI-compatible /v1/chat/completions ----------------------------------------------
+# Its `ChatCompletionRequest` (openai/openai.go) has `MaxTokens *int \`json:"max_tokens"\``, sent
+# on as `options.num_predict`, and no `max_completion_tokens`: that field is ignored, and the
+# answer runs to its end. The usage it reports is `ToUsage`'s, the real counts.
+
+V1_ANSWER = 40  # words (tokens) the fake answers without a limit it reads
+
+
+def _v1_usage(prompt: int, out: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+
+
+async def ollama_v1_chat(request: web.Request) -> web.StreamResponse:
+    """/v1/chat/completions as Ollama answers it: only `max_tokens` limits the output (Go's
+    decoder matches the key ignoring case, the last one winning), usage the real counts, in the
+    stream as the last chunk when `stream_options.include_usage` asks for it."""
+    obj = json.loads(await request.read())
+    limits = [v for k, v in obj.items() if k.casefold() == "max_tokens"]
+    out = min(V1_ANSWER, limits[-1]) if limits and limits[-1] else V1_ANSWER
+    prompt = sum(len(str(m.get("content", "")).split()) for m in obj["messages"])
+    base = {"id": "chatcmpl-1", "created": 1, "model": obj["model"]}
+    base["system_fingerprint"] = "fp_ollama"
+    reason = "length" if out < V1_ANSWER else "stop"
+    if not obj.get("stream"):
+        message = {"role": "assistant", "content": " ".join(["x"] * out)}
+        choice = {"index": 0, "message": message, "finish_reason": reason}
+        body = {**base, "object": "chat.completion", "choices": [choice]}
+        return web.json_response({**body, "usage": _v1_usage(prompt, out)})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    chunk = {**base, "object": "chat.completion.chunk"}
+    for i in range(out):
+        delta = {"role": "assistant", "content": "x "}
+        last = reason if i == out - 1 else None
+        choice = {"index": 0, "delta": delta, "finish_reason": last}
+        await resp.write(b"data: " + json.dumps({**chunk, "choices": [choice]}).encode() + b"\n\n")
+    options = obj.get("stream_options") or {}
+    if options.get("include_usage"):
+        final = {**chunk, "choices": [], "usage": _v1_usage(prompt, out)}
+        await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def _start_fake(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    route: tuple[str, Any],
+    **config: Any,
+) -> tuple[Running, Path]:
+    """A sidecar in front of a fake Ollama answering one `(path, handler)` route."""
+    app = web.Application()
+    app.router.add_post(*route)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    ledger = {"path": str(db), "flush_interval_s": 0.05}
+    run = await start_sidecar(
+        {"pricing": PRICES, "ledger": ledger, **config},
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    return run, db
+
+
+V1_COLUMNS = "user, endpoint, input_tokens, output_tokens, cost_usd, status"
+
+
+async def _v1_chat(run: Running, user: str, stream: bool, **limits: int) -> int:
+    """The openai SDK's chat call through the sidecar: the output tokens the answer says."""
+    client = openai.AsyncOpenAI(
+        base_url=run.url + "/v1", api_key="k", default_headers={"X-Tollbooth-User": user}
+    )
+    async with client:
+        if not stream:
+            answer = await client.chat.completions.create(model=MODEL, messages=MSGS_V1, **limits)
+            assert answer.usage is not None
+            return answer.usage.completion_tokens
+        chunks = await client.chat.completions.create(
+            model=MODEL, messages=MSGS_V1, stream=True, **limits
+        )
+        return len([c async for c in chunks if c.choices and c.choices[0].delta.content])
+
+
+MSGS_V1: Any = [{"role": "user", "content": "one two three four five"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_ollama_v1_ignoring_max_completion_tokens_is_billed_its_whole_answer(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool
+) -> None:
+    """Before: vLLM's limit, `max_completion_tokens: 1`, was the cap on the counted output, so
+    the 40 tokens Ollama generated and reported were taken as more than the request could ask
+    (invalid usage): the ledger's counts and cost NULL, the budget charged the hold of one
+    output token. Now a field a server behind the route may ignore sets no cap."""
+    route = ("/v1/chat/completions", ollama_v1_chat)
+    budgets = {"user_daily_usd": 5.0}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    out = await _v1_chat(run, "vic", stream, max_completion_tokens=1)
+    assert out == V1_ANSWER  # the whole answer came
+    await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+    cost = pytest.approx(sim.token_cost(5, V1_ANSWER))
+    assert sim.ledger_rows(db, V1_COLUMNS) == [
+        ("vic", "/v1/chat/completions", 5, V1_ANSWER, cost, "200")
+    ]
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert run.sc.budgets.store.spent["user:vic"] / 1e6 == cost
+    assert run.value("llm_budget_unmeasured_charges_total") in (None, 0)
+    # `max_tokens`, which Ollama obeys, is still a cap: output above it is no measurement
+    info = inspect_request(
+        Endpoint.CHAT, json.dumps({"max_tokens": 3, "messages": []}).encode(), inject_usage=False
+    )
+    assert info.output_cap == 3
+
+
+async def null_eval_count(request: web.Request) -> web.Response:
+    """/api/chat answering 300 tokens with `eval_count: null` (no Ollama writes that)."""
+    done = {"model": MODEL, "message": {"role": "assistant", "content": "x " * 300}}
+    done |= {"done": True, "done_reason": "stop", "prompt_eval_count": 5, "eval_count": None}
+    return web.json_response(done)
+
+
+async def test_an_output_count_of_null_is_charged_the_hold_not_free(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Before: `eval_count: null` was read as 0 output: the ledger said 0 and the budget was
+    charged the 5 input tokens alone for 300 generated. Now the usage is unknown: NULL in the
+    ledger, the budget charged the hold (its output term the default 4096 tokens)."""
+    route = ("/api/chat", null_eval_count)
+    budgets = {"user_daily_usd": 50.0}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    async with ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "nil"}) as client:
+        answer = await client.chat(MODEL, MSGS)
+    assert answer.done and answer.eval_count is None
+    await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+    assert sim.ledger_rows(db, V1_COLUMNS) == [("nil", "/api/chat", None, None, None, "200")]
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert run.sc.budgets.store.spent["user:nil"] / 1e6 > sim.token_cost(5, 4096)
+    assert run.value("llm_budget_unmeasured_charges_total") == 1

@@ -87,12 +87,13 @@ _ERROR = "error"  # Ollama's error is a free-text message: never a label
 
 
 def _counted(obj: Mapping[str, Any], key: str) -> tuple[int | None, bool]:
-    """(the count, whether it is invalid). Go's `omitempty` leaves a 0 out of the final object,
-    so an absent count there is a zero that was measured."""
-    raw = obj.get(key)
-    if raw is None:
+    """(the count, whether it is invalid). The counts are Go `int`s, `omitempty` (api/types.go
+    `Metrics`, `EmbedResponse`): a 0 is left out of the final object, so an absent count there
+    is a zero that was measured. Ollama never writes `null` (nor anything but an integer) for
+    one: that is no count, never a 0."""
+    if key not in obj:
         return 0, False
-    read = count(raw)
+    read = count(obj[key])
     return read, read is None
 
 

@@ -101,7 +101,10 @@ class OpenAIAdapter:
         info.utf8 = text is not None
         info.text_chars, info.prompt_ids = body_size(obj)
         info.unreadable = unreadable
-        info.output_cap = reqsize.output_cap(max_tokens, obj, obj)
+        # the cap on counted output: only from limits every server behind the route obeys
+        info.output_cap = reqsize.output_cap(
+            reqsize.capping_limit(endpoint, max_tokens, obj), obj, obj
+        )
         if endpoint is Endpoint.EMBEDDINGS:
             info.output_cap = 0  # nothing is generated: any output counted is no measurement
         elif endpoint is Endpoint.RESPONSES and _server_tools(tools):

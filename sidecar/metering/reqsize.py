@@ -3,9 +3,11 @@ limit as the route's server reads it. The budget's hold (docs/budgets.md) is mad
 
 Owns: which strings of a body count as prompt text (every one, keys of nested objects too, but
 base64 media in a message's media part), the token ids sent as a prompt, and the output limit of
-each route on vLLM and TGI (the table in docs/budgets.md, each row from the engine's source).
-Never: skips a string for what it says, reads a limit from a field the route's server ignores, or
-recurses (a deeply nested body must not exhaust the stack).
+each route on vLLM and TGI (the table in docs/budgets.md, each row from the engine's source), and
+the cap on counted output (`output_cap`: from limits every server behind the route obeys).
+Never: skips a string for what it says, reads a limit from a field the route's server ignores,
+caps output with a field some server behind the route ignores, or recurses (a deeply nested body
+must not exhaust the stack).
 """
 
 from __future__ import annotations
@@ -129,6 +131,25 @@ def read_limit(
 
 # Every field any route of vLLM or TGI reads a limit from (`parameters.max_new_tokens` on TGI's).
 _ANY_LIMIT = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+# The one limit field every server that may answer the route obeys, where a field the route's
+# server reads may be ignored by another behind the same path. Ollama's /v1/chat/completions
+# reads `max_tokens` only (openai/openai.go `ChatCompletionRequest`, sent on as `num_predict`):
+# vLLM's `max_completion_tokens` (TGI's alias) limits nothing there.
+_OBEYED_EVERYWHERE: Mapping[Endpoint, str] = {Endpoint.CHAT: "max_tokens"}
+
+
+def capping_limit(
+    endpoint: Endpoint, route_limit: int | None, obj: Mapping[str, Any]
+) -> int | None:
+    """The route's limit as a cap on counted output (`output_cap`'s `route_limit`): None, so no
+    cap, when the body lacks the field every server of the route obeys (a server that ignores
+    the others generates to its own end). With it present, `output_cap` takes the largest of
+    every limit field, that one included (and no cap when it is 0 or no integer)."""
+    field = _OBEYED_EVERYWHERE.get(endpoint)
+    if field is None or obj.get(field) is not None:
+        return route_limit
+    return None
 
 
 def output_cap(
