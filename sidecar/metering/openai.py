@@ -297,7 +297,7 @@ class ChatStream(SSEMeter):
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
-        self._final_usage: list[Mapping[str, Any] | bytes] = []  # usage-only chunks: totals
+        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the last usage-only chunk's
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
 
@@ -322,7 +322,9 @@ class ChatStream(SSEMeter):
                 self._cut = self._strip_chunk
             return False
         if isinstance(usage, dict) and isinstance(choices, list):
-            self._final_usage.append(usage)
+            # the request's totals, not a part of them: a repeated usage chunk replaces the one
+            # before (the last word, as a client's SDK keeps it), never adds to it
+            self._final_usage = [usage]
             return self._strip
         return False
 
@@ -394,8 +396,11 @@ class ResponsesStream(SSEMeter):
             self.done = True
             if (status := clean_or_none(response.get("status"), REASON_CHARS)) is not None:
                 self._s.finish[0] = status
-            if isinstance(response.get("usage"), dict):
-                self._final_usage.append(response["usage"])
+            # One response, so one final word: each terminal event carries the whole response
+            # (its usage the totals, not an increment), and a later one replaces an earlier one
+            # (usage and all, as a client's SDK keeps the last), never adds to it.
+            usage = response.get("usage")
+            self._final_usage = [usage] if isinstance(usage, dict) else []
             if kind == "response.failed":
                 self._s.error = self._s.error or "response.failed"
         return False
