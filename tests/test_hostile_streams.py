@@ -23,8 +23,8 @@ import pytest
 from sidecar.exchange import Endpoint, Usage
 from sidecar.metering.wire import open_stream
 from tests.conftest import StartSidecar
-from tests.test_hostile_siblings import Raw, one_request
 from tests.test_hostile_numbers import MODEL
+from tests.test_hostile_siblings import Raw, one_request
 
 PATHS = pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
 
@@ -121,3 +121,129 @@ async def test_a_responses_stream_completed_twice_is_billed_once(
     key = {"model": MODEL, "api_endpoint": "/v1/responses", "user_id": "anonymous"}
     assert run.value("llm_tokens_total", token_type="input", **key) == 4
     assert run.value("llm_tokens_total", token_type="output", **key) == 2
+
+
+# --- a choice `index` the request did not ask for -------------------------------------------------
+# Each chunk names its choice (`choices[i].index`, from 0 to the choices asked for, n times the
+# prompts); vLLM's running totals ride on each choice's chunks and are what a client that leaves
+# mid-stream is billed. An index outside that range was read as choice 0 (negative, huge, not an
+# integer: its totals replaced choice 0's) or as a choice of its own (its totals added beside the
+# request's: the prompt counted twice). Now such a chunk belongs to no choice: the running totals
+# are unknown (charged the hold), and the request's own totals, which name no choice, still count.
+
+STRAY = [-1, 1, 7, 10**30, 0.0, 1.5, "0", True, None, [0]]
+
+
+def vllm_chunk(index: object, text: str, done: int | None = None) -> dict[str, Any]:
+    """A compact chunk as vLLM writes it, with running totals (`continuous_usage_stats`)."""
+    usage = None if done is None else {"prompt_tokens": 3, "total_tokens": 3 + done}
+    if usage is not None:
+        usage["completion_tokens"] = done
+    choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+            "choices": [choice], **({} if usage is None else {"usage": usage})}  # fmt: skip
+
+
+def compact_sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(
+        b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events
+    )
+
+
+def left_at_the_end(endpoint: Endpoint, data: bytes, *, fast: bool, choices: int = 1) -> Usage:
+    """What a client that left after these chunks is billed (no usage chunk came), every way."""
+    return read_all(endpoint, data, fast=fast, choices=choices)
+
+
+ONE_CHOICE = [vllm_chunk(0, t, i + 1) for i, t in enumerate(["a", "b", "c", "d"])]
+
+
+@PATHS
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_running_totals_of_one_choice_are_exact(endpoint: Endpoint, fast: bool) -> None:
+    """The case the stray ones are measured against: 3 prompt tokens, 4 generated."""
+    u = left_at_the_end(endpoint, compact_sse(*ONE_CHOICE), fast=fast)
+    assert two(u) == (3, 4) and u.unknown_reason is None
+
+
+@PATHS
+@pytest.mark.parametrize("index", STRAY, ids=repr)
+def test_running_totals_beside_a_stray_choice_are_unknown(index: object, fast: bool) -> None:
+    """Was (6, 5) for index 1 and 7 (a choice of its own: the prompt counted twice); for the
+    others, read as choice 0, (3, 1) when the stray chunk came last (choice 0's 4 tokens
+    replaced by its 1)."""
+    data = compact_sse(*ONE_CHOICE[:2], vllm_chunk(index, "x", 1), *ONE_CHOICE[2:])
+    u = left_at_the_end(Endpoint.CHAT, data, fast=fast)
+    assert two(u) == (None, None) and u.unknown_reason == "invalid_usage"
+    # before the shape is learnt, and after it is wired (three chunks of it)
+    data = compact_sse(*ONE_CHOICE, vllm_chunk(index, "x", 1))
+    assert two(left_at_the_end(Endpoint.CHAT, data, fast=fast)) == (None, None)
+    data = compact_sse(vllm_chunk(index, "x", 1), *ONE_CHOICE)
+    assert two(left_at_the_end(Endpoint.CHAT, data, fast=fast)) == (None, None)
+
+
+@PATHS
+def test_a_stray_choice_beside_two_is_neither_added_nor_folded(fast: bool) -> None:
+    """n=2: choices 0 and 1 (4 and 5 tokens). Index 2 was a third choice's 5 tokens added (14);
+    index -1 replaced choice 0's 4 by its 5 (10)."""
+    pair = [vllm_chunk(0, "a", 4), vllm_chunk(1, "b", 5)]
+    assert two(left_at_the_end(Endpoint.CHAT, compact_sse(*pair), fast=fast, choices=2)) == (3, 9)
+    for index in (2, -1):
+        data = compact_sse(*pair, vllm_chunk(index, "c", 5))
+        u = left_at_the_end(Endpoint.CHAT, data, fast=fast, choices=2)
+        assert two(u) == (None, None) and u.unknown_reason == "invalid_usage", index
+
+
+@PATHS
+def test_the_request_s_own_totals_still_count_beside_a_stray_choice(fast: bool) -> None:
+    """The usage chunk names no choice: the request's totals are read as ever."""
+    totals = chat_chunk(usage={"prompt_tokens": 3, "completion_tokens": 5})
+    data = compact_sse(*ONE_CHOICE, vllm_chunk(7, "x", 1), totals) + b"data: [DONE]\n\n"
+    u = read_all(Endpoint.CHAT, data, fast=fast)
+    assert two(u) == (3, 5) and u.unknown_reason is None
+
+
+@PATHS
+def test_a_stray_choice_s_finish_is_no_choice_s(fast: bool) -> None:
+    """n=2: a finish on index 7 made the stream `finished` (every choice done) while choice 1 was
+    still generating; a client leaving then was read on, not cancelled."""
+    finish = [{"index": i, "delta": {}, "finish_reason": "stop"} for i in (0, 7)]
+    data = compact_sse(vllm_chunk(0, "a", 1), chat_chunk(choices=finish))
+    meter = open_stream(Endpoint.CHAT, fast=fast, choices=2)
+    meter.feed(data)
+    assert not meter.finished
+    assert meter.finish()[1].finish_reasons == ("stop",)  # was ("stop", "stop")
+
+
+def llama_event(index: object, predicted: int, stop: bool = False) -> dict[str, Any]:
+    return {"index": index, "content": "x", "stop": stop, "tokens_predicted": predicted,
+            "tokens_evaluated": 12}  # fmt: skip
+
+
+def sglang_event(index: object, completion: int) -> dict[str, Any]:
+    meta = {"prompt_tokens": 12, "completion_tokens": completion, "cached_tokens": 0}
+    return {"text": "x" * completion, "meta_info": meta, "index": index}
+
+
+COUNTS = [
+    pytest.param(Endpoint.LLAMA_COMPLETION, "vllm", llama_event, id="llama.cpp"),
+    pytest.param(Endpoint.TGI_GENERATE, "sglang", sglang_event, id="sglang"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "api", "event"), COUNTS)
+@pytest.mark.parametrize("index", STRAY, ids=repr)
+def test_counts_of_a_stray_prompt_are_not_folded_into_the_first(
+    endpoint: Endpoint, api: str, event: Any, index: object
+) -> None:
+    """The same bug on the streams whose every event carries its prompt's counts so far
+    (`stream.CountsStream`): any stray index was read as prompt 0, its counts then prompt 0's
+    (was (12, 1): prompt 0's 5 tokens lost)."""
+    good = compact_sse(event(0, 4), event(0, 5))
+    meter = open_stream(endpoint, api=api)
+    meter.feed(good)
+    assert two(meter.finish()[1]) == (12, 5)
+    meter = open_stream(endpoint, api=api)
+    meter.feed(compact_sse(event(0, 4), event(0, 5), event(index, 1)))
+    u = meter.finish()[1]
+    assert two(u) == (None, None) and u.unknown_reason == "invalid_usage"
