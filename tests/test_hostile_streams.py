@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 
 from sidecar.exchange import Endpoint, Usage
-from sidecar.metering.wire import open_stream
+from sidecar.metering.wire import inspect_request, open_stream
 from tests.conftest import StartSidecar
+from tests.rawhttp import raw_request
 from tests.test_hostile_numbers import MODEL
-from tests.test_hostile_siblings import Raw, one_request
+from tests.test_hostile_siblings import Raw, exported, one_request
+from tests.waiting import wait_for
 
 PATHS = pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
 
@@ -247,3 +249,45 @@ def test_counts_of_a_stray_prompt_are_not_folded_into_the_first(
     meter.feed(compact_sse(event(0, 4), event(0, 5), event(index, 1)))
     u = meter.finish()[1]
     assert two(u) == (None, None) and u.unknown_reason == "invalid_usage"
+
+
+# --- TGI's /vertex: whether its body is UTF-8 ----------------------------------------------------
+# `RequestInfo.utf8` says the request body is UTF-8 text (only such a body is ever edited); when
+# it is not, a stream whose usage is unknown says why: `body_not_utf8`, on every route whose
+# reader sets it. /vertex's reader never set it, so left at its default (true) a UTF-16 /vertex
+# body was read as UTF-8, and its stream's unknown usage was put down to the stream itself.
+
+VERTEX = {"instances": [{"inputs": "caf\u00e9", "parameters": {"max_new_tokens": 3}}]}
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16", "utf-16-le", "utf-32"])
+@pytest.mark.parametrize("endpoint", [Endpoint.TGI_VERTEX, Endpoint.TGI_GENERATE_STREAM])
+def test_a_tgi_request_says_whether_its_body_is_utf8(endpoint: Endpoint, encoding: str) -> None:
+    body = json.dumps(VERTEX if endpoint is Endpoint.TGI_VERTEX else VERTEX["instances"][0])
+    info = inspect_request(endpoint, body.encode(encoding), inject_usage=True, api="tgi")
+    assert info.parsed and info.endpoint is endpoint
+    assert info.utf8 is (encoding == "utf-8")  # /vertex was always True
+
+
+@pytest.mark.parametrize("path", ["/vertex", "/generate_stream"])
+async def test_a_utf16_tgi_body_streamed_without_usage_says_so(
+    start_sidecar: StartSidecar, aiohttp_server: Any, path: str
+) -> None:
+    """End to end, /vertex against TGI's native stream route: a UTF-16 body (forwarded as it
+    came, never edited) answered with a stream that counts nothing. Was `no_token_events` on
+    /vertex, `body_not_utf8` on /generate_stream."""
+    upstream = Raw(b'data: {"generated_text":"x","details":null}\n\n', streaming=True)
+    up = await aiohttp_server(upstream.app)
+    run = await start_sidecar(
+        {"upstream": {"api": "tgi"}}, upstream_url=str(up.make_url("")).rstrip("/")
+    )
+    req = VERTEX if path == "/vertex" else VERTEX["instances"][0]
+    resp = await raw_request(run.url, path, json.dumps(req).encode("utf-16"))
+    assert resp.status == 200 and resp.body == upstream.data
+
+    def reasons() -> dict[str, float]:
+        samples = exported(run, "llm_usage_unknown_total").items()
+        return {dict(k)["reason"]: v for k, v in samples if dict(k)["api_endpoint"] == path}
+
+    await wait_for(lambda: reasons() != {}, "the request's usage recorded")
+    assert reasons() == {"body_not_utf8": 1}  # /vertex: {"no_token_events": 1}
