@@ -48,7 +48,8 @@ def metered(endpoint: Endpoint, data: bytes, *, fast: bool = True, **options: An
 
 
 # --- a stream's totals: a part of an unknown sum -------------------------------------------------
-# `openai._totals` sums a stream's usage objects: `total` of the input and output (None when one
+# `openai._totals` summed a stream's usage objects (a usage chunk sent twice is now read as the
+# last one sent: tests/test_hostile_streams.py): `total` of the input and output (None when one
 # part has none), but `total_present` of the cached and reasoning counts, which kept the parts
 # that were read when the sum was invalid or incomplete. `within_request` sees no output, so the
 # 800,000,000 reasoning tokens of a request capped at 10 passed (the bug 150d440 fixed, again).

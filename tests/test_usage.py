@@ -30,8 +30,10 @@ def openai_sse(events: list[dict]) -> bytes:
     return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
 
 
-def meter_all(endpoint: Endpoint, wire: bytes, *, strip: bool = False, step: int = 7):
-    m = open_stream(endpoint, strip_usage=strip)
+def meter_all(
+    endpoint: Endpoint, wire: bytes, *, strip: bool = False, step: int = 7, choices: int = 1
+):
+    m = open_stream(endpoint, strip_usage=strip, choices=choices)
     out = b"".join(m.feed(wire[i : i + step]) for i in range(0, len(wire), step))
     tail, usage = m.finish()
     return out + tail, usage, m
@@ -74,7 +76,8 @@ def test_tgi_many_prompts_stream_sums_per_prompt_usage() -> None:
     events = load_fixture(
         "test_completion_prompts_test_flash_llama_completion_many_prompts_stream.json"
     )
-    _, usage, _ = meter_all(Endpoint.COMPLETIONS, openai_sse(events))
+    # four prompts: four choices, as the sidecar opens the meter (`RequestInfo.choices`)
+    _, usage, _ = meter_all(Endpoint.COMPLETIONS, openai_sse(events), choices=4)
     expected = [e["usage"] for e in events if e.get("usage")]
     assert len(expected) == 4
     assert usage.input_tokens == sum(u["prompt_tokens"] for u in expected)
@@ -1069,7 +1072,7 @@ def test_a_slot_confirmed_on_the_text_is_the_one_decoding_confirms(data: str) ->
 def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> None:
     def learnt(obj: dict) -> bool:
         learner = shape._TokenShape()
-        learner.learn(compact(obj), obj)
+        learner.learn(compact(obj), obj, 1)
         return learner.prefix != ""
 
     assert learnt(chunk("a")) and learnt(chunk("a", usage=running(1)))
@@ -1078,6 +1081,9 @@ def test_shapes_are_learnt_only_from_chunks_that_do_nothing_but_carry_text() -> 
         chunk("a", usage={"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 1}}),
         chunk("a", error={"type": "x"}),
         chunk('"a'),
+        # a choice the request (one choice) did not ask for: `ChatStream._read` must see it
+        {**chunk("a"), "choices": [{"index": 1, "delta": {"content": "a"}}]},
+        {**chunk("a"), "choices": [{"index": -1, "delta": {"content": "a"}}]},
         {**chunk(""), "choices": [{"delta": {"content": "", "reasoning_content": "r"}}]},
         # no text: vLLM's role chunk is not its tokens' shape
         chunk(""),

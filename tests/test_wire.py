@@ -75,6 +75,21 @@ def test_running_usage_agrees_at_every_cut() -> None:
         run_pair(Endpoint.CHAT, stream, [a], True, True)
 
 
+def test_a_stray_choice_agrees_at_every_cut() -> None:
+    """A chunk of a choice the request did not ask for (index 1 of one, with running totals) is
+    never learnt as the shape: both paths decode it, before the shape is learnt and after it is
+    on the wire, cut its running usage alike, and find the running totals unknown."""
+    datas = [compact(chunk(t, usage=running(i + 1))) for i, t in enumerate(["Hi", " x", "y"])]
+    choice = {"index": 1, "delta": {"content": "z"}, "logprobs": None, "finish_reason": None}
+    stray = compact({**chunk("z", usage=running(1)), "choices": [choice]})
+    stream = sse_of([stray, *datas, stray, *datas[:2]])
+    got = run_pair(Endpoint.CHAT, stream, [], True, True)
+    assert (got.input_tokens, got.unknown_reason) == (None, "invalid_usage")
+    run_pair(Endpoint.CHAT, stream, boundaries(stream), True, True)  # one event per read
+    for a in range(len(stream) + 1):
+        run_pair(Endpoint.CHAT, stream, [a], True, True)
+
+
 def test_responses_events_agree_at_every_cut() -> None:
     """The Responses API has no learnt shape: the fast and reference meters differ in their SSE
     parser alone, and agree at every cut."""
@@ -94,6 +109,11 @@ def test_responses_events_agree_at_every_cut() -> None:
     assert (got.input_tokens, got.output_tokens, got.finish_reasons) == (4, 2, ("completed",))
     for a in range(len(stream) + 1):
         run_pair(Endpoint.RESPONSES, stream, [a], False)
+    # a second terminal event: the last one's usage, on both paths, at every cut
+    again = stream + ev("response.completed", response={**done, "usage": {**usage, "x": 1}})
+    assert run_pair(Endpoint.RESPONSES, again, [], False) == got
+    for a in range(len(stream), len(again) + 1):
+        run_pair(Endpoint.RESPONSES, again, [a], False)
 
 
 def test_the_reference_path_reads_the_whole_vllm_stream() -> None:

@@ -34,7 +34,7 @@ from .counts import (
 )
 from .reqsize import body_size, lax_int, prompt_chars
 from .sse import Event
-from .stream import SSEMeter
+from .stream import SSEMeter, choice_index
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
@@ -300,9 +300,11 @@ class ChatStream(SSEMeter):
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
-        self._final_usage: list[Mapping[str, Any] | bytes] = []  # usage-only chunks: totals
+        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the last usage-only chunk's
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
+        # a chunk of a choice the request did not ask for came (`stream.choice_index`)
+        self._stray = False
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         """Read one decoded chunk; True when it is the usage chunk we caused."""
@@ -315,17 +317,22 @@ class ChatStream(SSEMeter):
             if any(_carries_output(c) for c in choices):
                 s.token_events += 1
             for c in choices:
-                if isinstance(c, dict) and (
-                    r := clean_or_none(c.get("finish_reason"), REASON_CHARS)
-                ):
-                    s.finish[count(c.get("index")) or 0] = r
+                if not isinstance(c, dict):
+                    continue
+                if (index := choice_index(c, self._choices)) is None:
+                    self._stray = True
+                elif r := clean_or_none(c.get("finish_reason"), REASON_CHARS):
+                    s.finish[index] = r
             if isinstance(usage, dict):
                 first = choices[0] if isinstance(choices[0], dict) else {}
-                self._choice_usage[count(first.get("index")) or 0] = usage
+                if (index := choice_index(first, self._choices)) is not None:
+                    self._choice_usage[index] = usage
                 self._cut = self._strip_chunk
             return False
         if isinstance(usage, dict) and isinstance(choices, list):
-            self._final_usage.append(usage)
+            # the request's totals, not a part of them: a repeated usage chunk replaces the one
+            # before (the last word, as a client's SDK keeps it), never adds to it
+            self._final_usage = [usage]
             return self._strip
         return False
 
@@ -350,11 +357,16 @@ class ChatStream(SSEMeter):
     def _counted_usage(self) -> Usage:
         """The totals if they came; else vLLM's running totals (exact up to the last chunk
         received), each prompt's once: at the stream's end as for a client that left; else
-        unknown."""
+        unknown (as they are beside a choice the request did not ask for)."""
         running = self._choice_usage
-        if self._final_usage or not running or self._choices < 2:
-            totals = [*self._final_usage] or [*running.values()]
-            return _totals(self._base(), totals, self.endpoint)
+        if self._final_usage or not running:
+            return _totals(self._base(), self._final_usage, self.endpoint)
+        if self._stray:
+            # running totals beside a choice the request did not ask for: whose tokens it had,
+            # and so each choice's, cannot be told (the request's own totals would say)
+            return replace(self._base(), unknown_reason=INVALID_USAGE)
+        if self._choices < 2:
+            return _totals(self._base(), [*running.values()], self.endpoint)
         parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
         inp = self._running_input(parts)
         reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
@@ -397,8 +409,11 @@ class ResponsesStream(SSEMeter):
             self.done = True
             if (status := clean_or_none(response.get("status"), REASON_CHARS)) is not None:
                 self._s.finish[0] = status
-            if isinstance(response.get("usage"), dict):
-                self._final_usage.append(response["usage"])
+            # One response, so one final word: each terminal event carries the whole response
+            # (its usage the totals, not an increment), and a later one replaces an earlier one
+            # (usage and all, as a client's SDK keeps the last), never adds to it.
+            usage = response.get("usage")
+            self._final_usage = [usage] if isinstance(usage, dict) else []
             if kind == "response.failed":
                 self._s.error = self._s.error or "response.failed"
         return False
@@ -408,7 +423,8 @@ class ResponsesStream(SSEMeter):
 
 
 def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endpoint) -> Usage:
-    """A stream's usage: the sum of its usage objects, with the stream's other fields."""
+    """A stream's usage: the sum of its usage objects (the last usage chunk, or one choice's
+    running totals: one of them, now), with the stream's other fields."""
     if not totals:
         return replace(base, unknown_reason="stream_without_usage")
     parts = [read_usage(_decoded(u), endpoint) for u in totals]

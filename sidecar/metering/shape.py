@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..exchange import Endpoint
-from .counts import compared, count
+from .counts import compared
 from .openai import DELTA_OUTPUT, ChatStream
 from .sse import Event
-from .stream import WireEvent, WireMeter
+from .stream import WireEvent, WireMeter, choice_index
 
 
 class FastChatStream(WireMeter, ChatStream):
@@ -128,7 +128,7 @@ class FastChatStream(WireMeter, ChatStream):
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         assert ev.data is not None  # decoded: it has data
-        self._shape.learn(ev.data, obj)
+        self._shape.learn(ev.data, obj, self._choices)
         return super()._read(ev, obj)
 
 
@@ -171,10 +171,13 @@ class _TokenShape:
             self.wire()
         return text != ""
 
-    def learn(self, data: str, obj: Mapping[str, Any]) -> None:
+    def learn(self, data: str, obj: Mapping[str, Any], choices: int) -> None:
         """Learn the shape of a decoded chunk that carries text and does nothing else (an empty
-        text is not learnt: vLLM's role chunk, `"content":""`, is not its tokens' shape)."""
+        text is not learnt: vLLM's role chunk, `"content":""`, is not its tokens' shape; nor is
+        one of a choice the request did not ask for, which `ChatStream._read` must see)."""
         if self.tries <= 0 or (found := _text_slot(obj)) is None:
+            return
+        if (index := choice_index(obj["choices"][0], choices)) is None:
             return
         if isinstance(obj.get("usage"), dict) and (data := _without_running_usage(data)) == "":
             return
@@ -191,7 +194,7 @@ class _TokenShape:
             suffix = data[end:]
             met_before = suffix == self.suffix or suffix in _WIRED
             self.prefix, self.suffix = data[:start], suffix
-            self.index = count(obj["choices"][0].get("index")) or 0
+            self.index = index
             self.head, self.bare, self.tail, self.run = b"", b"", _NEVER, _NEVER
             self.wired = False
             if met_before:

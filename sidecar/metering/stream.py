@@ -25,6 +25,16 @@ from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, SSEParser
 WireEvent = tuple[int, bool, int]
 
 
+def choice_index(obj: Mapping[str, Any], choices: int) -> int | None:
+    """The choice (or prompt) an event's `index` names, read once here for every reader: an
+    integer from 0 to `choices` - 1, absent being 0 (a server that streams one). None for any
+    other (negative, past the choices asked for, huge, a float, a string, a bool, null): no
+    choice of the request, so its counts are no choice's, neither folded into one nor added
+    beside them (either lost one choice's tokens or counted some twice)."""
+    index = obj.get("index", 0)
+    return index if type(index) is int and 0 <= index < choices else None
+
+
 @dataclass(slots=True)
 class StreamState:
     model: str | None = None
@@ -175,10 +185,9 @@ class CountsStream(SSEMeter):
         self._invalid = False
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
-        index = obj.get("index", 0)
-        index = index if type(index) is int and 0 <= index < self._choices else 0
+        index = choice_index(obj, self._choices)
         read = self._counts_of(obj)
-        if read is None:
+        if read is None or index is None:  # counts that are none, or of no prompt asked for
             self._invalid = True
             return False
         self._step(index, read, obj)

@@ -70,7 +70,7 @@ class TGIAdapter:
     ) -> RequestInfo:
         """Read what the request asks for; nothing is ever added to a native request."""
         if endpoint is Endpoint.TGI_VERTEX:
-            return _vertex_info(body, obj)
+            return _vertex_info(body, text, obj)
         params = obj.get("parameters")
         params = params if isinstance(params, dict) else {}
         limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, "tgi"), params)
@@ -147,8 +147,9 @@ def _stream_flag(endpoint: Endpoint, obj: Mapping[str, Any]) -> bool:
     return obj.get("stream") is True  # TGI (serde) takes only a JSON boolean
 
 
-def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
-    """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request."""
+def _vertex_info(body: bytes, text: str | None, obj: Mapping[str, Any]) -> RequestInfo:
+    """TGI's /vertex: `instances`, each a generate request (`inputs`) or a chat request; `text`
+    the body as UTF-8 (None when it is not), as for every other request."""
     given = obj.get("instances")
     instances = [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
     read = [reqsize.vertex_limit(i) for i in instances]
@@ -161,6 +162,7 @@ def _vertex_info(body: bytes, obj: Mapping[str, Any]) -> RequestInfo:
     info.prompt_chars = sum(prompt_chars(i) for i in instances)
     info.n = max(1, len(instances))  # estimates multiply the limit by n, as for n choices
     info.choices = max(1, sum(_instance_sequences(i) for i in instances))
+    info.utf8 = text is not None
     info.text_chars, info.prompt_ids = body_size(obj)
     info.unreadable = tuple(dict.fromkeys(k for _, bad in read for k in bad))
     return info
