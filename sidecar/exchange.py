@@ -159,7 +159,8 @@ class RequestInfo:
     # The most output one choice can have been asked for by any limit field in the body (the
     # route's limit and every other: a server may read another one), None when the route's limit
     # is absent, a chat request has no `max_tokens` (Ollama's /v1 reads no other field), or any
-    # limit field is no positive integer (`reqsize.capping_limit`, `reqsize.output_cap`).
+    # limit field is no positive integer (`reqsize.capping_limit`, `reqsize.output_cap`). Also
+    # the output an unmeasured request is charged at (`budget.Budgets.unmeasured_usd`).
     output_cap: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
     # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its

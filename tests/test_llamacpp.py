@@ -14,7 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from sidecar.billing.budget import to_micros
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.routes import classify
@@ -227,3 +229,77 @@ async def test_a_burst_against_a_small_budget_is_held(
     await sim.assert_burst_held(
         run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )
+
+
+# --- llama.cpp's OpenAI-compatible routes, metered by the OpenAI adapter -------------------------
+# Its `oaicompat_chat_params_parse` (tools/server/server-common.cpp) maps `max_tokens` and then
+# copies the body's other fields over ("if "n_predict" is present, we overwrite the value specified
+# earlier by "max_tokens""), and `params_from_json_cmpl` (server-task.cpp) reads `n_predict`
+# first, then `max_completion_tokens`, then `max_tokens`: so `n_predict` is the limit it obeys.
+
+ANSWER = 50  # tokens the fake generates without a limit it reads
+
+
+def _llama_cpp_limit(obj: dict[str, Any]) -> int:
+    for key in ("n_predict", "max_completion_tokens", "max_tokens"):
+        if obj.get(key) is not None:
+            return int(obj[key]) if obj[key] > 0 else ANSWER
+    return ANSWER
+
+
+async def llama_cpp_v1(request: web.Request) -> web.Response:
+    """/v1/chat/completions and /v1/completions as llama.cpp answers them (not streamed):
+    `to_json_oaicompat_chat` / `to_json_oaicompat`, usage the real counts."""
+    obj = json.loads(await request.read())
+    out = min(ANSWER, _llama_cpp_limit(obj))
+    text = " ".join(["x"] * out)
+    if request.path.endswith("/chat/completions"):
+        choice = {"finish_reason": "length", "index": 0, "message": {"content": text}}
+        kind = "chat.completion"
+    else:
+        choice, kind = {"text": text, "index": 0, "finish_reason": "length"}, "text_completion"
+    usage = {"completion_tokens": out, "prompt_tokens": 5, "total_tokens": out + 5}
+    body = {"choices": [choice], "created": 1, "model": obj["model"], "object": kind}
+    return web.json_response({**body, "usage": usage, "id": "chatcmpl-1"})
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_n_predict_beside_max_tokens_on_llama_cpps_openai_routes_is_billed_in_full(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, path: str
+) -> None:
+    """Before: the cap on counted output was the largest of max_tokens, max_completion_tokens and
+    max_output_tokens: `max_tokens: 1, n_predict: 50` had its 50 tokens, which llama.cpp
+    generated and reported, taken as more than it asked (invalid usage): the ledger NULL, the
+    budget charged the hold of one output token. `n_predict` is one of the limit fields now."""
+    app = web.Application()
+    app.router.add_post(path, llama_cpp_v1)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": PRICES,
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "budgets": {"user_daily_usd": 5.0},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    body: dict[str, Any] = {"model": SIM_MODEL, "max_tokens": 1, "n_predict": ANSWER}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "a"}
+    headers = {"X-Tollbooth-User": "nia"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=body, headers=headers) as r,
+    ):
+        assert r.status == 200
+        assert (await r.json())["usage"]["completion_tokens"] == ANSWER
+    columns = "user, endpoint, input_tokens, output_tokens, cost_usd"
+    await wait_for(lambda: len(sim.ledger_rows(db, columns)) == 1, "the ledger row")
+    cost = pytest.approx(sim.token_cost(5, ANSWER))
+    assert sim.ledger_rows(db, columns) == [("nia", path, 5, ANSWER, cost)]
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert run.sc.budgets.store.spent["user:nia"] == to_micros(sim.token_cost(5, ANSWER))
+    assert run.value("llm_budget_unmeasured_charges_total") in (None, 0)
+    # the largest limit field caps the count; n_predict: -1 (llama.cpp's "no limit") is no cap
+    for extra, cap in (({"n_predict": 1000}, 1000), ({"n_predict": -1}, None)):
+        sent = json.dumps({"max_tokens": 1, "messages": [], **extra}).encode()
+        assert inspect_request(Endpoint.CHAT, sent, inject_usage=False).output_cap == cap

@@ -9,6 +9,7 @@ of Ollama's docs/api.md.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ import ollama
 import openai
 import pytest
 from aiohttp import web
+from tollbooth_lab.simulator import EngineParams
+from tollbooth_lab.simulator.engine import Engine, chat_prompt
 
+from sidecar.billing.budget import to_micros
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
 from sidecar.proxy.routes import classify
@@ -427,3 +431,123 @@ async def test_an_output_count_of_null_is_charged_the_hold_not_free(
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
     assert run.sc.budgets.store.spent["user:nil"] / 1e6 > sim.token_cost(5, 4096)
     assert run.value("llm_budget_unmeasured_charges_total") == 1
+
+
+# --- a client leaving Ollama's /v1 streams mid-generation -------------------------------------
+# Ollama's OpenAI writers (middleware/openai.go): `CompleteWriter` puts an all-zero `Usage{}` on
+# every chunk once `include_usage` is asked for (which the sidecar does), `ChatWriter` none; the
+# totals come only in the last chunk. So a client that leaves mid-stream has nothing measured.
+
+STREAMED = 100  # chunks of one token each the fake sends before it waits (generating on)
+ZERO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+def ollama_v1_generating(release: asyncio.Event) -> Any:
+    """/v1/chat/completions and /v1/completions as Ollama streams them, STREAMED chunks sent and
+    the rest still being generated (the handler waits for `release`, set by the test at its end)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        obj = json.loads(await request.read())
+        usage = (obj.get("stream_options") or {}).get("include_usage")
+        chat = request.path.endswith("/chat/completions")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(STREAMED):
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": "x "}}
+                c: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk"}
+            else:
+                choice = {"text": "x ", "index": 0}
+                c = {"id": "cmpl-1", "object": "text_completion"}
+            c |= {"created": 1, "choices": [{**choice, "finish_reason": None}]}
+            c |= {"model": obj["model"], "system_fingerprint": "fp_ollama"}
+            if usage and not chat:
+                c["usage"] = ZERO_USAGE
+            await resp.write(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n")
+        await release.wait()
+        return resp
+
+    return handler
+
+
+def _tokens_read() -> Any:
+    """A `leave_mid_stream` progress: the tokens read so far, counted by the client."""
+    read = 0
+
+    def progress(line: bytes) -> int | None:
+        nonlocal read
+        choices = (sim.sse_data(line) or {}).get("choices") or [{}]
+        if not (choices[0].get("delta") or {}).get("content") and not choices[0].get("text"):
+            return None
+        read += 1
+        return read
+
+    return progress
+
+
+@pytest.mark.parametrize(
+    ("path", "limits", "charged_output"),
+    [
+        # /v1/completions: Ollama reads `max_tokens` (`CompletionRequest`), as vLLM does
+        ("/v1/completions", {"max_tokens": 400}, 400),
+        # chat: the hold reads vLLM's `max_completion_tokens`; Ollama obeys only `max_tokens`
+        ("/v1/chat/completions", {"max_completion_tokens": 1}, 4096),
+        ("/v1/chat/completions", {"max_completion_tokens": 1, "max_tokens": 4000}, 4000),
+    ],
+)
+async def test_a_client_leaving_an_ollama_v1_stream_is_charged_what_ollama_may_have_made(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    path: str,
+    limits: dict[str, int],
+    charged_output: int,
+) -> None:
+    """The client reads 100 tokens ($0.20 of output) and leaves. Before: on /v1/completions
+    Ollama's zeros were read as running totals, the ledger said 0 tokens and the budget was
+    charged $0; on chat, `max_completion_tokens: 1` made the hold (one output token, $0.009) the
+    whole charge. Now nothing measured is charged the worst case at the limit Ollama obeys (the
+    default 4096 tokens when the body sends no `max_tokens`); the ledger's counts are unknown."""
+    release = asyncio.Event()
+    route = (path, ollama_v1_generating(release))
+    budgets = {"user_daily_usd": 50.0}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    body = {"model": MODEL, "stream": True, **limits}
+    body |= {"messages": MSGS_V1} if "chat" in path else {"prompt": "one two three four five"}
+    try:
+        progress = _tokens_read()
+        seen = await sim.leave_mid_stream(run, path, body, "lee", progress, after=STREAMED)
+        assert seen == STREAMED
+        await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+        await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    finally:
+        release.set()
+    assert sim.ledger_rows(db, V1_COLUMNS) == [("lee", path, None, None, None, "499")]
+    assert run.sc.budgets.store.spent["user:lee"] / 1e6 > sim.token_cost(0, charged_output)
+    assert run.value("llm_budget_unmeasured_charges_total") == 1
+
+
+async def test_vllm_with_max_completion_tokens_alone_is_still_billed_its_running_totals(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """The worst case above is for output nobody measured. vLLM's running totals measure a
+    client that leaves mid-stream: with `max_completion_tokens` alone (the modern SDKs' field)
+    it is charged exactly what was measured, not the default worst case."""
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, budgets={"user_daily_usd": 5.0})
+    seed = next(
+        s
+        for s in range(100)
+        if Engine(EngineParams()).submit(chat_prompt(MSGS), 300, s).stop_at == 300
+    )
+    body = {"model": MODEL, "messages": MSGS, "max_completion_tokens": 300, "stream": True}
+    seen = await sim.leave_mid_stream(
+        run, "/v1/chat/completions", {**body, "seed": seed}, "val", _tokens_read(), after=5
+    )
+    assert seen == 5
+    await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    [(user, _, inp, out, cost, status)] = sim.ledger_rows(db, V1_COLUMNS)
+    assert (user, status) == ("val", "499") and inp and 5 <= out < 300
+    assert cost == pytest.approx(sim.token_cost(inp, out))
+    assert run.sc.budgets.store.spent["user:val"] == to_micros(cost)
+    assert run.value("llm_budget_unmeasured_charges_total") in (None, 0)

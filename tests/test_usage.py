@@ -735,6 +735,58 @@ def test_running_usage_is_cut_the_same_at_every_cut_near_the_markers() -> None:
             run_pair(Endpoint.CHAT, wire, [a, b], True, True)
 
 
+# Ollama's /v1/completions stream with `include_usage` (middleware/openai.go `CompleteWriter`,
+# openai/openai.go `CompletionChunk`, Go's field order): an all-zero `Usage{}` on every chunk, the
+# finish chunk too, then the totals on a chunk of no choices.
+def ollama_completion(text: str, finish: str | None = None, usage: object = None) -> dict:
+    choices = [] if usage else [{"text": text, "index": 0, "finish_reason": finish}]
+    zero = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "id": "cmpl-42",
+        "object": "text_completion",
+        "created": 1733340000,
+        "choices": choices,
+        "model": "llama3.2",
+        "system_fingerprint": "fp_ollama",
+        "usage": usage or zero,
+    }
+
+
+OLLAMA_COMPLETION = [
+    *(ollama_completion(t) for t in ["Once", " upon", " a", " time", "."]),
+    ollama_completion("", finish="stop"),
+    ollama_completion("", usage={"prompt_tokens": 26, "completion_tokens": 5, "total_tokens": 31}),
+]
+
+
+@pytest.mark.parametrize("strips", [(True, True), (False, False)])
+def test_ollamas_zero_usage_on_every_completion_chunk_is_no_running_total(
+    strips: tuple[bool, bool],
+) -> None:
+    """Before: the zeros were read as vLLM's running totals, so a client that left before the
+    usage chunk was billed 0 tokens ($0, its budget $0). They measure nothing: such a client's
+    usage is unknown (charged its hold), on the fast path as on the reference one; read to the
+    end, the totals are Ollama's."""
+    wire = sse_of([compact(e) for e in OLLAMA_COMPLETION])
+    whole = run_pair(Endpoint.COMPLETIONS, wire, boundaries(wire), *strips)
+    assert (whole.input_tokens, whole.output_tokens) == (26, 5)
+    usage_at = wire.index(b'"choices":[]')
+    for a in range(len(wire) + 1):
+        run_pair(Endpoint.COMPLETIONS, wire, [a], *strips)
+        fast, ref = meter_pair(Endpoint.COMPLETIONS, *strips)
+        fast.feed(wire[:a])
+        ref.feed(wire[:a])
+        left = fast.usage_so_far()
+        assert left == ref.usage_so_far()
+        if a < usage_at:  # a client leaving here: nothing was measured, and 0 is no count
+            assert (left.input_tokens, left.output_tokens) == (None, None), a
+    # Ollama's chat (`ChatWriter`) sends no usage on its chunks (`ChatCompletionChunk.Usage` is a
+    # nil pointer, omitted): a client leaving mid-stream has none to read, as before
+    chat = [compact({**chunk(t), "system_fingerprint": "fp_ollama"}) for t in ["a", " b"]]
+    left = run_pair(Endpoint.CHAT, sse_of(chat)[: -len(b"data: [DONE]\n\n")], [], *strips)
+    assert (left.input_tokens, left.output_tokens) == (None, None)
+
+
 def test_the_wire_path_waits_for_an_event_begun_in_an_earlier_read() -> None:
     """A read that ends inside a line: the next read's bytes continue that line, even when they
     look like a whole event of the learnt shape."""

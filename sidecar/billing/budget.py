@@ -355,13 +355,13 @@ class Budgets:
                     out.append(Scope(rule.kind, name, to_micros(lim.usd), rule.window))
         return tuple(out)
 
-    def worst_case_usd(self, ex: Exchange) -> float:
+    def worst_case_usd(self, ex: Exchange, limit: int | None = None) -> float:
         """The prompt (exact when sized by the upstream, else every character of the body's text
         over chars_per_token plus any token ids) at the input price, plus every output token the
-        request may generate (its limit, or the default, times its choices: n x prompts) at the
-        output price. A name the price book does not list is held at the book's dearest prices:
-        the engine may answer it as a listed model, charged at that one's price. $0 only with no
-        price at all."""
+        request may generate (`limit`, by default its limit as the route's server reads it or
+        the default, times its choices: n x prompts) at the output price. A name the price book
+        does not list is held at the book's dearest prices: the engine may answer it as a listed
+        model, charged at that one's price. $0 only with no price at all."""
         price = self.prices.hold_price(priced_model(ex))
         if price is None:
             return 0.0
@@ -372,9 +372,25 @@ class Budgets:
         if prompt is None:
             chars = info.text_chars if info.parsed else len(info.body)
             prompt = math.ceil(chars / self.chars_per_token) + info.prompt_ids
-        limit = info.max_tokens or self.config.default_max_output_tokens
+        if limit is None:
+            limit = info.max_tokens or self.config.default_max_output_tokens
         out = min(limit, MAX_TOKENS) * min(info.choices, MAX_TOKENS)
         return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
+
+    def unmeasured_usd(self, ex: Exchange) -> float:
+        """The worst case an unmeasured request is charged (beside its hold, the larger): its
+        output limit the one every server behind the route obeys, `RequestInfo.output_cap` (the
+        cap on its counted output), else the default. The hold reads the limit as the route's
+        own server does: vLLM's chat reads `max_completion_tokens` first, which Ollama's
+        /v1/chat/completions ignores (it obeys `max_tokens` only), so output nobody measured may
+        run past the limit the hold read. The audio routes (vLLM's alone) keep their hold."""
+        info = ex.info
+        if info.endpoint in AUDIO_ROUTES:
+            return 0.0
+        cap = info.output_cap
+        return self.worst_case_usd(
+            ex, self.config.default_max_output_tokens if cap is None else cap
+        )
 
     def _audio_worst_case(self, price: ModelPrice, info: RequestInfo) -> float:
         """An audio request: its upload (the Content-Length, else the largest one taken) as one
@@ -489,12 +505,13 @@ class Budgets:
     def charge(self, ex: Exchange, hold: BudgetHold, measured: float) -> int:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
-        a client cannot make output free by hiding it from the meter."""
+        a client cannot make output free by hiding it from the meter; and at least its worst
+        case at the output limit every server behind the route obeys (`unmeasured_usd`)."""
         if hold.unpriced and self.prices.price(priced_model(ex)) is None:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
         if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
-            return max(hold.amount, to_micros(measured))
+            return max(hold.amount, to_micros(measured), to_micros(self.unmeasured_usd(ex)))
         return to_micros(measured)
 
     def _gauge(self, user: str | None, team: str | None, amount: float, day: int) -> None:

@@ -357,8 +357,9 @@ class ChatStream(SSEMeter):
     def _counted_usage(self) -> Usage:
         """The totals if they came; else vLLM's running totals (exact up to the last chunk
         received), each prompt's once: at the stream's end as for a client that left; else
-        unknown (as they are beside a choice the request did not ask for)."""
-        running = self._choice_usage
+        unknown (as they are beside a choice the request did not ask for). A usage on a choice's
+        chunk that counts no prompt is no running total (`_counts_a_prompt`)."""
+        running = {i: u for i, u in self._choice_usage.items() if _counts_a_prompt(u)}
         if self._final_usage or not running:
             return _totals(self._base(), self._final_usage, self.endpoint)
         if self._stray:
@@ -442,6 +443,20 @@ def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endp
             unknown_reason=next((p.unknown_reason for p in parts if p.unknown_reason), None),
         )
     )
+
+
+def _counts_a_prompt(usage: Mapping[str, Any] | bytes) -> bool:
+    """Can usage riding on a choice's chunk be a measurement? Not when its `prompt_tokens` is 0:
+    every generation has a prompt of at least one token (vLLM refuses an empty one, "The decoder
+    prompt cannot be empty", v1 `InputProcessor._validate_prompt_len`; TGI an empty input,
+    "`inputs` cannot be empty"), so their running totals, and the totals TGI puts on a finish
+    chunk, count one. Ollama's /v1/completions puts an all-zero `Usage{}` on every chunk, its
+    finish chunk too, once `include_usage` is asked for (middleware/openai.go `CompleteWriter`):
+    read as running totals, a client that left before the usage chunk was billed 0 tokens. (An
+    empty prompt a server does answer, with 0s on its finish chunk, is then unmeasured: charged
+    its hold, never free.) Any other value is left to `read_usage` (absent: incomplete; no
+    count: invalid)."""
+    return count(_decoded(usage).get("prompt_tokens")) != 0
 
 
 def _decoded(usage: Mapping[str, Any] | bytes) -> Mapping[str, Any]:

@@ -129,8 +129,11 @@ def read_limit(
     return limit, unreadable
 
 
-# Every field any route of vLLM or TGI reads a limit from (`parameters.max_new_tokens` on TGI's).
-_ANY_LIMIT = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Every field any route of vLLM or TGI reads a limit from (`parameters.max_new_tokens` on TGI's),
+# and llama.cpp's `n_predict`: its OpenAI routes copy the body's other fields over the limit they
+# mapped from `max_tokens` (`oaicompat_chat_params_parse`, "if n_predict is present, we overwrite
+# the value specified earlier by max_tokens"), and `params_from_json_cmpl` reads it first.
+_ANY_LIMIT = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 
 # The one limit field every server that may answer the route obeys, where a field the route's
 # server reads may be ignored by another behind the same path. Ollama's /v1/chat/completions

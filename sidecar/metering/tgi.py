@@ -157,6 +157,9 @@ def _vertex_info(body: bytes, text: str | None, obj: Mapping[str, Any]) -> Reque
     info = RequestInfo(Endpoint.TGI_VERTEX, body, True)
     # one limit for every instance (the largest): the hold multiplies it by the instances
     info.max_tokens = max(limits) if limits and None not in limits else None  # type: ignore[type-var]
+    # TGI alone serves /vertex, and obeys the limits read (its answer counts no output to cap:
+    # this is the unmeasured charge's limit, `Budgets.unmeasured_usd`)
+    info.output_cap = info.max_tokens
     messages = [i.get("messages") for i in instances]
     info.messages = sum(len(m) for m in messages if isinstance(m, list))
     info.prompt_chars = sum(prompt_chars(i) for i in instances)
