@@ -450,6 +450,39 @@ def test_continuous_usage_requested_without_changing_what_was_asked() -> None:
     assert info.injected_usage and info.strip_chunk_usage
 
 
+def test_per_chunk_usage_a_client_did_not_ask_for_is_cut_without_continuous_usage() -> None:
+    """Without continuous_usage we ask for include_usage alone; Ollama's /v1/completions then
+    puts a zero `usage` on every chunk (middleware/openai.go CompleteWriter), which a client
+    that asked for no usage would never have seen: cut, as the usage chunk is dropped."""
+    info = inspect_request(Endpoint.COMPLETIONS, b'{"stream":true}', inject_usage=True)
+    assert json.loads(info.body)["stream_options"] == {"include_usage": True}
+    assert info.injected_usage and info.strip_chunk_usage
+    zero = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    chunk = {"id": "c", "object": "text_completion", "model": "m"}
+    events = [
+        {**chunk, "choices": [{"index": 0, "text": t, "finish_reason": None}], "usage": zero}
+        for t in ("a", "b")
+    ]
+    totals = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    events.append({**chunk, "choices": [], "usage": totals})
+    wire = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    for fast in (True, False):
+        m = open_stream(
+            Endpoint.COMPLETIONS,
+            strip_usage=info.injected_usage,
+            strip_chunk_usage=info.strip_chunk_usage,
+            fast=fast,
+        )
+        out = m.feed(wire)
+        tail, usage = m.finish()
+        sent = [json.loads(e[6:]) for e in (out + tail).split(b"\n\n") if e[:7] == b"data: {"]
+        assert sent == [{k: v for k, v in e.items() if k != "usage"} for e in events[:2]]
+        assert (usage.input_tokens, usage.output_tokens) == (3, 2)
+    # asked for include_usage alone: what the server sends on each chunk is the client's
+    asked = b'{"stream":true,"stream_options":{"include_usage":true}}'
+    assert not inspect_request(Endpoint.COMPLETIONS, asked, inject_usage=True).strip_chunk_usage
+
+
 def _chunk(i: int, usage: dict | None, finish: str | None = None) -> dict:
     c: dict = {
         "id": "c",

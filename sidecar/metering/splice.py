@@ -151,12 +151,13 @@ def with_usage_requested(
     body = _splice_stream_options(text, obj, want_running)
     if body is None:
         return None
-    # the server now sends per-chunk usage; the client would have seen it only if it asked for
-    # both (vLLM sends running totals only together with include_usage)
+    # the server may now send per-chunk usage the client would not have seen: none without
+    # include_usage on any server (Ollama's /v1/completions puts a zero `usage` on every chunk
+    # once asked for it), and vLLM's running totals only with both
     return (
         body.encode("utf-8"),
         not asked_usage,
-        want_running and not (asked_usage and asked_running),
+        not asked_usage or (want_running and not asked_running),
     )
 
 
