@@ -15,7 +15,8 @@ use overhead.py for what a client gets.
 How: each proxy runs under `valgrind --tool=callgrind` in front of overhead.py's fast upstream
 (which runs natively). After a warm-up the counters are zeroed (`callgrind_control -z`), a fixed
 load is sent, and the counters dumped (`-d`):
-- requests: `--requests` non-streaming requests on 8 connections (16-token replies);
+- requests: `--requests` non-streaming requests on 8 connections (16-token replies; 0: none, the
+  streams alone);
 - streams: `--streams` streams of `--tokens` one-token chunks, 8 at a time, with the upstream
   pacing each stream's events (`--pace`) so that, even at valgrind's speed, a read carries about one
   event, as it does under overhead.py's load (without pacing the slowed proxy reads many events at
@@ -159,20 +160,22 @@ async def measure(
     for name, (proc, url) in paths.items():
         await requests(url, 100)  # warm-up: connection pools, caches
         await streams(url, CONNECTIONS, 16, 0.0)
-        zero(proc.pid)
-        await requests(url, args.requests)
-        per_request = dump(proc.pid, tmp / name) / args.requests
+        per_request = None  # `--requests 0`: the streams alone
+        if args.requests:
+            zero(proc.pid)
+            await requests(url, args.requests)
+            per_request = dump(proc.pid, tmp / name) / args.requests
         zero(proc.pid)
         st = await streams(url, args.streams, args.tokens, args.pace)
         per_chunk = dump(proc.pid, tmp / name) / st["chunks"]
         out[name] = {"per_request": per_request, "per_chunk": per_chunk, **st}
-        print(f"{name:<22} {per_request:10.0f} per request {per_chunk:9.0f} per chunk", flush=True)
+        req = per_request or 0.0
+        print(f"{name:<22} {req:10.0f} per request {per_chunk:9.0f} per chunk", flush=True)
     base = out["minimal_proxy"]
     for r in out.values():
-        r["vs_minimal"] = {
-            "per_request": r["per_request"] / base["per_request"],
-            "per_chunk": r["per_chunk"] / base["per_chunk"],
-        }
+        r["vs_minimal"] = {"per_chunk": r["per_chunk"] / base["per_chunk"]}
+        if args.requests:
+            r["vs_minimal"]["per_request"] = r["per_request"] / base["per_request"]
     return out
 
 

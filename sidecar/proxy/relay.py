@@ -114,7 +114,7 @@ async def stream(
     headers = _headers(up, ex, drop_length=True)
     resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
     try:
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
     except ConnectionResetError:
         client_left(ex)
         finish_later(ex, up, meter, s, deps)
@@ -123,9 +123,14 @@ async def stream(
         client_left(ex)
         finish_later(ex, up, None, s, deps)
         raise
-    capture, write = s.capture_bytes, resp.write
+    assert writer is not None  # prepared just now
+    # Per read, the loop calls what `iter_any` and `resp.write` call (`readany`, the payload
+    # writer's `write`: its chunked framing and its drain) without their wrappers: each is a
+    # coroutine a read, which `iter_any`'s `__anext__` also suspends and resumes when the read
+    # waits. `resp.write` adds checks that cannot fail here (bytes, prepared, no EOF sent).
+    capture, write, read = s.capture_bytes, writer.write, up.content.readany
     try:
-        async for chunk in up.content.iter_any():  # upstream failures raise here...
+        while chunk := await read():  # upstream failures raise here; b"" is the end...
             try:  # the meter, called here: this loop runs once per read of the upstream
                 out = meter.feed(chunk)
             except Exception:
