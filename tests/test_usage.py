@@ -205,6 +205,53 @@ def test_request_fields() -> None:
     assert (chat.max_tokens, chat.tools, chat.messages, chat.prompt_chars) == (9, 2, 1, 3)
 
 
+def _usage_only(prompt: int, out: int) -> bytes:
+    usage = {"prompt_tokens": prompt, "completion_tokens": out}
+    return b"data: " + json.dumps({"id": "c", "choices": [], "usage": usage}).encode() + b"\n\n"
+
+
+def _choice(index: int, **choice: Any) -> bytes:
+    chunk = {"id": "c", "model": "m", "choices": [{"index": index, **choice}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize(
+    ("endpoint", "choices", "parts", "expected"),
+    [
+        # llama.cpp's n=2 chat stream: one usage-only chunk per completion, its own counts
+        (Endpoint.CHAT, 2, [(5, 28), (5, 40)], (5, 68, None)),
+        (Endpoint.CHAT, 2, [(5, 68)], (5, 68, None)),  # vLLM's: one, the totals
+        # the choices share one prompt: its largest count, once
+        (Endpoint.CHAT, 3, [(5, 1), (6, 2), (5, 3)], (6, 6, None)),
+        # a completion's parts may each be another prompt's: the inputs add up
+        (Endpoint.COMPLETIONS, 2, [(5, 28), (7, 40)], (12, 68, None)),
+        # more parts than choices: which repeat another cannot be told
+        (Endpoint.CHAT, 2, [(5, 28), (5, 40), (5, 40)], (None, None, "invalid_usage")),
+        # one choice: a repeated final word replaces the one before (3b3c617)
+        (Endpoint.CHAT, 1, [(5, 40), (5, 40)], (5, 40, None)),
+    ],
+)
+def test_usage_only_chunks_of_several_choices_add_up_on_both_paths(
+    endpoint: Endpoint,
+    choices: int,
+    parts: list[tuple[int, int]],
+    expected: tuple[int | None, int | None, str | None],
+    fast: bool,
+) -> None:
+    """Before, a usage-only chunk replaced the one before whatever the choices, so llama.cpp's
+    n=2 stream was billed its last completion's 40 tokens of 68 (both paths)."""
+    text = "delta" if endpoint is Endpoint.CHAT else "text"
+    out = {"delta": {"content": "a"}} if text == "delta" else {"text": "a"}
+    data = b"".join(_choice(i, **out) for i in range(choices))
+    data += b"".join(_choice(i, finish_reason="stop", **out) for i in range(choices))
+    data += b"".join(_usage_only(p, o) for p, o in parts) + b"data: [DONE]\n\n"
+    meter = open_stream(endpoint, fast=fast, choices=choices, strip_usage=True)
+    meter.feed(data)
+    u = meter.finish()[1]
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == expected
+
+
 def test_role_only_first_chunk_is_not_a_token() -> None:
     role = {
         "id": "c",

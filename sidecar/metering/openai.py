@@ -300,7 +300,9 @@ class ChatStream(SSEMeter):
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
-        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the last usage-only chunk's
+        # the usage-only chunks' usage: the last one's (one choice), or up to one per choice
+        self._final_usage: list[Mapping[str, Any] | bytes] = []
+        self._extra_usage = False  # more usage-only chunks than choices came
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
         # a chunk of a choice the request did not ask for came (`stream.choice_index`)
@@ -330,9 +332,17 @@ class ChatStream(SSEMeter):
                 self._cut = self._strip_chunk
             return False
         if isinstance(usage, dict) and isinstance(choices, list):
-            # the request's totals, not a part of them: a repeated usage chunk replaces the one
-            # before (the last word, as a client's SDK keeps it), never adds to it
-            self._final_usage = [usage]
+            if self._choices < 2:
+                # the request's totals, not a part of them: a repeated usage chunk replaces the
+                # one before (the last word, as a client's SDK keeps it), never adds to it
+                self._final_usage = [usage]
+            elif len(self._final_usage) < self._choices:
+                # several choices: llama.cpp sends one usage-only chunk per completion, each
+                # with that completion's counts (`to_json_oaicompat_chat_stream`); vLLM one
+                # with the totals. Each is a part, added up (`_counted_usage`)
+                self._final_usage.append(usage)
+            else:
+                self._extra_usage = True  # more parts than choices: no choice's own
             return self._strip
         return False
 
@@ -360,8 +370,15 @@ class ChatStream(SSEMeter):
         unknown (as they are beside a choice the request did not ask for). A usage on a choice's
         chunk that counts no prompt is no running total (`_counts_a_prompt`)."""
         running = {i: u for i, u in self._choice_usage.items() if _counts_a_prompt(u)}
+        if self._extra_usage:
+            # more usage-only chunks than the request has choices: which are parts and which
+            # repeat another cannot be told
+            return replace(self._base(), unknown_reason=INVALID_USAGE)
         if self._final_usage or not running:
-            return _totals(self._base(), self._final_usage, self.endpoint)
+            # A chat's choices share one prompt: its input is counted once (the largest part's);
+            # a completion's parts may each be another prompt's, so their inputs add up.
+            shared = self.endpoint is Endpoint.CHAT
+            return _totals(self._base(), self._final_usage, self.endpoint, shared_prompt=shared)
         if self._stray:
             # running totals beside a choice the request did not ask for: whose tokens it had,
             # and so each choice's, cannot be told (the request's own totals would say)
@@ -423,15 +440,27 @@ class ResponsesStream(SSEMeter):
         return _totals(self._base(), self._final_usage, self.endpoint)
 
 
-def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endpoint) -> Usage:
-    """A stream's usage: the sum of its usage objects (the last usage chunk, or one choice's
-    running totals: one of them, now), with the stream's other fields."""
+def _totals(
+    base: Usage,
+    totals: list[Mapping[str, Any] | bytes],
+    endpoint: Endpoint,
+    *,
+    shared_prompt: bool = False,
+) -> Usage:
+    """A stream's usage: the sum of its usage objects (the last usage chunk, the usage-only
+    chunks of a request with several choices, or one choice's running totals), with the
+    stream's other fields. `shared_prompt`: the parts are choices of one prompt, whose input
+    (and its cached part) is counted once, the largest part's, not added up."""
     if not totals:
         return replace(base, unknown_reason="stream_without_usage")
     parts = [read_usage(_decoded(u), endpoint) for u in totals]
     inp, out = total(p.input_tokens for p in parts), total(p.output_tokens for p in parts)
     # a part of a sum that is unknown (one of its parts invalid, or without it) is no count
     cached = None if inp is None else total_present(p.cached_input_tokens for p in parts)
+    if shared_prompt and len(parts) > 1 and inp is not None:
+        inp = max(p.input_tokens or 0 for p in parts)
+        present = [p.cached_input_tokens for p in parts if p.cached_input_tokens is not None]
+        cached = max(present) if present else None
     reasoning = None if out is None else total_present(p.reasoning_tokens for p in parts)
     return bounded(
         replace(
