@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -303,3 +304,191 @@ async def test_n_predict_beside_max_tokens_on_llama_cpps_openai_routes_is_billed
     for extra, cap in (({"n_predict": 1000}, 1000), ({"n_predict": -1}, None)):
         sent = json.dumps({"max_tokens": 1, "messages": [], **extra}).encode()
         assert inspect_request(Endpoint.CHAT, sent, inject_usage=False).output_cap == cap
+
+
+# --- parallel sampling: `n_cmpl` (alias `n`) completions of each prompt -------------------------
+# server-schema.cpp: "n_cmpl ... add_alias n", "total outputs will be N prompts times n_cmpl";
+# `server_response_reader::post_tasks` numbers the results prompt * n_cmpl + completion.
+
+ANSWERS = [40, 28, 33, 21]  # tokens each completion generates to its end (no limit it obeys)
+MSGS: Any = [{"role": "user", "content": "one two three four five"}]  # 5 prompt tokens
+BILLED = "user, endpoint, input_tokens, output_tokens, cost_usd"
+
+
+async def _fronting(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, path: str, handler: Any
+) -> tuple[Running, Path]:
+    """A sidecar with a ledger and a budget in front of a fake answering one route."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": PRICES,
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "budgets": {"user_daily_usd": 5.0},
+            "upstream": {"model_name": SIM_MODEL},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    return run, db
+
+
+async def _billed(run: Running, db: Path) -> list[tuple[Any, ...]]:
+    await wait_for(lambda: len(sim.ledger_rows(db, BILLED)) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    return sim.ledger_rows(db, BILLED)
+
+
+def _completions(obj: dict[str, Any]) -> list[int]:
+    """Each completion's output: `n_cmpl`, else `n`, of them, up to the limit llama.cpp reads."""
+    limit = obj.get("n_predict", obj.get("max_tokens"))
+    n = obj.get("n_cmpl", obj.get("n", 1))
+    return [min(a, limit) if limit and limit > 0 else a for a in ANSWERS[:n]]
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def llama_cpp_v1_chat_stream(request: web.Request) -> web.StreamResponse:
+    """/v1/chat/completions streamed as llama.cpp streams parallel samples: each completion its
+    own task (index i), its chunks, its finish chunk and then (include_usage) a usage-only chunk
+    of its own counts (server-task.cpp `to_json_oaicompat_chat_stream`); the shortest first."""
+    obj = json.loads(await request.read())
+    outs = _completions(obj)
+    chunk = {"id": "chatcmpl-l", "created": 1, "model": obj["model"]}
+    chunk |= {"object": "chat.completion.chunk", "system_fingerprint": "b1"}
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    include_usage = (obj.get("stream_options") or {}).get("include_usage")
+    for step in range(max(outs)):
+        for i, out in enumerate(outs):
+            if step < out:
+                choice = {"finish_reason": None, "index": i, "delta": {"content": "x "}}
+                await resp.write(_event({**chunk, "choices": [choice]}))
+            if step == out - 1:  # this task's final result
+                done = {"finish_reason": "stop", "index": i, "delta": {}}
+                await resp.write(_event({**chunk, "choices": [done]}))
+                if include_usage:
+                    usage = {"completion_tokens": out, "prompt_tokens": 5, "total_tokens": 5 + out}
+                    await resp.write(_event({**chunk, "choices": [], "usage": usage}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.mark.parametrize("field", ["n", "n_cmpl"])
+@pytest.mark.parametrize("n", [2, 4])
+async def test_parallel_samples_on_llama_cpps_chat_stream_are_each_billed(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, n: int, field: str
+) -> None:
+    """llama.cpp's chat stream with `n` (or its own `n_cmpl`, which the OpenAI SDK passes in
+    `extra_body`) sends one usage-only chunk per completion. Before: the last one replaced the
+    others ("last wins", 3b3c617), so n=2 was billed 40 of its 68 output tokens and n=4 40 of
+    122; with `n_cmpl` (read as one choice) the other completions' chunks were stray too. Each
+    is billed now, the one prompt once."""
+    run, db = await _fronting(
+        start_sidecar, aiohttp_server, tmp_path, "/v1/chat/completions", llama_cpp_v1_chat_stream
+    )
+    client = openai.AsyncOpenAI(
+        base_url=run.url + "/v1", api_key="k", default_headers={"X-Tollbooth-User": "pat"}
+    )
+    got = [0] * n
+    async with client:
+        chunks = await client.chat.completions.create(
+            model=SIM_MODEL, messages=MSGS, stream=True, max_tokens=100, extra_body={field: n}
+        )
+        async for c in chunks:
+            for choice in c.choices:
+                got[choice.index] += bool(choice.delta.content)
+    assert got == ANSWERS[:n]
+    out = sum(ANSWERS[:n])
+    cost = pytest.approx(sim.token_cost(5, out))
+    assert await _billed(run, db) == [("pat", "/v1/chat/completions", 5, out, cost)]
+    assert run.sc.budgets.store.spent["user:pat"] == to_micros(sim.token_cost(5, out))
+
+
+async def llama_cpp_completion_stream(request: web.Request) -> web.StreamResponse:
+    """/completion streamed as llama.cpp streams `n_cmpl` (or `n`) completions of one prompt:
+    each event with its result's index, each result ending with its `stop: true` totals
+    (`to_json_non_oaicompat`); no [DONE]."""
+    obj = json.loads(await request.read())
+    outs = _completions(obj)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for step in range(max(outs)):
+        for i, out in enumerate(outs):
+            if step >= out:
+                continue
+            stop = step == out - 1
+            event: dict[str, Any] = {"index": i, "content": "x", "stop": False, "id_slot": i}
+            event |= {"tokens_predicted": step + 1, "tokens_evaluated": 5}
+            await resp.write(_event(event))
+            if stop:
+                final = {**event, "content": "", "stop": True, "model": SIM_MODEL}
+                final |= {"stop_type": "eos", "timings": {"cache_n": 0, "prompt_n": 5}}
+                await resp.write(_event(final))
+    return resp
+
+
+@pytest.mark.parametrize("field", ["n_cmpl", "n"])
+async def test_n_completions_of_a_completion_stream_are_measured(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, field: str
+) -> None:
+    """Before: the request was read as its prompts only (one choice), so the other completions'
+    events (index 1..3) were stray and the usage invalid: the ledger NULL, the budget charged
+    the hold of ONE completion (40 output tokens) for the 122 that four generated. Each
+    completion reports its prompt (5 tokens): the four results' counts add up, as a body's."""
+    run, db = await _fronting(
+        start_sidecar, aiohttp_server, tmp_path, "/completion", llama_cpp_completion_stream
+    )
+    req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, field: 4}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/completion", json=req, headers={"X-Tollbooth-User": "cmp"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    out = sum(ANSWERS)
+    cost = pytest.approx(sim.token_cost(20, out))
+    assert await _billed(run, db) == [("cmp", "/completion", 20, out, cost)]
+    assert run.sc.budgets.store.spent["user:cmp"] == to_micros(sim.token_cost(20, out))
+
+
+@pytest.mark.parametrize(
+    ("extra", "choices"),
+    [
+        ({"n_cmpl": 3}, 3),
+        ({"n": 3}, 3),
+        ({"n_cmpl": 2, "n": 4}, 2),  # n_cmpl first; `n` is its alias
+        ({"n_cmpl": None, "n": 4}, 4),  # a null is absent
+        ({"n_cmpl": 2.9}, 2),  # nlohmann's get<int> truncates
+        ({"n_cmpl": True}, 1),
+        ({"n_cmpl": 0}, 1),  # refused (hard limits 1..n_parallel): nothing is generated
+        ({"n_cmpl": -3}, 1),
+        ({"n_cmpl": "4"}, 1),  # no number: refused
+    ],
+)
+def test_completions_per_prompt_are_read_as_llama_cpp_reads_them(
+    extra: dict[str, Any], choices: int
+) -> None:
+    """Two prompts: their results are numbered 0 .. 2 * n_cmpl - 1, all of them choices, and
+    the hold is for as many (`info.n`)."""
+    body = {"prompt": ["a b", "c d"], "n_predict": 4, **extra}
+    info = inspect_request(Endpoint.LLAMA_COMPLETION, json.dumps(body).encode(), inject_usage=False)
+    assert (info.choices, info.n) == (2 * choices, 2 * choices)
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_n_cmpl_on_llama_cpps_openai_routes_is_as_many_choices(endpoint: Endpoint) -> None:
+    """llama.cpp's OpenAI routes copy `n_cmpl` through to the completion it runs, which makes
+    that many (vLLM ignores the field, and reads `n`): the route's choices are the most either
+    makes, so none of llama.cpp's is stray, and the hold is for as many."""
+    body: dict[str, Any] = {"model": SIM_MODEL, "max_tokens": 5, "n_cmpl": 3}
+    body |= {"messages": MSGS} if endpoint is Endpoint.CHAT else {"prompt": ["a", "b"]}
+    prompts = 1 if endpoint is Endpoint.CHAT else 2
+    info = inspect_request(endpoint, json.dumps(body).encode(), inject_usage=False)
+    assert (info.choices, info.n) == (3 * prompts, 3)
+    vllm_n = inspect_request(endpoint, json.dumps({**body, "n": 4}).encode(), inject_usage=False)
+    assert (vllm_n.choices, vllm_n.n) == (4 * prompts, 4)  # vLLM's n=4 is more than 3

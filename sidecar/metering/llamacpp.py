@@ -34,7 +34,7 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
         info.temperature = number(obj.get("temperature"))
         info.prompt_chars = prompt_chars(obj)
-        info.n = info.choices = _prompts(obj)
+        info.n = info.choices = _prompts(obj) * completions(obj)
         info.output_cap = reqsize.output_cap(info.max_tokens, obj, {})
 
     def usage_from_body(
@@ -76,6 +76,23 @@ def _prompts(obj: Mapping[str, Any]) -> int:
     if isinstance(prompt, list) and prompt and not all(type(p) is int for p in prompt):
         return len(prompt)
     return 1
+
+
+def completions(obj: Mapping[str, Any]) -> int:
+    """Completions of each prompt: `n_cmpl`, else its alias `n` (a null one is absent), as
+    llama.cpp's schema reads them (server-schema.cpp, `field_num::eval`: nlohmann's get<int>,
+    so a fraction is truncated and a boolean is 0 or 1). Results are numbered prompt * n_cmpl +
+    completion (`server_response_reader::post_tasks`). A value below 1 (or above the server's
+    `n_parallel`, unknown here) is refused, and one no number could be (a string) too, or read
+    as the default by older servers' `json_value`: 1 either way, nothing more is generated."""
+    value = obj.get("n_cmpl")
+    if value is None:
+        value = obj.get("n")
+    if isinstance(value, float):
+        value = int(value) if value == value and abs(value) < 2**31 else None
+    if type(value) is not int or value < 1:  # a boolean reads as 0 or 1
+        return 1
+    return value
 
 
 def _reason(obj: Mapping[str, Any]) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
 from ..text import ID_CHARS, MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
-from . import reqsize, splice
+from . import llamacpp, reqsize, splice
 from .counts import (
     INVALID_USAGE,
     body_value,
@@ -72,6 +72,11 @@ class OpenAIAdapter:
         if n is not None and read_n is None:
             unreadable += ("n",)
         n = read_n if read_n is not None and read_n > 0 else None
+        if endpoint in _INJECTABLE and (completions := llamacpp.completions(obj)) > (n or 1):
+            # llama.cpp's OpenAI routes copy the body's other fields through to its completion
+            # params (server-common.cpp `oaicompat_chat_params_parse`), where `n_cmpl`, else
+            # `n`, is the completions per prompt: the most any server behind the route makes
+            n = completions
         # An absent field is answered here, without the call that would say so: most bodies
         # have no `stream`, `user` or `temperature`.
         stream = obj.get("stream")

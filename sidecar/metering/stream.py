@@ -207,7 +207,11 @@ class CountsStream(SSEMeter):
         base = self._base()
         if self._invalid:
             return replace(base, unknown_reason=INVALID_USAGE)
-        counts = [self._counts.get(i, NO_COUNTS) for i in range(self._choices)]
+        # every prompt's counts; one asked for and never read leaves the sums unknown (one
+        # NO_COUNTS stands for all: a loop over the choices asked for is the client's to size)
+        counts = [*self._counts.values()]
+        if len(counts) < self._choices:
+            counts.append(NO_COUNTS)
         return replace(summed(counts, base.model, base.finish_reasons), error=base.error)
 
 
