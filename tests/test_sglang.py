@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from sidecar.exchange import Endpoint
 from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
@@ -53,6 +54,9 @@ def info(body: dict[str, Any], api: str = "vllm") -> Any:
         ({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4}}, 4, 2),
         ({"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 4, "n": 2}}, 4, 4),
         ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}, 4, 1),
+        # embeddings: one prompt's are [token][hidden], a batch's [prompt][token][hidden]
+        ({"input_embeds": [[0.5, 0.25]] * 3, "sampling_params": {"max_new_tokens": 4}}, 4, 1),
+        ({"input_embeds": [[[0.5, 0.25]] * 3] * 2, "sampling_params": {"max_new_tokens": 4}}, 4, 2),
     ],
 )
 def test_an_sglang_body_is_read_as_sglang_reads_it(
@@ -216,3 +220,69 @@ async def test_a_burst_against_a_small_budget_is_held(
     await sim.assert_burst_held(
         run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )
+
+
+# --- a batch of embeddings ------------------------------------------------------------------------
+
+ANSWERS = [40, 28, 33, 21]  # tokens each prompt's generation runs to (no limit it obeys)
+BILLED = "user, endpoint, input_tokens, output_tokens, cost_usd"
+
+
+async def sglang_generate_batch(request: web.Request) -> web.StreamResponse:
+    """/generate streamed as SGLang streams a batch (a `text` list, or `input_embeds` of
+    [prompt][token][hidden]: io_struct `_determine_batch_size`): each prompt's chunks with its
+    `index` and cumulative meta_info, then [DONE]."""
+    obj = json.loads(await request.read())
+    embeds, text = obj.get("input_embeds"), obj.get("text")
+    prompts = len(embeds) if embeds is not None else len(text)
+    limit = obj["sampling_params"]["max_new_tokens"]
+    outs = [min(a, limit) for a in ANSWERS[:prompts]]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for step in range(max(outs)):
+        for i, out in enumerate(outs):
+            if step < out:
+                reason = {"type": "stop"} if step == out - 1 else None
+                meta = {"prompt_tokens": 5, "completion_tokens": step + 1, "cached_tokens": 0}
+                meta["finish_reason"] = reason
+                chunk = {"text": "x" * (step + 1), "meta_info": meta, "index": i}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.mark.parametrize("batch", ["text", "input_embeds"])
+async def test_a_batch_of_embeddings_is_measured(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, batch: str
+) -> None:
+    """Before: a batch was read from `text` and `input_ids` only, so four prompts' embeddings
+    were one choice, the other prompts' chunks (index 1..3) stray and the usage invalid: the
+    ledger NULL, the budget charged the hold of one prompt's 40 tokens for the 122 generated.
+    (`text` is the control: it passed.)"""
+    app = web.Application()
+    app.router.add_post("/generate", sglang_generate_batch)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": PRICES,
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "budgets": {"user_daily_usd": 5.0},
+            "upstream": {"api": "sglang", "model_name": SIM_MODEL},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    prompt: Any = [[[0.5, 0.25]] * 5] * 4 if batch == "input_embeds" else ["a b c d e"] * 4
+    req = {batch: prompt, "sampling_params": {"max_new_tokens": 40}, "stream": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json=req, headers={"X-Tollbooth-User": "sgl"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, BILLED)) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    cost = sim.token_cost(20, sum(ANSWERS))
+    rows = sim.ledger_rows(db, BILLED)
+    assert rows == [("sgl", "/generate", 20, sum(ANSWERS), pytest.approx(cost))]
+    assert run.sc.budgets.store.spent["user:sgl"] / 1e6 == pytest.approx(cost)

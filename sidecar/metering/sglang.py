@@ -1,10 +1,11 @@
 """SGLang's native `/generate` (TGI's path: `wire.inspect_request` tells the two apart).
 
-Owns: what an SGLang generate request asks for (`text` or `input_ids`, one or a batch;
-`sampling_params.max_new_tokens`, SGLang's default 128 when absent; `sampling_params.n`; `stream`
-as FastAPI's pydantic reads a bool), usage from a complete body (`meta_info.{prompt_tokens,
-completion_tokens, cached_tokens}`, one object or a list for a batch) and from its SSE stream,
-where every chunk carries its prompt's counts so far, then `data: [DONE]`.
+Owns: what an SGLang generate request asks for (`text`, `input_ids` or `input_embeds`, one or
+a batch; `sampling_params.max_new_tokens`, SGLang's default 128 when absent;
+`sampling_params.n`; `stream` as FastAPI's pydantic reads a bool), usage from a complete body
+(`meta_info.{prompt_tokens, completion_tokens, cached_tokens}`, one object or a list for a
+batch) and from its SSE stream, where every chunk carries its prompt's counts so far, then
+`data: [DONE]`.
 Never: changes a byte. Formats: sglang `python/sglang/srt/entrypoints/http_server.py`
 (`generate_request`), `srt/managers/io_struct.py` (`GenerateReqInput`), `srt/managers/
 tokenizer_manager.py` (`meta_info`), `srt/sampling/sampling_params.py` (`max_new_tokens=128`).
@@ -79,12 +80,19 @@ def _limit(params: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
 
 
 def _prompts(obj: Mapping[str, Any]) -> int:
-    """Prompts in the request: a `text` list, or an `input_ids` list of lists, is a batch."""
+    """Prompts in the request: a `text` list, an `input_ids` list of lists, or (with neither)
+    an `input_embeds` list of embedding matrices ([prompt][token][hidden]) is a batch
+    (`GenerateReqInput._determine_batch_size`: one prompt's embeddings are [token][hidden])."""
     text, ids = obj.get("text"), obj.get("input_ids")
     if isinstance(text, list) and text:
         return len(text)
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
         return len(ids)
+    embeds = obj.get("input_embeds")
+    if text is None and ids is None and isinstance(embeds, list) and embeds:
+        first = embeds[0]
+        if isinstance(first, list) and first and isinstance(first[0], list):
+            return len(embeds)
     return 1
 
 
