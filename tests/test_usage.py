@@ -21,6 +21,7 @@ from sidecar.metering.wire import (
     open_stream,
     tokenize_requests,
     usage_from_body,
+    within_request,
 )
 from sidecar.proxy.routes import AmbiguousPath, classify, routing_path
 from tests.fakes import load_fixture
@@ -203,6 +204,29 @@ def test_request_fields() -> None:
         inject_usage=True,
     )
     assert (chat.max_tokens, chat.tools, chat.messages, chat.prompt_chars) == (9, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("body", "choices"),
+    [
+        ({"prompt_embeds": "AAAA"}, 1),
+        ({"prompt_embeds": ["AAAA", "BBBB"]}, 2),
+        ({"prompt_embeds": ["AAAA", "BBBB"], "n": 2}, 4),
+        ({"prompt_embeds": ["AAAA"], "prompt": ["a", "b"]}, 3),  # the embeds, then the texts
+        ({"prompt_embeds": "AAAA", "prompt": "a"}, 2),
+        ({"prompt_embeds": "AAAA", "prompt": [1, 2, 3]}, 2),  # token ids: one prompt
+    ],
+)
+def test_prompt_embeds_are_prompts(body: dict[str, Any], choices: int) -> None:
+    """vLLM's /v1/completions takes `prompt_embeds` as one base64 tensor or a list, one prompt
+    each, beside `prompt`'s (CompletionRequest). Before, `prompt` alone was read: two tensors
+    were one choice, so the second's chunks were stray and its output over one choice's cap
+    invalid usage (charged the hold of one)."""
+    sent = json.dumps({"model": "m", "max_tokens": 5, "stream": True, **body}).encode()
+    info = inspect_request(Endpoint.COMPLETIONS, sent, inject_usage=True)
+    assert info.choices == choices
+    both = Usage(input_tokens=8, output_tokens=5 * choices)  # each generated its 5 tokens
+    assert within_request(both, info).unknown_reason is None
 
 
 def _usage_only(prompt: int, out: int) -> bytes:

@@ -198,11 +198,21 @@ def _server_tools(tools: object) -> bool:
 
 
 def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
-    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one."""
-    prompt = obj.get("prompt")
-    if endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and prompt:
-        return 1 if isinstance(prompt[0], int) else len(prompt)
-    return 1
+    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one.
+    vLLM's `prompt_embeds` (one base64 tensor, or a list of them: `CompletionRequest`) are
+    prompts too, served before the text ones ("the prompt embeds are always returned first",
+    docs/features/prompt_embeds.md): a request's prompts are both together."""
+    if endpoint is not Endpoint.COMPLETIONS:
+        return 1
+    prompt, embeds = obj.get("prompt"), obj.get("prompt_embeds")
+    if isinstance(prompt, list) and prompt:
+        texts = 1 if isinstance(prompt[0], int) else len(prompt)
+    else:
+        texts = 1
+    if embeds is None:
+        return texts
+    tensors = len(embeds) if isinstance(embeds, list) else 1
+    return max(1, tensors + (texts if prompt is not None else 0))
 
 
 def body_usage(endpoint: Endpoint, obj: object) -> Usage:
