@@ -96,6 +96,25 @@ def test_several_prompts_are_several_results() -> None:
     assert inspect_request(Endpoint.LLAMA_COMPLETION, ids, inject_usage=False).choices == 1
 
 
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ([12, "a", 34], 1),  # tokens and text mixed: one prompt (`tokenize_mixed`)
+        (["a", 12], 1),
+        (["a", [12, "b"], [1, 2]], 3),  # mixed within a list of prompts: each one
+        ([True, "a"], 2),  # a boolean is no number to llama.cpp: two "prompts" (refused)
+    ],
+)
+def test_a_prompt_of_tokens_and_text_mixed_is_one_prompt(prompt: list[Any], prompts: int) -> None:
+    """llama.cpp's `tokenize_input_prompts` reads a `prompt` list holding both an integer and a
+    string as one prompt (`json_is_array_of_mixed_numbers_strings`, then `tokenize_mixed`: "
+    [12, 34, "string", 56, 78]"). Before, such a list was read as len(prompt) prompts: the hold
+    (and the output cap) was that many times too large."""
+    body = json.dumps({"prompt": prompt, "n_predict": 4}).encode()
+    info = inspect_request(Endpoint.LLAMA_COMPLETION, body, inject_usage=False)
+    assert (info.choices, info.n) == (prompts, prompts)
+
+
 def test_a_final_body_is_read_with_cache_n_as_cached_input() -> None:
     u = usage_from_body(Endpoint.LLAMA_COMPLETION, json.dumps(FINAL).encode(), {})
     assert (u.input_tokens, u.output_tokens, u.cached_input_tokens) == (12, 7, 4)

@@ -71,9 +71,14 @@ def _limit(obj: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
 
 def _prompts(obj: Mapping[str, Any]) -> int:
     """Results one request makes: a `prompt` list holding strings or token lists is several
-    prompts (one result each); a list of token ids is one prompt."""
+    prompts (one result each); a list of token ids is one prompt, and so is a list holding both
+    token ids and strings (`tokenize_input_prompts`: `json_is_array_of_mixed_numbers_strings`,
+    read by `tokenize_mixed`)."""
     prompt = obj.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(type(p) is int for p in prompt):
+    if isinstance(prompt, list) and prompt:
+        ids = any(type(p) is int for p in prompt)  # a JSON integer (a boolean is none)
+        if ids and (all(type(p) is int for p in prompt) or any(type(p) is str for p in prompt)):
+            return 1
         return len(prompt)
     return 1
 
