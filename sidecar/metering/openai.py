@@ -358,10 +358,13 @@ class ChatStream(SSEMeter):
         """The totals if they came; else vLLM's running totals (exact up to the last chunk
         received), each prompt's once: at the stream's end as for a client that left; else
         unknown (as they are beside a choice the request did not ask for). A usage on a choice's
-        chunk that counts no prompt is no running total (`_counts_a_prompt`)."""
+        chunk that counts no prompt is no running total (`_counts_a_prompt`): beside another
+        choice's, that choice's output is unknown, so the request's is."""
         running = {i: u for i, u in self._choice_usage.items() if _counts_a_prompt(u)}
         if self._final_usage or not running:
             return _totals(self._base(), self._final_usage, self.endpoint)
+        if len(running) < len(self._choice_usage):
+            return replace(self._base(), unknown_reason="incomplete_usage")
         if self._stray:
             # running totals beside a choice the request did not ask for: whose tokens it had,
             # and so each choice's, cannot be told (the request's own totals would say)
