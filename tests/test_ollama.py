@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import ollama
 import openai
 import pytest
@@ -551,3 +552,38 @@ async def test_vllm_with_max_completion_tokens_alone_is_still_billed_its_running
     assert cost == pytest.approx(sim.token_cost(inp, out))
     assert run.sc.budgets.store.spent["user:val"] == to_micros(cost)
     assert run.value("llm_budget_unmeasured_charges_total") in (None, 0)
+
+
+async def test_an_ollama_embed_whose_client_left_is_not_charged_output_tokens(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """/api/embed generates nothing: it holds and is charged its prompt alone, as /v1/embeddings.
+    Before, its `output_cap` was `num_predict` (absent: None), so its hold, and the charge of a
+    client that left, added the default 4096 output tokens ($8.19 at the test's prices)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def embed(request: web.Request) -> web.Response:
+        await request.read()
+        entered.set()
+        await release.wait()
+        return web.json_response({})
+
+    budgets = {"user_daily_usd": 50.0}
+    route = ("/api/embed", embed)
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    body = {"model": MODEL, "input": "one two three four five"}
+    try:
+        async with aiohttp.ClientSession() as s:
+            headers = {"X-Tollbooth-User": "emb"}
+            call = asyncio.ensure_future(s.post(run.url + "/api/embed", json=body, headers=headers))
+            await asyncio.wait_for(entered.wait(), 10)
+            call.cancel()
+        await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+        await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    finally:
+        release.set()
+    [(_, _, _, _, _, status)] = sim.ledger_rows(db, V1_COLUMNS)
+    assert status == "499"
+    charged = run.sc.budgets.store.spent["user:emb"] / 1e6
+    most = sim.token_cost(len(json.dumps(body)), 0)  # every character a token, no output
+    assert 0 < charged <= most, f"charged ${charged:.4f} for an embedding (at most ${most:.4f})"

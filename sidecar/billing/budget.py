@@ -40,6 +40,7 @@ from ..exchange import (
     Refusal,
     RequestInfo,
     consumed,
+    held_output,
     priced_model,
 )
 from ..exchange import measured as measured_in_full
@@ -358,10 +359,11 @@ class Budgets:
     def worst_case_usd(self, ex: Exchange, limit: int | None = None) -> float:
         """The prompt (exact when sized by the upstream, else every character of the body's text
         over chars_per_token plus any token ids) at the input price, plus every output token the
-        request may generate (`limit`, by default its limit as the route's server reads it or
-        the default, times its choices: n x prompts) at the output price. A name the price book
-        does not list is held at the book's dearest prices: the engine may answer it as a listed
-        model, charged at that one's price. $0 only with no price at all."""
+        request may generate (`limit`, by default `held_output`: its limit as the route's server
+        reads it or the default, none on a route that generates nothing; times its choices: n x
+        prompts) at the output price. A name the price book does not list is held at the book's
+        dearest prices: the engine may answer it as a listed model, charged at that one's price.
+        $0 only with no price at all."""
         price = self.prices.hold_price(priced_model(ex))
         if price is None:
             return 0.0
@@ -373,9 +375,14 @@ class Budgets:
             chars = info.text_chars if info.parsed else len(info.body)
             prompt = math.ceil(chars / self.chars_per_token) + info.prompt_ids
         if limit is None:
-            limit = info.max_tokens or self.config.default_max_output_tokens
+            limit = self._held_output(info)
         out = min(limit, MAX_TOKENS) * min(info.choices, MAX_TOKENS)
         return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
+
+    def _held_output(self, info: RequestInfo) -> int:
+        """The output one choice is held at (`held_output`, else the default)."""
+        limit = held_output(info)
+        return self.config.default_max_output_tokens if limit is None else limit
 
     def unmeasured_usd(self, ex: Exchange) -> float:
         """The worst case an unmeasured request is charged (beside its hold, the larger): its
