@@ -161,7 +161,8 @@ class RequestInfo:
     # is absent, a chat request has no `max_tokens` (Ollama's /v1 reads no other field), or any
     # limit field is no positive integer (`reqsize.capping_limit`, `reqsize.output_cap`). 0 on a
     # route that generates nothing (embeddings, pooling): it holds no output (`held_output`).
-    # Also the output an unmeasured request is charged at (`budget.Budgets.unmeasured_usd`).
+    # Also the output an unmeasured request is charged at when its stream showed more output
+    # than its hold's limit (`budget.Budgets.unmeasured_usd`).
     output_cap: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
     # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
@@ -269,6 +270,10 @@ class Exchange:
     # what its budgets were charged when it settled (at least the hold where usage was not
     # measured); the ledger keeps it so that a restart restores it (None: no hold)
     budget_charge_usd: float | None = None
+    # Events of its stream that carried output, when its usage was read from the meter
+    # (`StreamMeter.token_events`): each holds at least one token, so more than its hold's limit
+    # allows shows the server ignored that limit (`budget.Budgets.unmeasured_usd`).
+    output_events: int = 0
     path: str = ""  # the normalised path: what was classified and forwarded
     # A streamed body (audio) still on its way when the request ended: the server never had a
     # whole request, so a client that left then consumed nothing.

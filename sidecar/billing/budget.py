@@ -385,14 +385,18 @@ class Budgets:
         return self.config.default_max_output_tokens if limit is None else limit
 
     def unmeasured_usd(self, ex: Exchange) -> float:
-        """The worst case an unmeasured request is charged (beside its hold, the larger): its
-        output limit the one every server behind the route obeys, `RequestInfo.output_cap` (the
-        cap on its counted output), else the default. The hold reads the limit as the route's
-        own server does: vLLM's chat reads `max_completion_tokens` first, which Ollama's
-        /v1/chat/completions ignores (it obeys `max_tokens` only), so output nobody measured may
-        run past the limit the hold read. The audio routes (vLLM's alone) keep their hold."""
+        """The worst case an unmeasured request is charged beside its hold (the larger), when
+        its stream showed that the server ignored the limit the hold read: more events carried
+        output (`Exchange.output_events`, each at least one token) than that limit allows its
+        choices. Then its output limit is the one every server behind the route obeys,
+        `RequestInfo.output_cap` (the cap on its counted output), else the default: vLLM's chat
+        reads `max_completion_tokens` first, which Ollama's /v1/chat/completions ignores (it
+        obeys `max_tokens` only). Otherwise (a server that obeyed it, or nothing streamed) the
+        hold is the worst case: $0 here. The audio routes (vLLM's alone) keep their hold."""
         info = ex.info
         if info.endpoint in AUDIO_ROUTES:
+            return 0.0
+        if ex.output_events <= self._held_output(info) * info.choices:
             return 0.0
         cap = info.output_cap
         return self.worst_case_usd(
@@ -513,7 +517,8 @@ class Budgets:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter; and at least its worst
-        case at the output limit every server behind the route obeys (`unmeasured_usd`)."""
+        case at the output limit every server behind the route obeys when its stream showed the
+        server ignored the limit the hold read (`unmeasured_usd`)."""
         if hold.unpriced and self.prices.price(priced_model(ex)) is None:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
         if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):
