@@ -4,8 +4,8 @@ Owns: the metered routes (`Endpoint`), what a request asks (`RequestInfo`), what
 (`Usage`), its price (`Cost`), the `Exchange` itself with the verdicts read from it (`consumed`,
 `priced_model`), the hook types (`Sink`, `Gate`, `CleanupContext`, and the two generic cleanup
 contexts `task_context` and `closing_context`), what a budget gate holds (`BudgetHold`), the
-`Refusal` a gate raises, and the token estimate admission and GPU attribution share
-(`estimate_tokens`).
+`Refusal` a gate raises, the output limit holds and estimates read (`held_output`), and the
+token estimate admission and GPU attribution share (`estimate_tokens`).
 Never: imports another part of the sidecar but `config` (a base module, as this one is), or does
 I/O itself: these are values, pure functions and contexts that run only what they are handed.
 """
@@ -159,8 +159,10 @@ class RequestInfo:
     # The most output one choice can have been asked for by any limit field in the body (the
     # route's limit and every other: a server may read another one), None when the route's limit
     # is absent, a chat request has no `max_tokens` (Ollama's /v1 reads no other field), or any
-    # limit field is no positive integer (`reqsize.capping_limit`, `reqsize.output_cap`). Also
-    # the output an unmeasured request is charged at (`budget.Budgets.unmeasured_usd`).
+    # limit field is no positive integer (`reqsize.capping_limit`, `reqsize.output_cap`). 0 on a
+    # route that generates nothing (embeddings, pooling): it holds no output (`held_output`).
+    # Also the output an unmeasured request is charged at when its stream showed more output
+    # than its hold's limit (`budget.Budgets.unmeasured_usd`).
     output_cap: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
     # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
@@ -268,6 +270,10 @@ class Exchange:
     # what its budgets were charged when it settled (at least the hold where usage was not
     # measured); the ledger keeps it so that a restart restores it (None: no hold)
     budget_charge_usd: float | None = None
+    # Events of its stream that carried output, when its usage was read from the meter
+    # (`StreamMeter.token_events`): each holds at least one token, so more than its hold's limit
+    # allows shows the server ignored that limit (`budget.Budgets.unmeasured_usd`).
+    output_events: int = 0
     path: str = ""  # the normalised path: what was classified and forwarded
     # A streamed body (audio) still on its way when the request ended: the server never had a
     # whole request, so a client that left then consumed nothing.
@@ -358,6 +364,15 @@ def closing_context(close: Callable[[], object]) -> CleanupContext:
         await asyncio.to_thread(close)
 
     return ctx
+
+
+def held_output(info: RequestInfo) -> int | None:
+    """The output limit one choice is held and estimated at: none on a route that generates
+    nothing (`output_cap` 0: embeddings, pooling, Ollama's /api/embed), else its limit as the
+    route's server reads it; None when it has none (the caller's default applies)."""
+    if info.output_cap == 0:
+        return 0
+    return info.max_tokens
 
 
 def estimate_tokens(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from typing import Any
 
 import aiohttp
@@ -250,3 +252,33 @@ async def test_tokenize_failure_falls_back_to_the_estimate(start_sidecar: StartS
     (admit,) = [d for d in run.sc.admission.decisions if d.event == "admit"]
     assert admit.tokens == 4 + 3
     assert run.value("tollbooth_upstream_errors_total", reason="tokenize") == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "output"),
+    [
+        ("/v1/embeddings", {"input": "a" * 40}, 0),
+        ("/rerank", {"query": "a" * 20, "documents": ["a" * 20]}, 0),
+        ("/api/embed", {"input": "a" * 40}, 0),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 40}]}, 256),
+    ],
+)
+async def test_a_route_that_generates_nothing_is_estimated_without_output(
+    path: str, body: dict[str, Any], output: int
+) -> None:
+    """The admission estimate (and the GPU split, which shares it) holds the output the budget's
+    hold does: none where nothing is generated. Before, an embedding was estimated at its prompt
+    plus `default_max_tokens` (256), as a chat request that sets no limit still is."""
+    from sidecar.exchange import Endpoint, Exchange
+    from sidecar.metering.wire import inspect_request
+
+    info = inspect_request(
+        Endpoint(path), json.dumps({"model": "m", **body}).encode(), inject_usage=False
+    )
+    ex = Exchange(
+        request_id="r", endpoint=info.endpoint, info=info, user="u", user_id="u", model="m"
+    )
+    adm = make(token_budget=10_000)
+    release = await adm.gate(ex)
+    assert adm.in_use == math.ceil(info.prompt_chars / 4.0) + output
+    release()

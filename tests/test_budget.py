@@ -6,17 +6,23 @@ The store's rules in isolation, then bursts of real openai SDK streams against a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
-from sidecar.billing.budget import DAY, Budgets, Hold, LocalStore, Scope, money, to_micros
+from sidecar.billing.budget import DAY, Budgets, Hold, LocalStore, Scope, money, to_micros, usd
+from sidecar.exchange import Exchange
 from sidecar.telemetry.metrics import LabelCap, Metrics
+from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
+from tests.waiting import wait_for
 
 # 5 tokens upstream; 7 estimated: the body's text ("user" and the content) over 4 chars per token
 MSGS = [{"role": "user", "content": "one two three four five"}]
@@ -204,12 +210,18 @@ def worst_case(
     body: dict[str, Any], endpoint: str = "/v1/chat/completions", **budgets: Any
 ) -> float:
     """The hold, in dollars at $1 per token, for a request body."""
-    from sidecar.billing.budget import Budgets
+    b, ex = _budgets_and_exchange(body, endpoint, **budgets)
+    return b.worst_case_usd(ex)
+
+
+def _budgets_and_exchange(
+    body: dict[str, Any], endpoint: str, **budgets: Any
+) -> tuple[Budgets, Exchange]:
+    """Budgets at $1 per token (one character a token) and an exchange of `body`."""
     from sidecar.config import AdmissionConfig, BudgetConfig, ModelPrice, PricingConfig
-    from sidecar.exchange import Endpoint, Exchange
+    from sidecar.exchange import Endpoint
     from sidecar.metering.pricing import PriceBook
     from sidecar.metering.wire import inspect_request
-    from sidecar.telemetry.metrics import LabelCap, Metrics
 
     info = inspect_request(Endpoint(endpoint), json.dumps(body).encode(), inject_usage=False)
     price = ModelPrice(input_per_1m=1e6, output_per_1m=1e6)
@@ -223,7 +235,7 @@ def worst_case(
     ex = Exchange(
         request_id="r", endpoint=info.endpoint, info=info, user="u", user_id="u", model="m"
     )
-    return b.worst_case_usd(ex)
+    return b, ex
 
 
 @pytest.mark.parametrize(
@@ -459,3 +471,226 @@ def test_team_spend_today_is_measured_spend_by_the_keys_team_and_bounded() -> No
     now[0] += DAY
     settle("web", 0.5)
     assert team_spend() == {"web": 0.5}
+
+
+# --- an unmeasured request: its hold, unless its stream showed its limit ignored ----------------
+
+
+def unmeasured_charge(body: dict[str, Any], output_events: int) -> float:
+    """What a chat request that reached the server, with nothing measured and `output_events`
+    events of output streamed, is charged (in dollars at $1 per token)."""
+    b, ex = _budgets_and_exchange(body, "/v1/chat/completions")
+    ex.upstream_start, ex.status, ex.output_events = 0.0, 499, output_events
+    amount = to_micros(b.worst_case_usd(ex))
+    return usd(b.charge(ex, Hold("r", 0, amount, (USER,)), 0.0))
+
+
+@pytest.mark.parametrize(
+    ("limits", "events", "output"),
+    [
+        # the hold reads vLLM's max_completion_tokens (50 a choice); Ollama's chat obeys only
+        # max_tokens: more events than the hold allows show it ignored the limit
+        ({"max_completion_tokens": 50}, 0, 50),
+        ({"max_completion_tokens": 50}, 50, 50),
+        ({"max_completion_tokens": 50}, 51, 4096),  # no max_tokens: the default worst case
+        ({"max_completion_tokens": 50, "max_tokens": 4000}, 51, 4000),
+        # n: 2, one choice a chunk (vLLM's): 100 events fit the two choices' limits
+        ({"max_completion_tokens": 50, "n": 2}, 100, 100),
+        ({"max_completion_tokens": 50, "n": 2}, 101, 2 * 4096),
+        ({"max_tokens": 50}, 51, 50),  # the limit every server obeys: the hold is the worst
+        ({}, 5000, 4096),
+    ],
+)
+def test_an_unmeasured_request_is_charged_its_hold_unless_its_stream_overran_it(
+    limits: dict[str, Any], events: int, output: int
+) -> None:
+    """An unmeasured request is charged the worst case at the limit every server obeys only on
+    the evidence that the server ignored the one the hold read: each event that carried output
+    holds a token at least, so more of them than the hold's limit x choices. Before, any
+    unmeasured chat request without `max_tokens` (an honest vLLM, TGI or SGLang client sending
+    `max_completion_tokens`, the openai SDK's field) was charged 4096 output tokens."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "ab"}], **limits}
+    prompt = len("user" + "ab")
+    assert unmeasured_charge(body, events) == pytest.approx(prompt + output)
+
+
+SIM_MODEL = "sim-llama-3-8b"
+LIMIT = 10  # max_completion_tokens: the limit vLLM, TGI and SGLang obey on chat
+STREAMED = 5  # chunks a streaming fake sends before it waits
+LEFT_COLUMNS = "user, endpoint, input_tokens, output_tokens, cost_usd, status"
+
+
+async def _start_fake(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    route: tuple[str, Any],
+    **config: Any,
+) -> tuple[Running, Path]:
+    app = web.Application()
+    app.router.add_post(*route)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": sim.prices(SIM_MODEL),
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "budgets": {"user_daily_usd": 50.0},
+            **config,
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    return run, db
+
+
+def _chat_chunks(count: int) -> bytes:
+    """`count` chat chunks of one token each, no usage on them (as TGI and SGLang send none)."""
+    c = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": SIM_MODEL}
+    c |= {"choices": [{"index": 0, "delta": {"content": "x "}, "finish_reason": None}]}
+    return (b"data: " + json.dumps(c).encode() + b"\n\n") * count
+
+
+def _generating(entered: asyncio.Event, release: asyncio.Event) -> Any:
+    """A chat server that obeys its limit and has not answered yet: non-streaming, it answers
+    nothing until `release`; streaming, STREAMED chunks and then it waits."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        obj = json.loads(await request.read())
+        assert obj.get("max_completion_tokens") == LIMIT
+        if not obj.get("stream"):
+            entered.set()
+            await release.wait()
+            return web.json_response({})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chat_chunks(STREAMED))
+        entered.set()
+        await release.wait()
+        return resp
+
+    return handler
+
+
+async def _settled(run: Running, db: Path) -> None:
+    await wait_for(lambda: len(sim.ledger_rows(db, LEFT_COLUMNS)) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+
+
+@pytest.mark.parametrize(
+    ("api", "stream"),
+    [("vllm", False), ("tgi", False), ("tgi", True), ("sglang", True)],
+)
+async def test_an_honest_max_completion_tokens_client_leaving_is_charged_its_limit_not_4096(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    api: str,
+    stream: bool,
+) -> None:
+    """vLLM, TGI and SGLang all obey `max_completion_tokens` (the openai SDK's field). A client
+    asking for 10 tokens that leaves before the usage (non-streaming: always unmeasured; TGI's
+    and SGLang's streams carry no running totals) is charged its hold (prompt + 10 tokens,
+    < $0.03). Before (d335792's rule), prompt + the default 4096 tokens ($8.19+)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    route = ("/v1/chat/completions", _generating(entered, release))
+    up = {"upstream": {"api": api}}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, **up)
+    body = {"model": SIM_MODEL, "messages": MSGS, "max_completion_tokens": LIMIT}
+    body["stream"] = stream
+    try:
+        async with aiohttp.ClientSession() as s:
+            headers = {"X-Tollbooth-User": "hon"}
+            call = asyncio.ensure_future(
+                s.post(run.url + "/v1/chat/completions", json=body, headers=headers)
+            )
+            await asyncio.wait_for(entered.wait(), 10)
+            if stream:
+                r = await asyncio.wait_for(call, 10)
+                got = 0
+                while got < STREAMED:  # read what was sent, then leave
+                    got += (await r.content.readline()).startswith(b"data:")
+                r.close()
+            else:
+                call.cancel()
+        await _settled(run, db)
+    finally:
+        release.set()
+    [(user, _, inp, out, _, status)] = sim.ledger_rows(db, LEFT_COLUMNS)
+    assert (user, inp, out, status) == ("hon", None, None, "499")
+    charged = run.sc.budgets.store.spent["user:hon"] / 1e6
+    # the most this request can have cost at the limit its server obeys: the body's every
+    # character a token (far more than its 5 words), LIMIT output tokens
+    most = sim.token_cost(len(json.dumps(body)), LIMIT)
+    assert charged <= most, (
+        f"charged ${charged:.4f} for a {LIMIT}-token limit (at most ${most:.4f})"
+    )
+
+
+async def test_an_upstream_breaking_off_charges_an_honest_tgi_client_its_limit_not_4096(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """The same through no act of the client: TGI (its chat stream, `max_completion_tokens: 10`,
+    no usage on its chunks) sends 5 tokens and drops the connection. Charged its hold; before,
+    the worst case at the default 4096 tokens."""
+
+    async def breaking(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chat_chunks(STREAMED))
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    route = ("/v1/chat/completions", breaking)
+    run, db = await _start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, upstream={"api": "tgi"}
+    )
+    body = {"model": SIM_MODEL, "messages": MSGS, "max_completion_tokens": LIMIT, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        headers = {"X-Tollbooth-User": "brk"}
+        async with s.post(run.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            with contextlib.suppress(aiohttp.ClientError):
+                await r.read()
+    await _settled(run, db)
+    [row] = sim.ledger_rows(db, LEFT_COLUMNS)
+    assert row[2:4] == (None, None)  # nothing measured
+    charged = run.sc.budgets.store.spent.get("user:brk", 0) / 1e6
+    most = sim.token_cost(len(json.dumps(body)), LIMIT)
+    assert 0 < charged <= most, f"row {row}: charged ${charged:.4f} (at most ${most:.4f})"
+
+
+async def test_the_openai_sdk_leaving_vllm_is_charged_its_max_completion_tokens_not_4096(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Through the openai SDK, whose chat call sends `max_completion_tokens` (max_tokens is
+    deprecated there): the call is cancelled while vLLM generates (a client's own timeout), and
+    the 10-token request is charged its hold; before, the default worst case."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    route = ("/v1/chat/completions", _generating(entered, release))
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route)
+    client = openai.AsyncOpenAI(
+        base_url=run.url + "/v1",
+        api_key="k",
+        max_retries=0,
+        default_headers={"X-Tollbooth-User": "sdk"},
+    )
+    try:
+        async with client:
+            call = asyncio.ensure_future(
+                client.chat.completions.create(
+                    model=SIM_MODEL, messages=MSGS, max_completion_tokens=LIMIT
+                )
+            )
+            await asyncio.wait_for(entered.wait(), 10)
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+        await _settled(run, db)
+    finally:
+        release.set()
+    charged = run.sc.budgets.store.spent["user:sdk"] / 1e6
+    most = sim.token_cost(len(json.dumps(MSGS)) + len(SIM_MODEL), LIMIT)
+    assert 0 < charged <= most, (
+        f"charged ${charged:.4f} for a {LIMIT}-token limit (at most ${most:.4f})"
+    )

@@ -4,14 +4,18 @@ plus leases, seeding once, an emptied Redis, and what a request gets while Redis
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from sidecar.billing import redis_store
 from sidecar.billing.budget import DAY, Hold, Scope, to_micros
@@ -19,6 +23,9 @@ from sidecar.billing.redis_scripts import SIDECARS, day_keys
 from sidecar.billing.redis_store import RedisStore
 from sidecar.config import BudgetConfig
 from sidecar.telemetry.metrics import Metrics
+from tests import simulated as sim
+from tests.conftest import StartSidecar
+from tests.test_ollama import MODEL, MSGS_V1, STREAMED, ollama_v1_generating
 from tests.waiting import wait_for
 
 USER = Scope("user", "u", to_micros(1.0))
@@ -378,3 +385,53 @@ async def test_sidecars_with_different_leases_count_each_other(redis_server: Any
     assert short.alive == 2
     await short.close()
     await long.close()
+
+
+@pytest.mark.parametrize(("limit", "worst"), [(1, True), (100, False)])
+async def test_the_redis_store_settles_an_unmeasured_stream_as_the_local_store_does(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    redis_server: Any,
+    limit: int,
+    worst: bool,
+) -> None:
+    """The fleet's settle goes through `Budgets.charge` as the local store's does (`settle` hands
+    the Redis store the charge): a client leaving Ollama's chat after 100 one-token chunks with
+    `max_completion_tokens: 1` (which Ollama ignores) is charged the default worst case; with
+    `max_completion_tokens: 100` the 100 chunks fit the limit the hold read, so its hold."""
+    release = asyncio.Event()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", ollama_v1_generating(release))
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "pricing": sim.prices(MODEL),
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "budgets": {"user_daily_usd": 50.0, "store": redis_server.url},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    body = {"model": MODEL, "messages": MSGS_V1, "max_completion_tokens": limit, "stream": True}
+    today = day_keys(run.sc.budgets.day_start(time.time()))[0]
+
+    def spent() -> int:
+        return int(redis_server.client().hget(today, "user:red") or 0)
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            headers = {"X-Tollbooth-User": "red"}
+            r = await s.post(run.url + "/v1/chat/completions", json=body, headers=headers)
+            got = 0
+            while got < STREAMED:
+                got += (await r.content.readline()).startswith(b"data:")
+            r.close()
+        await wait_for(lambda: len(sim.ledger_rows(db, "status")) == 1, "the ledger row")
+        await wait_for(lambda: spent() > 0, "the charge in Redis")
+    finally:
+        release.set()
+    if worst:
+        assert spent() / 1e6 > sim.token_cost(0, 4096)
+    else:
+        assert spent() / 1e6 <= sim.token_cost(len(json.dumps(body)), limit)

@@ -272,6 +272,28 @@ def test_the_completions_attack_is_held_for_every_token_it_may_generate() -> Non
     assert worst_case(chat) == pytest.approx(len("user") + 2 + 4096)  # the default worst case
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body", "chars"),
+    [
+        ("/v1/embeddings", {"input": "abc", "max_tokens": 9}, 3),
+        ("/pooling", {"input": "abc"}, 3),
+        ("/classify", {"input": "abc"}, 3),
+        ("/score", {"text_1": "ab", "text_2": "cd"}, 4),
+        ("/v1/rerank", {"query": "ab", "documents": ["cd"]}, 4),
+        ("/api/embed", {"input": "abc", "options": {"num_predict": 9}}, 3),
+    ],
+)
+def test_a_route_that_generates_nothing_holds_no_output(
+    endpoint: str, body: dict[str, Any], chars: int
+) -> None:
+    """Its `output_cap` is 0 (nothing is generated): the hold is the prompt alone. Before, each
+    held the default 4096 output tokens (or a limit field it ignores), and one unmeasured (a
+    client that left) was charged them."""
+    got = info(Endpoint(endpoint), {"model": "m", **body})
+    assert got.output_cap == 0
+    assert worst_case({"model": "m", **body}, endpoint) == pytest.approx(chars)
+
+
 def test_vertex_reads_each_instance_as_tgi_does() -> None:
     body = {
         "instances": [

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import ollama
 import openai
 import pytest
@@ -442,8 +443,8 @@ STREAMED = 100  # chunks of one token each the fake sends before it waits (gener
 ZERO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
-def ollama_v1_generating(release: asyncio.Event) -> Any:
-    """/v1/chat/completions and /v1/completions as Ollama streams them, STREAMED chunks sent and
+def ollama_v1_generating(release: asyncio.Event, chunks: int = STREAMED) -> Any:
+    """/v1/chat/completions and /v1/completions as Ollama streams them, `chunks` chunks sent and
     the rest still being generated (the handler waits for `release`, set by the test at its end)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -452,7 +453,7 @@ def ollama_v1_generating(release: asyncio.Event) -> Any:
         chat = request.path.endswith("/chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(STREAMED):
+        for _ in range(chunks):
             if chat:
                 choice: dict[str, Any] = {"index": 0, "delta": {"content": "x "}}
                 c: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk"}
@@ -551,3 +552,70 @@ async def test_vllm_with_max_completion_tokens_alone_is_still_billed_its_running
     assert cost == pytest.approx(sim.token_cost(inp, out))
     assert run.sc.budgets.store.spent["user:val"] == to_micros(cost)
     assert run.value("llm_budget_unmeasured_charges_total") in (None, 0)
+
+
+@pytest.mark.parametrize(("chunks", "worst"), [(50, False), (51, True)])
+async def test_a_client_leaving_ollamas_chat_is_charged_the_worst_case_only_past_its_held_limit(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, chunks: int, worst: bool
+) -> None:
+    """`max_completion_tokens: 50`, which the hold reads and Ollama's chat ignores. 50 chunks
+    read and left: an obeying server could have sent them, so the hold (50 output tokens) is
+    the charge. 51: more chunks carrying output than the held limit allows, so the server
+    ignored it: the worst case at the limit Ollama obeys (none sent: the default 4096)."""
+    release = asyncio.Event()
+    route = ("/v1/chat/completions", ollama_v1_generating(release, chunks))
+    budgets = {"user_daily_usd": 50.0}
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    body = {"model": MODEL, "stream": True, "messages": MSGS_V1, "max_completion_tokens": 50}
+    try:
+        seen = await sim.leave_mid_stream(
+            run, "/v1/chat/completions", body, "lim", _tokens_read(), after=chunks
+        )
+        assert seen == chunks
+        await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+        await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    finally:
+        release.set()
+    assert sim.ledger_rows(db, V1_COLUMNS) == [
+        ("lim", "/v1/chat/completions", None, None, None, "499")
+    ]
+    charged = run.sc.budgets.store.spent["user:lim"] / 1e6
+    if worst:
+        assert charged > sim.token_cost(0, 4096)
+    else:  # the hold: at most every character of the body a token, and 50 output tokens
+        assert sim.token_cost(0, 50) < charged <= sim.token_cost(len(json.dumps(body)), 50)
+
+
+async def test_an_ollama_embed_whose_client_left_is_not_charged_output_tokens(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """/api/embed generates nothing: it holds and is charged its prompt alone, as /v1/embeddings.
+    Before, its `output_cap` was `num_predict` (absent: None), so its hold, and the charge of a
+    client that left, added the default 4096 output tokens ($8.19 at the test's prices)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def embed(request: web.Request) -> web.Response:
+        await request.read()
+        entered.set()
+        await release.wait()
+        return web.json_response({})
+
+    budgets = {"user_daily_usd": 50.0}
+    route = ("/api/embed", embed)
+    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    body = {"model": MODEL, "input": "one two three four five"}
+    try:
+        async with aiohttp.ClientSession() as s:
+            headers = {"X-Tollbooth-User": "emb"}
+            call = asyncio.ensure_future(s.post(run.url + "/api/embed", json=body, headers=headers))
+            await asyncio.wait_for(entered.wait(), 10)
+            call.cancel()
+        await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+        await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    finally:
+        release.set()
+    [(_, _, _, _, _, status)] = sim.ledger_rows(db, V1_COLUMNS)
+    assert status == "499"
+    charged = run.sc.budgets.store.spent["user:emb"] / 1e6
+    most = sim.token_cost(len(json.dumps(body)), 0)  # every character a token, no output
+    assert 0 < charged <= most, f"charged ${charged:.4f} for an embedding (at most ${most:.4f})"

@@ -891,6 +891,43 @@ def test_ollamas_zero_usage_on_every_completion_chunk_is_no_running_total(
     assert (left.input_tokens, left.output_tokens) == (None, None)
 
 
+def _choice_chunk(endpoint: Endpoint, index: int, text: str, prompt: int, out: int) -> dict:
+    """A chunk of choice `index` with running usage (`prompt`, `out`) on it."""
+    if endpoint is Endpoint.CHAT:
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text}}
+        head: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk"}
+    else:
+        choice = {"index": index, "text": text}
+        head = {"id": "cmpl-1", "object": "text_completion"}
+    usage = {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+    choice |= {"logprobs": None, "finish_reason": None}
+    return {**head, "created": 1, "model": "m", "choices": [choice], "usage": usage}
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_zero_usage_choice_beside_running_totals_leaves_the_usage_unknown(
+    fast: bool, endpoint: Endpoint
+) -> None:
+    """n: 2, choice 0 with vLLM-like running totals, choice 1 with an all-zero usage on each of
+    its 5 chunks (which measures nothing, `_counts_a_prompt`). Before, choice 1 was dropped and
+    the rest read as measured in full: 5 output tokens for 10 streamed. Now unknown (charged at
+    least the hold), on the fast path as on the reference one."""
+    events = []
+    for k in range(1, 6):
+        events += [_choice_chunk(endpoint, 0, "a", 10, k), _choice_chunk(endpoint, 1, "b", 0, 0)]
+    meter = open_stream(endpoint, choices=2, per_prompt=2, fast=fast)
+    meter.feed(b"".join(f"data: {compact(e)}\n\n".encode() for e in events))
+    left = meter.usage_so_far()
+    assert (left.input_tokens, left.output_tokens) == (None, None), left
+    assert left.unknown_reason == "incomplete_usage"
+    # both choices with running totals: measured, as before (choice 1's 5 tokens counted)
+    both = [_choice_chunk(endpoint, i, "a", 10, k) for k in range(1, 6) for i in (0, 1)]
+    meter = open_stream(endpoint, choices=2, per_prompt=2, fast=fast)
+    meter.feed(b"".join(f"data: {compact(e)}\n\n".encode() for e in both))
+    assert meter.usage_so_far().output_tokens == 10
+
+
 def test_the_wire_path_waits_for_an_event_begun_in_an_earlier_read() -> None:
     """A read that ends inside a line: the next read's bytes continue that line, even when they
     look like a whole event of the learnt shape."""

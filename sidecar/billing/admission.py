@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import AdmissionConfig
-from ..exchange import Exchange, Refusal, estimate_tokens
+from ..exchange import Exchange, Refusal, estimate_tokens, held_output
 from ..telemetry.metrics import Metrics
 
 
@@ -221,7 +221,7 @@ class Admission:
         """The proxy's gate: estimate, wait, record the queue time (also when refused)."""
         info = ex.info
         chars = info.prompt_chars if info.parsed else len(info.body)
-        tokens = estimate_tokens(self.config, chars, info.max_tokens, info.n, ex.prompt_tokens)
+        tokens = estimate_tokens(self.config, chars, held_output(info), info.n, ex.prompt_tokens)
         start = self.clock()
         try:
             return await self.acquire(tokens, ex.model)

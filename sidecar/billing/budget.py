@@ -40,6 +40,7 @@ from ..exchange import (
     Refusal,
     RequestInfo,
     consumed,
+    held_output,
     priced_model,
 )
 from ..exchange import measured as measured_in_full
@@ -358,10 +359,11 @@ class Budgets:
     def worst_case_usd(self, ex: Exchange, limit: int | None = None) -> float:
         """The prompt (exact when sized by the upstream, else every character of the body's text
         over chars_per_token plus any token ids) at the input price, plus every output token the
-        request may generate (`limit`, by default its limit as the route's server reads it or
-        the default, times its choices: n x prompts) at the output price. A name the price book
-        does not list is held at the book's dearest prices: the engine may answer it as a listed
-        model, charged at that one's price. $0 only with no price at all."""
+        request may generate (`limit`, by default `held_output`: its limit as the route's server
+        reads it or the default, none on a route that generates nothing; times its choices: n x
+        prompts) at the output price. A name the price book does not list is held at the book's
+        dearest prices: the engine may answer it as a listed model, charged at that one's price.
+        $0 only with no price at all."""
         price = self.prices.hold_price(priced_model(ex))
         if price is None:
             return 0.0
@@ -373,19 +375,28 @@ class Budgets:
             chars = info.text_chars if info.parsed else len(info.body)
             prompt = math.ceil(chars / self.chars_per_token) + info.prompt_ids
         if limit is None:
-            limit = info.max_tokens or self.config.default_max_output_tokens
+            limit = self._held_output(info)
         out = min(limit, MAX_TOKENS) * min(info.choices, MAX_TOKENS)
         return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
 
+    def _held_output(self, info: RequestInfo) -> int:
+        """The output one choice is held at (`held_output`, else the default)."""
+        limit = held_output(info)
+        return self.config.default_max_output_tokens if limit is None else limit
+
     def unmeasured_usd(self, ex: Exchange) -> float:
-        """The worst case an unmeasured request is charged (beside its hold, the larger): its
-        output limit the one every server behind the route obeys, `RequestInfo.output_cap` (the
-        cap on its counted output), else the default. The hold reads the limit as the route's
-        own server does: vLLM's chat reads `max_completion_tokens` first, which Ollama's
-        /v1/chat/completions ignores (it obeys `max_tokens` only), so output nobody measured may
-        run past the limit the hold read. The audio routes (vLLM's alone) keep their hold."""
+        """The worst case an unmeasured request is charged beside its hold (the larger), when
+        its stream showed that the server ignored the limit the hold read: more events carried
+        output (`Exchange.output_events`, each at least one token) than that limit allows its
+        choices. Then its output limit is the one every server behind the route obeys,
+        `RequestInfo.output_cap` (the cap on its counted output), else the default: vLLM's chat
+        reads `max_completion_tokens` first, which Ollama's /v1/chat/completions ignores (it
+        obeys `max_tokens` only). Otherwise (a server that obeyed it, or nothing streamed) the
+        hold is the worst case: $0 here. The audio routes (vLLM's alone) keep their hold."""
         info = ex.info
         if info.endpoint in AUDIO_ROUTES:
+            return 0.0
+        if ex.output_events <= self._held_output(info) * info.choices:
             return 0.0
         cap = info.output_cap
         return self.worst_case_usd(
@@ -506,7 +517,8 @@ class Budgets:
         """What the budget is charged: the measured cost; for a request that reached the server
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter; and at least its worst
-        case at the output limit every server behind the route obeys (`unmeasured_usd`)."""
+        case at the output limit every server behind the route obeys when its stream showed the
+        server ignored the limit the hold read (`unmeasured_usd`)."""
         if hold.unpriced and self.prices.price(priced_model(ex)) is None:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
         if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):

@@ -43,6 +43,8 @@ class OllamaAdapter(reqsize.ReadOnly):
         info.stream = info.endpoint is not Endpoint.OLLAMA_EMBED and obj.get("stream") is not False
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
         info.max_tokens = info.output_cap = limit  # Ollama reads no other limit field
+        if info.endpoint is Endpoint.OLLAMA_EMBED:
+            info.output_cap = 0  # nothing is generated: no output held, none counted
         info.temperature = number(options.get("temperature"))
         info.tools = len(obj["tools"]) if isinstance(obj.get("tools"), list) else 0
         info.messages = len(messages) if isinstance(messages, list) else 0

@@ -383,7 +383,8 @@ class ChatStream(SSEMeter):
         """The totals if they came; else vLLM's running totals (exact up to the last chunk
         received), each prompt's once: at the stream's end as for a client that left; else
         unknown (as they are beside a choice the request did not ask for). A usage on a choice's
-        chunk that counts no prompt is no running total (`_counts_a_prompt`)."""
+        chunk that counts no prompt is no running total (`_counts_a_prompt`): beside another
+        choice's, that choice's output is unknown, so the request's is."""
         running = {i: u for i, u in self._choice_usage.items() if _counts_a_prompt(u)}
         if self._extra_usage:
             # more usage-only chunks than the request has choices: which are parts and which
@@ -394,6 +395,8 @@ class ChatStream(SSEMeter):
             # a completion's parts may each be another prompt's, so their inputs add up.
             shared = self.endpoint is Endpoint.CHAT
             return _totals(self._base(), self._final_usage, self.endpoint, shared_prompt=shared)
+        if len(running) < len(self._choice_usage):
+            return replace(self._base(), unknown_reason="incomplete_usage")
         if self._stray:
             # running totals beside a choice the request did not ask for: whose tokens it had,
             # and so each choice's, cannot be told (the request's own totals would say)

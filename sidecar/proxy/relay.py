@@ -210,6 +210,7 @@ def finish_later(
             up.close()
         if meter is not None:
             usage = meter.usage_so_far()
+            ex.output_events = meter.token_events
         elif ex.error == "client_disconnected":  # it left before a byte: none was measured
             usage = ex.usage
         else:
@@ -231,6 +232,7 @@ async def _finish(
         usage = ex.usage
         if up is not None and meter is not None:
             usage = await stream_usage(up, meter, s.drain_s)
+            ex.output_events = meter.token_events
         if up is not None:
             up.release()  # closes the connection, cancelling a generation still running
         if usage.input_tokens is None and ex.prompt_tokens is not None:
@@ -261,6 +263,7 @@ def _end_stream(ex: Exchange, meter: StreamMeter, deps: ProxyDeps) -> bytes:
         log.exception("stream finish failed for request %s", ex.request_id)
         deps.metrics.metering_errors.labels("stream").inc()
         return b""
+    ex.output_events = meter.token_events
     if usage.unknown_reason and ex.error is None:
         if not meter.done:
             usage = replace(usage, unknown_reason="stream_truncated")

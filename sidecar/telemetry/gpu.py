@@ -9,13 +9,13 @@ Never: exports a GPU value it did not read. With telemetry off, no GPU or attrib
 Attribution rule (documented in docs/metrics.md): between two changes of the set of admitted
 requests in flight, the served GPUs' time (GPUs x seconds) is divided among them in proportion to
 their *estimated* peak tokens (the admission estimate: prompt chars / `chars_per_token` + `n` x
-max tokens, `default_max_tokens` when unset). A request takes part from its admission (time in the
-admission queue uses no GPU) to its end. The estimate only sets the split; the totals are measured
-time and measured energy, and they add up: the requests' device-seconds sum to the GPU-seconds
-elapsed while any admitted request was in flight, and the same holds for energy at each poll. Time
-with nothing in flight is attributed to no one. A request's energy is final at the first poll
-after it ends (`Exchange.energy_j` is set then); it stays None if a poll in its lifetime could not
-read the energy.
+max tokens, `default_max_tokens` when unset, none where nothing is generated). A request takes
+part from its admission (time in the admission queue uses no GPU) to its end. The estimate only
+sets the split; the totals are measured time and measured energy, and they add up: the requests'
+device-seconds sum to the GPU-seconds elapsed while any admitted request was in flight, and the
+same holds for energy at each poll. Time with nothing in flight is attributed to no one. A
+request's energy is final at the first poll after it ends (`Exchange.energy_j` is set then); it
+stays None if a poll in its lifetime could not read the energy.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..config import AdmissionConfig, GpuConfig, PricingConfig
-from ..exchange import CleanupContext, Exchange, estimate_tokens
+from ..exchange import CleanupContext, Exchange, estimate_tokens, held_output
 from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.gpu")
@@ -250,7 +250,7 @@ class Attribution:
     def weight(self, ex: Exchange) -> float:
         info = ex.info
         chars = info.prompt_chars if info.parsed else len(info.body)
-        return max(1, estimate_tokens(self.estimate, chars, info.max_tokens, info.n))
+        return max(1, estimate_tokens(self.estimate, chars, held_output(info), info.n))
 
     def enable(self, n_gpus: int) -> None:
         with self._lock:
