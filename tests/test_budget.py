@@ -497,8 +497,11 @@ def unmeasured_charge(body: dict[str, Any], output_events: int) -> float:
         # n: 2, one choice a chunk (vLLM's): 100 events fit the two choices' limits
         ({"max_completion_tokens": 50, "n": 2}, 100, 100),
         ({"max_completion_tokens": 50, "n": 2}, 101, 2 * 4096),
-        ({"max_tokens": 50}, 51, 50),  # the limit every server obeys: the hold is the worst
-        ({}, 5000, 4096),
+        ({"max_tokens": 50}, 50, 50),  # the limit every server obeys: the hold is the worst
+        # a server past even the larger limit: charged at least a token an event seen
+        ({}, 5000, 5000),
+        ({"max_completion_tokens": 50, "max_tokens": 60}, 61, 61),
+        ({"max_completion_tokens": 50, "n": 2}, 9001, 2 * 4501),
     ],
 )
 def test_an_unmeasured_request_is_charged_its_hold_unless_its_stream_overran_it(

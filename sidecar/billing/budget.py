@@ -391,17 +391,20 @@ class Budgets:
         choices. Then its output limit is the one every server behind the route obeys,
         `RequestInfo.output_cap` (the cap on its counted output), else the default: vLLM's chat
         reads `max_completion_tokens` first, which Ollama's /v1/chat/completions ignores (it
-        obeys `max_tokens` only). Otherwise (a server that obeyed it, or nothing streamed) the
-        hold is the worst case: $0 here. The audio routes (vLLM's alone) keep their hold."""
+        obeys `max_tokens` only), or the events seen when more. Otherwise (a server that
+        obeyed it, or nothing streamed) the hold is the worst case: $0 here. The audio routes
+        (vLLM's alone) keep their hold."""
         info = ex.info
         if info.endpoint in AUDIO_ROUTES:
             return 0.0
         if ex.output_events <= self._held_output(info) * info.choices:
             return 0.0
         cap = info.output_cap
-        return self.worst_case_usd(
-            ex, self.config.default_max_output_tokens if cap is None else cap
-        )
+        limit = self.config.default_max_output_tokens if cap is None else cap
+        # and never below what the client was seen to get: a server past even that limit
+        # streamed at least one token an event (a choice's share, rounded up)
+        seen = -(-ex.output_events // max(1, info.choices))
+        return self.worst_case_usd(ex, max(limit, seen))
 
     def _audio_worst_case(self, price: ModelPrice, info: RequestInfo) -> float:
         """An audio request: its upload (the Content-Length, else the largest one taken) as one
