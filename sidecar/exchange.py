@@ -149,6 +149,9 @@ class RequestInfo:
     # continuous_usage_stats): remove that member from each chunk.
     strip_chunk_usage: bool = False
     choices: int = 1  # choices the stream will carry (n, times the prompts of a completion)
+    # `echo` (vLLM's OpenAI routes): a chat whose last message is the assistant's has it sent
+    # back as one more content event a choice, no token generated (`Budgets.unmeasured_usd`)
+    echoed: bool = False
     utf8: bool = True  # the body is UTF-8 (only a UTF-8 JSON object is ever changed)
     # For the budget's worst case: characters of every string in the body (tools, instructions,
     # input items too; base64 media left out), token ids sent as a prompt, and the limits that

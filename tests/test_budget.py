@@ -498,6 +498,10 @@ def unmeasured_charge(body: dict[str, Any], output_events: int) -> float:
         ({"max_completion_tokens": 50, "n": 2}, 100, 100),
         ({"max_completion_tokens": 50, "n": 2}, 101, 2 * 4096),
         ({"max_tokens": 50}, 50, 50),  # the limit every server obeys: the hold is the worst
+        # vLLM's echo of an assistant's last message: one more event a choice, no token
+        ({"max_completion_tokens": 50, "echo": True}, 51, 50),
+        ({"max_completion_tokens": 50, "echo": True, "n": 2}, 102, 100),
+        ({"max_completion_tokens": 50, "echo": True}, 52, 4096),
         # a server past even the larger limit: charged at least a token an event seen
         ({}, 5000, 5000),
         ({"max_completion_tokens": 50, "max_tokens": 60}, 61, 61),

@@ -397,7 +397,8 @@ class Budgets:
         info = ex.info
         if info.endpoint in AUDIO_ROUTES:
             return 0.0
-        if ex.output_events <= self._held_output(info) * info.choices:
+        echoed = info.choices if info.echoed else 0  # vLLM's echo: an event a choice, no token
+        if ex.output_events <= self._held_output(info) * info.choices + echoed:
             return 0.0
         cap = info.output_cap
         limit = self.config.default_max_output_tokens if cap is None else cap

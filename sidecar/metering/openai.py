@@ -103,6 +103,8 @@ class OpenAIAdapter:
         info.messages = len(messages) if isinstance(messages, list) else 0
         info.prompt_chars = prompt_chars(obj)
         info.choices = (n or 1) * _prompts(endpoint, obj)  # n: None or positive
+        if (echo := obj.get("echo")) is not None:
+            info.echoed = lax_true(echo)
         info.utf8 = text is not None
         info.text_chars, info.prompt_ids = body_size(obj)
         info.unreadable = unreadable
