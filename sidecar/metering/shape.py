@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..exchange import Endpoint
@@ -29,41 +29,43 @@ class FastChatStream(WireMeter, ChatStream):
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._shape = _TokenShape()
+        self._held = False  # the parser's `mid_event` after the last read it was fed
 
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
             return chunk
         shape = self._shape
         head = shape.head  # none until the shape is wired: then `at` finds nothing, all decode
-        if (
-            head
-            and chunk.startswith(head)
-            and not self._parser.mid_event
-            and len(chunk) <= self._max_event
-        ):
-            whole = shape.tail.fullmatch(chunk, len(head))
-            if whole is not None:  # the usual read: exactly one event of the shape
-                return self._one_event(chunk, whole, len(head))
+        if head and chunk.startswith(head) and not self._held and len(chunk) <= self._max_event:
+            start = len(head)
+            whole = shape.tail.fullmatch(chunk, start)
+            if whole is not None:
+                # the usual read, `_feed_wire` in short: exactly one whole event of the shape
+                if whole.end(1) > start:  # its text is not empty
+                    self._s.token_events += 1
+                    shape.tries = _SHAPE_TRIES
+                cut = whole.start(2)
+                if cut < 0:
+                    return chunk
+                self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
+                # the match ends the chunk with the object's brace and the blank line
+                return chunk[:cut] + b"}\n\n" if self._strip_chunk else chunk
         elif chunk.find(b"\n") >= len(chunk) - 2 and not (head and chunk.startswith(shape.bare)):
             # a read of one event of one line (its first line ending is its end) that is not of
             # the shape (the role chunk, the finish, the usage, [DONE]; any before the shape is
             # wired): nothing for the wire path to find, so the parser reads it whole (the
             # reference path), as `_feed_wire` would after trying
-            return self._feed_events(chunk)
-        return self._feed_wire(chunk)
+            return self._parsed(self._feed_events, chunk)
+        return self._parsed(self._feed_wire, chunk)
 
-    def _one_event(self, chunk: bytes, whole: re.Match[bytes], start: int) -> bytes:
-        """`_feed_wire` for the usual read, in short: exactly one whole event of the learnt
-        shape, `whole` its tail (`_TokenShape.tail` matched from `start` to the chunk's end)."""
-        shape = self._shape
-        if whole.end(1) > start:  # its text is not empty
-            self._s.token_events += 1
-            shape.tries = _SHAPE_TRIES
-        cut = whole.start(2)
-        if cut < 0:
-            return chunk
-        self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
-        return chunk[:cut] + chunk[-3:] if self._strip_chunk else chunk
+    def _parsed(self, path: Callable[[bytes], bytes], chunk: bytes) -> bytes:
+        """`path`'s bytes for the chunk, with whether the parser now holds part of an event
+        (`_held`): only the parser's paths change it, so the usual read asks an attribute, not
+        the parser's `mid_event`."""
+        try:
+            return path(chunk)
+        finally:
+            self._held = self._parser.mid_event
 
     def _wire_at(self, chunk: bytes, pos: int) -> WireEvent | None:
         return self._shape.at(chunk, pos)
