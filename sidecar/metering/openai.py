@@ -291,13 +291,6 @@ def _finish_reasons(obj: Mapping[str, Any]) -> tuple[str, ...]:
 # --- streams --------------------------------------------------------------------------------------
 
 
-# A usage object as a reader keeps it: decoded; or, from the wire fast path, undecoded (`_decoded`
-# reads it when the usage is asked for): its bytes, or (a read of one event, where the object
-# starts in it) when the read ends in the object, the event's closing brace and the blank line,
-# so that the usual read's running usage is neither cut out of it nor copied.
-KeptUsage = Mapping[str, Any] | bytes | tuple[bytes, int]
-
-
 class ChatStream(SSEMeter):
     """A chat or completions stream, the reference path: every event SSE-parsed, decoded, read.
 
@@ -307,9 +300,9 @@ class ChatStream(SSEMeter):
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
-        self._final_usage: list[KeptUsage] = []  # the last usage-only chunk's
+        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the last usage-only chunk's
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
-        self._choice_usage: dict[int, KeptUsage] = {}
+        self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
         # a chunk of a choice the request did not ask for came (`stream.choice_index`)
         self._stray = False
 
@@ -395,7 +388,7 @@ class ResponsesStream(SSEMeter):
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._idle = False  # the last output item is done, no delta since
-        self._final_usage: list[KeptUsage] = []  # the terminal event's
+        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the terminal event's
 
     @property
     def finished(self) -> bool:
@@ -430,7 +423,7 @@ class ResponsesStream(SSEMeter):
         return _totals(self._base(), self._final_usage, self.endpoint)
 
 
-def _totals(base: Usage, totals: list[KeptUsage], endpoint: Endpoint) -> Usage:
+def _totals(base: Usage, totals: list[Mapping[str, Any] | bytes], endpoint: Endpoint) -> Usage:
     """A stream's usage: the sum of its usage objects (the last usage chunk, or one choice's
     running totals: one of them, now), with the stream's other fields."""
     if not totals:
@@ -452,7 +445,7 @@ def _totals(base: Usage, totals: list[KeptUsage], endpoint: Endpoint) -> Usage:
     )
 
 
-def _counts_a_prompt(usage: KeptUsage) -> bool:
+def _counts_a_prompt(usage: Mapping[str, Any] | bytes) -> bool:
     """Can usage riding on a choice's chunk be a measurement? Not when its `prompt_tokens` is 0:
     every generation has a prompt of at least one token (vLLM refuses an empty one, "The decoder
     prompt cannot be empty", v1 `InputProcessor._validate_prompt_len`; TGI an empty input,
@@ -466,11 +459,8 @@ def _counts_a_prompt(usage: KeptUsage) -> bool:
     return count(_decoded(usage).get("prompt_tokens")) != 0
 
 
-def _decoded(usage: KeptUsage) -> Mapping[str, Any]:
+def _decoded(usage: Mapping[str, Any] | bytes) -> Mapping[str, Any]:
     """Running usage the wire fast path kept as bytes (an object of numbers), decoded."""
-    if isinstance(usage, tuple):
-        read, at = usage
-        usage = read[at:-3]
     if isinstance(usage, bytes):
         decoded: Mapping[str, Any] = json.loads(usage)
         return decoded

@@ -51,7 +51,7 @@ class FastChatStream(WireMeter, ChatStream):
                 cut = whole.start(2)
                 if cut < 0:
                     return chunk
-                self._choice_usage[shape.index] = (chunk, cut + _USAGE_KEY)
+                self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
                 # the match ends the chunk with the object's brace and the blank line
                 return chunk[:cut] + b"}\n\n" if self._strip_chunk else chunk
         elif chunk.find(b"\n") >= len(chunk) - 2 and not (head and chunk.startswith(shape.bare)):
