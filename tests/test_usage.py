@@ -1225,6 +1225,50 @@ def test_running_usage_on_the_wire_is_not_fooled(datas: list[str]) -> None:
             run_pair(Endpoint.CHAT, wire, [cut], *strips)
 
 
+LEARNT = ',"usage":{"prompt_tokens":3,"total_tokens":%d,"completion_tokens":1}'
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        LEARNT % 4,
+        LEARNT % 0,
+        LEARNT.replace("%d", "null"),
+        ',"usage":{"total_tokens":4,"prompt_tokens":3,"completion_tokens":1}',  # reordered
+        ',"usage":{"prompt_tokens":3,"total_tokens":4}',  # one left out
+        (LEARNT % 4)[:-1] + ',"cached_tokens":2}',  # one added
+        ',"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1,"x":1}',
+        ',"usage":{"\\u0070rompt_tokens":3,"total_tokens":4,"completion_tokens":1}',
+        ',"usage":{"Prompt_tokens":3,"total_tokens":4,"completion_tokens":1}',
+        ',"usage":{"prompt_tokens":3,"total_tokens":04,"completion_tokens":1}',  # not JSON
+        ',"usage":{"prompt_tokens":3,"total_tokens":,"completion_tokens":1}',
+        ',"usage":{"prompt_tokens":3,"total_tokens":"4","completion_tokens":1}',
+        ',"usage":{"prompt_tokens":3,"total_tokens":4.0,"completion_tokens":1}',
+        ',"usage":{"prompt_tokens":3,"total_tokens":-4,"completion_tokens":1}',
+        LEARNT % 10**18,  # past the digits the wire path reads
+        LEARNT % (10**18 - 1),
+        ',"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1,}',
+        ',"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1} ',
+        ',"usage":{"prompt_tokens":3,"total_tokens":4 ,"completion_tokens":1}',
+        ',"usage":{"prompt_tokens":3,"total_tokens":{"x":4},"completion_tokens":1}',
+        ',"usage":{}',
+        ',"usage":null',
+        "",
+    ],
+)
+def test_running_usage_of_other_members_than_the_learnt_ones(later: str) -> None:
+    """The usual read's tail names the members of the learnt chunk's running usage
+    (`shape._named_tail`): any later chunk whose running usage differs (members reordered,
+    added, left out, spelt otherwise, values that are no counts) is read as the reference path
+    reads it, one event a read or any other cut."""
+    learnt = [TOP % ("a", LEARNT % 2), TOP % ("b", LEARNT % 3)] * 2
+    wire = sse_of([*learnt, TOP % ("c", later), TOP % ("d", LEARNT % 5), TOP % ("e", later)])
+    for strips in ((True, True), (False, False), (True, False)):
+        run_pair(Endpoint.CHAT, wire, boundaries(wire), *strips)
+        for cut in range(len(wire)):
+            run_pair(Endpoint.CHAT, wire, [cut], *strips)
+
+
 SLOT_KEYS = st.sampled_from(['"content"', '"text"', '"con\\u0074ent"', '"x"', '"content" '])
 SLOT_VALUES = st.sampled_from(['"a"', '"content"', '""', "1", '{"content":"a"}', '"\\""'])
 

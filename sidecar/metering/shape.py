@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..exchange import Endpoint
@@ -29,41 +29,47 @@ class FastChatStream(WireMeter, ChatStream):
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._shape = _TokenShape()
+        self._held = False  # the parser's `mid_event` after the last read it was fed
 
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
             return chunk
         shape = self._shape
         head = shape.head  # none until the shape is wired: then `at` finds nothing, all decode
-        if (
-            head
-            and chunk.startswith(head)
-            and not self._parser.mid_event
-            and len(chunk) <= self._max_event
-        ):
-            whole = shape.tail.fullmatch(chunk, len(head))
-            if whole is not None:  # the usual read: exactly one event of the shape
-                return self._one_event(chunk, whole, len(head))
+        if head and chunk.startswith(head) and not self._held and len(chunk) <= self._max_event:
+            start = len(head)
+            whole = shape.fast.fullmatch(chunk, start)
+            if whole is None and shape.fast is not shape.tail:
+                # running usage of other members than the learnt chunk's: the general tail
+                shape.fast = shape.tail
+                whole = shape.tail.fullmatch(chunk, start)
+            if whole is not None:
+                # the usual read, `_feed_wire` in short: exactly one whole event of the shape
+                if whole.end(1) > start:  # its text is not empty
+                    self._s.token_events += 1
+                    shape.tries = _SHAPE_TRIES
+                cut = whole.start(2)
+                if cut < 0:
+                    return chunk
+                self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
+                # the match ends the chunk with the object's brace and the blank line
+                return chunk[:cut] + b"}\n\n" if self._strip_chunk else chunk
         elif chunk.find(b"\n") >= len(chunk) - 2 and not (head and chunk.startswith(shape.bare)):
             # a read of one event of one line (its first line ending is its end) that is not of
             # the shape (the role chunk, the finish, the usage, [DONE]; any before the shape is
             # wired): nothing for the wire path to find, so the parser reads it whole (the
             # reference path), as `_feed_wire` would after trying
-            return self._feed_events(chunk)
-        return self._feed_wire(chunk)
+            return self._parsed(self._feed_events, chunk)
+        return self._parsed(self._feed_wire, chunk)
 
-    def _one_event(self, chunk: bytes, whole: re.Match[bytes], start: int) -> bytes:
-        """`_feed_wire` for the usual read, in short: exactly one whole event of the learnt
-        shape, `whole` its tail (`_TokenShape.tail` matched from `start` to the chunk's end)."""
-        shape = self._shape
-        if whole.end(1) > start:  # its text is not empty
-            self._s.token_events += 1
-            shape.tries = _SHAPE_TRIES
-        cut = whole.start(2)
-        if cut < 0:
-            return chunk
-        self._choice_usage[shape.index] = chunk[cut + _USAGE_KEY : -3]
-        return chunk[:cut] + chunk[-3:] if self._strip_chunk else chunk
+    def _parsed(self, path: Callable[[bytes], bytes], chunk: bytes) -> bytes:
+        """`path`'s bytes for the chunk, with whether the parser now holds part of an event
+        (`_held`): only the parser's paths change it, so the usual read asks an attribute, not
+        the parser's `mid_event`."""
+        try:
+            return path(chunk)
+        finally:
+            self._held = self._parser.mid_event
 
     def _wire_at(self, chunk: bytes, pos: int) -> WireEvent | None:
         return self._shape.at(chunk, pos)
@@ -148,16 +154,29 @@ class _TokenShape:
     is not empty. Every other event is decoded.
     """
 
-    __slots__ = ("bare", "head", "index", "prefix", "run", "suffix", "tail", "tries", "wired")
+    __slots__ = (
+        "bare",
+        "fast",
+        "head",
+        "index",
+        "members",
+        "prefix",
+        "run",
+        "suffix",
+        "tail",
+        "tries",
+        "wired",
+    )
 
     def __init__(self) -> None:
         self.prefix = self.suffix = ""
         self.tries = _SHAPE_TRIES  # a failed learning costs a decode: stop on streams that vary
         self.head = b""  # the shape on the wire (see `at`); no head: not usable there
         self.bare = b""  # the head written `data:` without the space
-        self.tail = self.run = _NEVER
+        self.tail = self.run = self.fast = _NEVER
         self.wired = False  # `head` and `tail` made for this shape (see `wire`)
         self.index = 0  # the choice's index: running usage is kept per choice
+        self.members: tuple[str, ...] = ()  # the names in the learnt chunk's running usage
 
     def carries(self, data: str) -> bool | None:
         """Does this chunk of the learnt shape carry output? None: not that shape, decode it."""
@@ -181,6 +200,8 @@ class _TokenShape:
             return
         if isinstance(obj.get("usage"), dict) and (data := _without_running_usage(data)) == "":
             return
+        usage = obj.get("usage")
+        members = tuple(usage) if isinstance(usage, dict) else ()
         key, text = found
         at = data.find(marker := f'"{key}":"')
         if at < 0:
@@ -194,8 +215,9 @@ class _TokenShape:
             suffix = data[end:]
             met_before = suffix == self.suffix or suffix in _WIRED
             self.prefix, self.suffix = data[:start], suffix
-            self.index = index
+            self.index, self.members = index, members
             self.head, self.bare, self.tail, self.run = b"", b"", _NEVER, _NEVER
+            self.fast = _NEVER
             self.wired = False
             if met_before:
                 self.wire()
@@ -206,8 +228,12 @@ class _TokenShape:
         with logprobs has a new suffix every time)."""
         self.wired = True
         self.head, self.tail, self.run = _on_the_wire(self.prefix, self.suffix)
+        self.fast = self.tail
         if self.head:
             self.bare = b"data:" + self.head[6:]
+            members = self.members
+            if 0 < len(members) <= _MEMBERS_MAX and all(map(_MEMBER.fullmatch, members)):
+                self.fast = _named_tail(_WIRED[self.suffix][0], members)
 
     def at(self, chunk: bytes, pos: int) -> WireEvent | None:
         """The wire fast path: an event of the learnt shape at `pos` in the bytes, with optional
@@ -325,6 +351,23 @@ def _run(head: int, suffix: bytes) -> re.Pattern[bytes]:
         _TEXT + b"++" + re.escape(suffix) + rb'(?:,"usage":' + _USAGE_OBJECT.pattern + rb")?+\}\n\n"
     )
     return re.compile(rb"((?s:.{%d}))" % head + event + rb"(?:\1" + event + rb")*+")
+
+
+# The running usage's members a tail names (`_named_tail`): vLLM's are three.
+_MEMBERS_MAX = 8
+_MEMBER = re.compile(r"[a-z_]+")
+
+
+@functools.lru_cache(maxsize=64)
+def _named_tail(suffix: bytes, members: tuple[str, ...]) -> re.Pattern[bytes]:
+    """`_tail` with the running usage's members named as the learnt chunk's were, which is
+    cheaper for the engine than reading each name by its class (docs/performance.md). It
+    matches a part of what `_tail` matches, with the same groups; any other event of the shape
+    (members added, left out, reordered) is left to `_tail` (`FastChatStream.feed`)."""
+    value = rb"(?:[1-9][0-9]{0,17}+|0|null)"
+    named = b",".join(b'"%s":%s' % (name.encode(), value) for name in members)
+    usage = rb'(?:(,"usage":)\{' + named + rb"\})?"
+    return re.compile(b"(" + _TEXT + b"*+)" + re.escape(suffix) + usage + rb"\}\n\n")
 
 
 _TEXT = rb"[ !#-\[\]-~\x80-\xff]"  # a byte of `_plain` text, or of UTF-8's others; no quote
