@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from tollbooth_lab.simulator import EngineParams, create_simulator
 
 from sidecar.billing.budget import to_micros
@@ -48,6 +49,26 @@ async def start_simulated(
     run = await start_sidecar(
         {"pricing": prices, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
         upstream_url=str(sim.make_url("")).rstrip("/"),
+    )
+    return run, db
+
+
+async def start_fake(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    route: tuple[str, Any],
+    **config: Any,
+) -> tuple[Running, Path]:
+    """A sidecar configured with `config` and a ledger under `tmp_path` (returned), in front of
+    a fake engine answering one `(path, handler)` POST route."""
+    app = web.Application()
+    app.router.add_post(*route)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {"ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
+        upstream_url=str(up.make_url("")).rstrip("/"),
     )
     return run, db
 

@@ -525,29 +525,8 @@ SIM_MODEL = "sim-llama-3-8b"
 LIMIT = 10  # max_completion_tokens: the limit vLLM, TGI and SGLang obey on chat
 STREAMED = 5  # chunks a streaming fake sends before it waits
 LEFT_COLUMNS = "user, endpoint, input_tokens, output_tokens, cost_usd, status"
-
-
-async def _start_fake(
-    start_sidecar: StartSidecar,
-    aiohttp_server: Any,
-    tmp_path: Path,
-    route: tuple[str, Any],
-    **config: Any,
-) -> tuple[Running, Path]:
-    app = web.Application()
-    app.router.add_post(*route)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {
-            "pricing": sim.prices(SIM_MODEL),
-            "ledger": {"path": str(db), "flush_interval_s": 0.05},
-            "budgets": {"user_daily_usd": 50.0},
-            **config,
-        },
-        upstream_url=str(up.make_url("")).rstrip("/"),
-    )
-    return run, db
+# the sidecar in front of each fake below: the simulator's prices, a budget it stays within
+FAKE: dict[str, Any] = {"pricing": sim.prices(SIM_MODEL), "budgets": {"user_daily_usd": 50.0}}
 
 
 def _chat_chunks(count: int) -> bytes:
@@ -601,7 +580,7 @@ async def test_an_honest_max_completion_tokens_client_leaving_is_charged_its_lim
     entered, release = asyncio.Event(), asyncio.Event()
     route = ("/v1/chat/completions", _generating(entered, release))
     up = {"upstream": {"api": api}}
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, **up)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **FAKE, **up)
     body = {"model": SIM_MODEL, "messages": MSGS, "max_completion_tokens": LIMIT}
     body["stream"] = stream
     try:
@@ -650,8 +629,8 @@ async def test_an_upstream_breaking_off_charges_an_honest_tgi_client_its_limit_n
         return resp
 
     route = ("/v1/chat/completions", breaking)
-    run, db = await _start_fake(
-        start_sidecar, aiohttp_server, tmp_path, route, upstream={"api": "tgi"}
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, upstream={"api": "tgi"}
     )
     body = {"model": SIM_MODEL, "messages": MSGS, "max_completion_tokens": LIMIT, "stream": True}
     async with aiohttp.ClientSession() as s:
@@ -675,7 +654,7 @@ async def test_the_openai_sdk_leaving_vllm_is_charged_its_max_completion_tokens_
     the 10-token request is charged its hold; before, the default worst case."""
     entered, release = asyncio.Event(), asyncio.Event()
     route = ("/v1/chat/completions", _generating(entered, release))
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **FAKE)
     client = openai.AsyncOpenAI(
         base_url=run.url + "/v1",
         api_key="k",

@@ -32,6 +32,7 @@ from tests.waiting import wait_for
 
 MODEL = "sim-llama-3-8b"  # the simulator's tokenizer: one token a word
 PRICES = sim.prices(MODEL)
+FAKE: dict[str, Any] = {"pricing": PRICES}  # the sidecar in front of a fake Ollama
 
 # docs/api.md, "Generate a completion", the final streamed response
 DOCS_GENERATE_FINAL = {
@@ -338,26 +339,6 @@ async def ollama_v1_chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _start_fake(
-    start_sidecar: StartSidecar,
-    aiohttp_server: Any,
-    tmp_path: Path,
-    route: tuple[str, Any],
-    **config: Any,
-) -> tuple[Running, Path]:
-    """A sidecar in front of a fake Ollama answering one `(path, handler)` route."""
-    app = web.Application()
-    app.router.add_post(*route)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    ledger = {"path": str(db), "flush_interval_s": 0.05}
-    run = await start_sidecar(
-        {"pricing": PRICES, "ledger": ledger, **config},
-        upstream_url=str(up.make_url("")).rstrip("/"),
-    )
-    return run, db
-
-
 V1_COLUMNS = "user, endpoint, input_tokens, output_tokens, cost_usd, status"
 
 
@@ -390,7 +371,9 @@ async def test_ollama_v1_ignoring_max_completion_tokens_is_billed_its_whole_answ
     output token. Now a field a server behind the route may ignore sets no cap."""
     route = ("/v1/chat/completions", ollama_v1_chat)
     budgets = {"user_daily_usd": 5.0}
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, budgets=budgets
+    )
     out = await _v1_chat(run, "vic", stream, max_completion_tokens=1)
     assert out == V1_ANSWER  # the whole answer came
     await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
@@ -423,7 +406,9 @@ async def test_an_output_count_of_null_is_charged_the_hold_not_free(
     ledger, the budget charged the hold (its output term the default 4096 tokens)."""
     route = ("/api/chat", null_eval_count)
     budgets = {"user_daily_usd": 50.0}
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, budgets=budgets
+    )
     async with ollama.AsyncClient(host=run.url, headers={"X-Tollbooth-User": "nil"}) as client:
         answer = await client.chat(MODEL, MSGS)
     assert answer.done and answer.eval_count is None
@@ -512,7 +497,9 @@ async def test_a_client_leaving_an_ollama_v1_stream_is_charged_what_ollama_may_h
     release = asyncio.Event()
     route = (path, ollama_v1_generating(release))
     budgets = {"user_daily_usd": 50.0}
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, budgets=budgets
+    )
     body = {"model": MODEL, "stream": True, **limits}
     body |= {"messages": MSGS_V1} if "chat" in path else {"prompt": "one two three four five"}
     try:
@@ -565,7 +552,9 @@ async def test_a_client_leaving_ollamas_chat_is_charged_the_worst_case_only_past
     release = asyncio.Event()
     route = ("/v1/chat/completions", ollama_v1_generating(release, chunks))
     budgets = {"user_daily_usd": 50.0}
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, budgets=budgets
+    )
     body = {"model": MODEL, "stream": True, "messages": MSGS_V1, "max_completion_tokens": 50}
     try:
         seen = await sim.leave_mid_stream(
@@ -602,7 +591,9 @@ async def test_an_ollama_embed_whose_client_left_is_not_charged_output_tokens(
 
     budgets = {"user_daily_usd": 50.0}
     route = ("/api/embed", embed)
-    run, db = await _start_fake(start_sidecar, aiohttp_server, tmp_path, route, budgets=budgets)
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, budgets=budgets
+    )
     body = {"model": MODEL, "input": "one two three four five"}
     try:
         async with aiohttp.ClientSession() as s:

@@ -259,18 +259,14 @@ async def test_a_batch_of_embeddings_is_measured(
     were one choice, the other prompts' chunks (index 1..3) stray and the usage invalid: the
     ledger NULL, the budget charged the hold of one prompt's 40 tokens for the 122 generated.
     (`text` is the control: it passed.)"""
-    app = web.Application()
-    app.router.add_post("/generate", sglang_generate_batch)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {
-            "pricing": PRICES,
-            "ledger": {"path": str(db), "flush_interval_s": 0.05},
-            "budgets": {"user_daily_usd": 5.0},
-            "upstream": {"api": "sglang", "model_name": SIM_MODEL},
-        },
-        upstream_url=str(up.make_url("")).rstrip("/"),
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/generate", sglang_generate_batch),
+        pricing=PRICES,
+        budgets={"user_daily_usd": 5.0},
+        upstream={"api": "sglang", "model_name": SIM_MODEL},
     )
     prompt: Any = [[[0.5, 0.25]] * 5] * 4 if batch == "input_embeds" else ["a b c d e"] * 4
     req = {batch: prompt, "sampling_params": {"max_new_tokens": 40}, "stream": True}
