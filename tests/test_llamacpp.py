@@ -8,6 +8,7 @@ slot's cache after the request (prompt + output), so cached input is `timings.ca
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -426,6 +427,77 @@ async def test_parallel_samples_on_llama_cpps_chat_stream_are_each_billed(
     cost = pytest.approx(sim.token_cost(5, out))
     assert await _billed(run, db) == [("pat", "/v1/chat/completions", 5, out, cost)]
     assert run.sc.budgets.store.spent["user:pat"] == to_micros(sim.token_cost(5, out))
+
+
+LONG, SHORT = 40, 10  # completion 0's and completion 1's tokens, of an n=2 request
+
+
+def _slow_second_completion(release: asyncio.Event, *, end_early: bool) -> Any:
+    """llama.cpp's n=2 chat stream, completion 1 (SHORT tokens) ending first with its finish and
+    usage-only chunk; completion 0 goes on only once `release` is set (or, `end_early`, the
+    stream ends there: an upstream that died)."""
+    chunk = {"id": "chatcmpl-l", "created": 1, "model": SIM_MODEL}
+    chunk |= {"object": "chat.completion.chunk"}
+
+    def content(i: int, delta: dict[str, Any], reason: str | None = None) -> bytes:
+        return _event({**chunk, "choices": [{"finish_reason": reason, "index": i, "delta": delta}]})
+
+    def usage(out: int) -> bytes:
+        counts = {"completion_tokens": out, "prompt_tokens": 5, "total_tokens": 5 + out}
+        return _event({**chunk, "choices": [], "usage": counts})
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        obj = json.loads(await request.read())
+        assert obj.get("n") == 2 and (obj.get("stream_options") or {}).get("include_usage")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        x = {"content": "x "}
+        first = b"".join(content(0, x) + content(1, x) for _ in range(SHORT))
+        await resp.write(first + content(1, {}, "stop") + usage(SHORT))
+        if end_early:
+            return resp
+        await release.wait()
+        await resp.write(b"".join(content(0, x) for _ in range(LONG - SHORT)))
+        await resp.write(content(0, {}, "stop") + usage(LONG) + b"data: [DONE]\n\n")
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("end_early", [False, True], ids=["client_leaves", "upstream_dies"])
+async def test_leaving_after_the_first_completions_usage_is_not_billed_as_measured(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, end_early: bool
+) -> None:
+    """A client asks llama.cpp's chat for n=2 with include_usage, reads up to the first usage-only
+    chunk (completion 1's: 10 tokens) and leaves while completion 0 still generates (it has 10
+    tokens by then, and would go on to 40); or the upstream ends the stream there. Before, the
+    ledger said 5 in / 10 out, measured, and the budget was charged that: the other
+    completion's tokens free. Now the usage is unknown (NULL counts), charged at least both
+    completions' first 10 tokens (the hold)."""
+    release = asyncio.Event()
+    handler = _slow_second_completion(release, end_early=end_early)
+    run, db = await _fronting(
+        start_sidecar, aiohttp_server, tmp_path, "/v1/chat/completions", handler
+    )
+    body = {"model": SIM_MODEL, "messages": MSGS, "stream": True, "max_tokens": 100, "n": 2}
+    body["stream_options"] = {"include_usage": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "pat"}
+            )
+            seen = b""
+            while b'"choices": [], "usage"' not in seen:
+                piece = await resp.content.readany()
+                assert piece, seen
+                seen += piece
+            resp.close()  # the client leaves
+        rows = await _billed(run, db)
+    finally:
+        release.set()
+    spent = run.sc.budgets.store.spent["user:pat"]
+    floor = to_micros(sim.token_cost(5, 2 * SHORT))
+    assert rows[0][2:4] == (None, None) and spent >= floor, (rows, spent, floor)
 
 
 async def llama_cpp_completion_stream(request: web.Request) -> web.StreamResponse:
