@@ -81,9 +81,14 @@ def test_the_routes_are_metered() -> None:
         ({"prompt": "a", "n_predict": -1, "max_tokens": 5}, None),  # n_predict wins: unbounded
         ({"prompt": "a"}, None),
         ({"prompt": "a", "n_predict": "8"}, None),
+        # then max_completion_tokens, then max_tokens (before: max_tokens, the hold for 1)
+        ({"prompt": "a", "max_tokens": 1, "max_completion_tokens": 500}, 500),
+        ({"prompt": "a", "max_completion_tokens": None, "max_tokens": 9}, 9),  # null: absent
+        ({"prompt": "a", "max_completion_tokens": -1, "max_tokens": 9}, None),
     ],
 )
 def test_the_limit_is_read_as_llama_cpp_reads_it(body: dict[str, Any], limit: int | None) -> None:
+    """`params_from_json_cmpl`: `n_predict`, else `max_completion_tokens`, else `max_tokens`."""
     info = inspect_request(Endpoint.LLAMA_COMPLETION, json.dumps(body).encode(), inject_usage=True)
     assert info.max_tokens == limit
     assert info.output_cap == limit  # no cap where the server reads no limit
@@ -114,6 +119,11 @@ def test_a_prompt_of_tokens_and_text_mixed_is_one_prompt(prompt: list[Any], prom
     body = json.dumps({"prompt": prompt, "n_predict": 4}).encode()
     info = inspect_request(Endpoint.LLAMA_COMPLETION, body, inject_usage=False)
     assert (info.choices, info.n) == (prompts, prompts)
+    # llama.cpp's /v1/completions hands its `prompt` to the same `tokenize_input_prompts`. Before,
+    # the OpenAI route read a list by its first element: ["a", 12] was 2 prompts (the hold and
+    # the output cap twice too large), [True, "a"] one
+    body = json.dumps({"model": SIM_MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+    assert inspect_request(Endpoint.COMPLETIONS, body, inject_usage=False).choices == prompts
 
 
 def test_a_final_body_is_read_with_cache_n_as_cached_input() -> None:
@@ -361,10 +371,18 @@ async def _billed(run: Running, db: Path) -> list[tuple[Any, ...]]:
     return sim.ledger_rows(db, BILLED)
 
 
+def _json_value(obj: dict[str, Any], key: str, default: int) -> int:
+    """llama.cpp's `json_value` for an int: the value, or `default` when it is absent, null or
+    of another type (nlohmann's type_error caught)."""
+    value = obj.get(key)
+    return value if type(value) is int else default
+
+
 def _completions(obj: dict[str, Any]) -> list[int]:
-    """Each completion's output: `n_cmpl`, else `n`, of them, up to the limit llama.cpp reads."""
+    """Each completion's output: `n_cmpl`, else `n`, of them (`params_from_json_cmpl`:
+    `json_value(data, "n_cmpl", json_value(data, "n", 1))`), up to the limit llama.cpp reads."""
     limit = obj.get("n_predict", obj.get("max_tokens"))
-    n = obj.get("n_cmpl", obj.get("n", 1))
+    n = _json_value(obj, "n_cmpl", _json_value(obj, "n", 1))
     return [min(a, limit) if limit and limit > 0 else a for a in ANSWERS[:n]]
 
 
@@ -523,18 +541,22 @@ async def llama_cpp_completion_stream(request: web.Request) -> web.StreamRespons
     return resp
 
 
-@pytest.mark.parametrize("field", ["n_cmpl", "n"])
+@pytest.mark.parametrize(
+    "extra", [{"n_cmpl": 4}, {"n": 4}, {"n_cmpl": "x", "n": 4}], ids=["n_cmpl", "n", "string"]
+)
 async def test_n_completions_of_a_completion_stream_are_measured(
-    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, field: str
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, extra: dict[str, Any]
 ) -> None:
     """Before: the request was read as its prompts only (one choice), so the other completions'
     events (index 1..3) were stray and the usage invalid: the ledger NULL, the budget charged
-    the hold of ONE completion (40 output tokens) for the 122 that four generated. Each
-    completion reports its prompt (5 tokens): the four results' counts add up, as a body's."""
+    the hold of ONE completion (40 output tokens) for the 122 that four generated; and so was a
+    string `n_cmpl` beside `n: 4` after that, which llama.cpp reads as `n` (`json_value`'s
+    default). Each completion reports its prompt (5 tokens): the four results' counts add up,
+    as a body's."""
     run, db = await _fronting(
         start_sidecar, aiohttp_server, tmp_path, "/completion", llama_cpp_completion_stream
     )
-    req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, field: 4}
+    req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, **extra}
     async with (
         aiohttp.ClientSession() as s,
         s.post(run.url + "/completion", json=req, headers={"X-Tollbooth-User": "cmp"}) as r,
@@ -558,7 +580,10 @@ async def test_n_completions_of_a_completion_stream_are_measured(
         ({"n_cmpl": True}, 1),
         ({"n_cmpl": 0}, 1),  # refused (hard limits 1..n_parallel): nothing is generated
         ({"n_cmpl": -3}, 1),
-        ({"n_cmpl": "4"}, 1),  # no number: refused
+        ({"n_cmpl": "4"}, 1),  # no number: `json_value`'s default, `n` (absent: 1)
+        ({"n_cmpl": "x", "n": 4}, 4),  # before: 1
+        ({"n_cmpl": [2], "n": 3}, 3),
+        ({"n_cmpl": "x", "n": "4"}, 1),
     ],
 )
 def test_completions_per_prompt_are_read_as_llama_cpp_reads_them(

@@ -198,17 +198,17 @@ def _server_tools(tools: object) -> bool:
 
 
 def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
-    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one.
+    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one,
+    and so is a list of token ids and strings (`llamacpp.prompts`).
     vLLM's `prompt_embeds` (one base64 tensor, or a list of them: `CompletionRequest`) are
     prompts too, served before the text ones ("the prompt embeds are always returned first",
     docs/features/prompt_embeds.md): a request's prompts are both together."""
     if endpoint is not Endpoint.COMPLETIONS:
         return 1
     prompt, embeds = obj.get("prompt"), obj.get("prompt_embeds")
-    if isinstance(prompt, list) and prompt:
-        texts = 1 if isinstance(prompt[0], int) else len(prompt)
-    else:
-        texts = 1
+    # llama.cpp's /v1/completions tokenizes `prompt` as its /completion does (one prompt for a
+    # list mixing token ids and strings); vLLM takes no such list
+    texts = llamacpp.prompts(obj)
     if embeds is None:
         return texts
     tensors = len(embeds) if isinstance(embeds, list) else 1
