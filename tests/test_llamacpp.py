@@ -8,6 +8,7 @@ slot's cache after the request (prompt + output), so cached input is `timings.ca
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -80,9 +81,14 @@ def test_the_routes_are_metered() -> None:
         ({"prompt": "a", "n_predict": -1, "max_tokens": 5}, None),  # n_predict wins: unbounded
         ({"prompt": "a"}, None),
         ({"prompt": "a", "n_predict": "8"}, None),
+        # then max_completion_tokens, then max_tokens (before: max_tokens, the hold for 1)
+        ({"prompt": "a", "max_tokens": 1, "max_completion_tokens": 500}, 500),
+        ({"prompt": "a", "max_completion_tokens": None, "max_tokens": 9}, 9),  # null: absent
+        ({"prompt": "a", "max_completion_tokens": -1, "max_tokens": 9}, None),
     ],
 )
 def test_the_limit_is_read_as_llama_cpp_reads_it(body: dict[str, Any], limit: int | None) -> None:
+    """`params_from_json_cmpl`: `n_predict`, else `max_completion_tokens`, else `max_tokens`."""
     info = inspect_request(Endpoint.LLAMA_COMPLETION, json.dumps(body).encode(), inject_usage=True)
     assert info.max_tokens == limit
     assert info.output_cap == limit  # no cap where the server reads no limit
@@ -113,6 +119,11 @@ def test_a_prompt_of_tokens_and_text_mixed_is_one_prompt(prompt: list[Any], prom
     body = json.dumps({"prompt": prompt, "n_predict": 4}).encode()
     info = inspect_request(Endpoint.LLAMA_COMPLETION, body, inject_usage=False)
     assert (info.choices, info.n) == (prompts, prompts)
+    # llama.cpp's /v1/completions hands its `prompt` to the same `tokenize_input_prompts`. Before,
+    # the OpenAI route read a list by its first element: ["a", 12] was 2 prompts (the hold and
+    # the output cap twice too large), [True, "a"] one
+    body = json.dumps({"model": SIM_MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+    assert inspect_request(Endpoint.COMPLETIONS, body, inject_usage=False).choices == prompts
 
 
 def test_a_final_body_is_read_with_cache_n_as_cached_input() -> None:
@@ -360,10 +371,18 @@ async def _billed(run: Running, db: Path) -> list[tuple[Any, ...]]:
     return sim.ledger_rows(db, BILLED)
 
 
+def _json_value(obj: dict[str, Any], key: str, default: int) -> int:
+    """llama.cpp's `json_value` for an int: the value, or `default` when it is absent, null or
+    of another type (nlohmann's type_error caught)."""
+    value = obj.get(key)
+    return value if type(value) is int else default
+
+
 def _completions(obj: dict[str, Any]) -> list[int]:
-    """Each completion's output: `n_cmpl`, else `n`, of them, up to the limit llama.cpp reads."""
+    """Each completion's output: `n_cmpl`, else `n`, of them (`params_from_json_cmpl`:
+    `json_value(data, "n_cmpl", json_value(data, "n", 1))`), up to the limit llama.cpp reads."""
     limit = obj.get("n_predict", obj.get("max_tokens"))
-    n = obj.get("n_cmpl", obj.get("n", 1))
+    n = _json_value(obj, "n_cmpl", _json_value(obj, "n", 1))
     return [min(a, limit) if limit and limit > 0 else a for a in ANSWERS[:n]]
 
 
@@ -428,6 +447,77 @@ async def test_parallel_samples_on_llama_cpps_chat_stream_are_each_billed(
     assert run.sc.budgets.store.spent["user:pat"] == to_micros(sim.token_cost(5, out))
 
 
+LONG, SHORT = 40, 10  # completion 0's and completion 1's tokens, of an n=2 request
+
+
+def _slow_second_completion(release: asyncio.Event, *, end_early: bool) -> Any:
+    """llama.cpp's n=2 chat stream, completion 1 (SHORT tokens) ending first with its finish and
+    usage-only chunk; completion 0 goes on only once `release` is set (or, `end_early`, the
+    stream ends there: an upstream that died)."""
+    chunk = {"id": "chatcmpl-l", "created": 1, "model": SIM_MODEL}
+    chunk |= {"object": "chat.completion.chunk"}
+
+    def content(i: int, delta: dict[str, Any], reason: str | None = None) -> bytes:
+        return _event({**chunk, "choices": [{"finish_reason": reason, "index": i, "delta": delta}]})
+
+    def usage(out: int) -> bytes:
+        counts = {"completion_tokens": out, "prompt_tokens": 5, "total_tokens": 5 + out}
+        return _event({**chunk, "choices": [], "usage": counts})
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        obj = json.loads(await request.read())
+        assert obj.get("n") == 2 and (obj.get("stream_options") or {}).get("include_usage")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        x = {"content": "x "}
+        first = b"".join(content(0, x) + content(1, x) for _ in range(SHORT))
+        await resp.write(first + content(1, {}, "stop") + usage(SHORT))
+        if end_early:
+            return resp
+        await release.wait()
+        await resp.write(b"".join(content(0, x) for _ in range(LONG - SHORT)))
+        await resp.write(content(0, {}, "stop") + usage(LONG) + b"data: [DONE]\n\n")
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("end_early", [False, True], ids=["client_leaves", "upstream_dies"])
+async def test_leaving_after_the_first_completions_usage_is_not_billed_as_measured(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, end_early: bool
+) -> None:
+    """A client asks llama.cpp's chat for n=2 with include_usage, reads up to the first usage-only
+    chunk (completion 1's: 10 tokens) and leaves while completion 0 still generates (it has 10
+    tokens by then, and would go on to 40); or the upstream ends the stream there. Before, the
+    ledger said 5 in / 10 out, measured, and the budget was charged that: the other
+    completion's tokens free. Now the usage is unknown (NULL counts), charged at least both
+    completions' first 10 tokens (the hold)."""
+    release = asyncio.Event()
+    handler = _slow_second_completion(release, end_early=end_early)
+    run, db = await _fronting(
+        start_sidecar, aiohttp_server, tmp_path, "/v1/chat/completions", handler
+    )
+    body = {"model": SIM_MODEL, "messages": MSGS, "stream": True, "max_tokens": 100, "n": 2}
+    body["stream_options"] = {"include_usage": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "pat"}
+            )
+            seen = b""
+            while b'"choices": [], "usage"' not in seen:
+                piece = await resp.content.readany()
+                assert piece, seen
+                seen += piece
+            resp.close()  # the client leaves
+        rows = await _billed(run, db)
+    finally:
+        release.set()
+    spent = run.sc.budgets.store.spent["user:pat"]
+    floor = to_micros(sim.token_cost(5, 2 * SHORT))
+    assert rows[0][2:4] == (None, None) and spent >= floor, (rows, spent, floor)
+
+
 async def llama_cpp_completion_stream(request: web.Request) -> web.StreamResponse:
     """/completion streamed as llama.cpp streams `n_cmpl` (or `n`) completions of one prompt:
     each event with its result's index, each result ending with its `stop: true` totals
@@ -451,18 +541,22 @@ async def llama_cpp_completion_stream(request: web.Request) -> web.StreamRespons
     return resp
 
 
-@pytest.mark.parametrize("field", ["n_cmpl", "n"])
+@pytest.mark.parametrize(
+    "extra", [{"n_cmpl": 4}, {"n": 4}, {"n_cmpl": "x", "n": 4}], ids=["n_cmpl", "n", "string"]
+)
 async def test_n_completions_of_a_completion_stream_are_measured(
-    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, field: str
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, extra: dict[str, Any]
 ) -> None:
     """Before: the request was read as its prompts only (one choice), so the other completions'
     events (index 1..3) were stray and the usage invalid: the ledger NULL, the budget charged
-    the hold of ONE completion (40 output tokens) for the 122 that four generated. Each
-    completion reports its prompt (5 tokens): the four results' counts add up, as a body's."""
+    the hold of ONE completion (40 output tokens) for the 122 that four generated; and so was a
+    string `n_cmpl` beside `n: 4` after that, which llama.cpp reads as `n` (`json_value`'s
+    default). Each completion reports its prompt (5 tokens): the four results' counts add up,
+    as a body's."""
     run, db = await _fronting(
         start_sidecar, aiohttp_server, tmp_path, "/completion", llama_cpp_completion_stream
     )
-    req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, field: 4}
+    req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, **extra}
     async with (
         aiohttp.ClientSession() as s,
         s.post(run.url + "/completion", json=req, headers={"X-Tollbooth-User": "cmp"}) as r,
@@ -486,7 +580,10 @@ async def test_n_completions_of_a_completion_stream_are_measured(
         ({"n_cmpl": True}, 1),
         ({"n_cmpl": 0}, 1),  # refused (hard limits 1..n_parallel): nothing is generated
         ({"n_cmpl": -3}, 1),
-        ({"n_cmpl": "4"}, 1),  # no number: refused
+        ({"n_cmpl": "4"}, 1),  # no number: `json_value`'s default, `n` (absent: 1)
+        ({"n_cmpl": "x", "n": 4}, 4),  # before: 1
+        ({"n_cmpl": [2], "n": 3}, 3),
+        ({"n_cmpl": "x", "n": "4"}, 1),
     ],
 )
 def test_completions_per_prompt_are_read_as_llama_cpp_reads_them(

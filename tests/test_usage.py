@@ -276,6 +276,78 @@ def test_usage_only_chunks_of_several_choices_add_up_on_both_paths(
     assert (u.input_tokens, u.output_tokens, u.unknown_reason) == expected
 
 
+def _n2_chat_prefix(long_so_far: int, short: int = 10) -> bytes:
+    """llama.cpp's n=2 chat stream (`to_json_oaicompat_chat_stream`, each completion its own
+    task) up to the short completion's usage-only chunk: completion 1 ended with `short`
+    tokens, completion 0 has `long_so_far` and still generates."""
+    data = b""
+    for step in range(max(short, long_so_far)):
+        if step < long_so_far:
+            data += _choice(0, delta={"content": "x "}, finish_reason=None)
+        if step < short:
+            data += _choice(1, delta={"content": "x "}, finish_reason=None)
+        if step == short - 1:
+            data += _choice(1, delta={}, finish_reason="stop") + _usage_only(5, short)
+    return data
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fewer_usage_only_chunks_than_choices_count_only_after_done(fast: bool) -> None:
+    """n=2: llama.cpp sends each completion's usage-only chunk as that completion ends, the other
+    still generating. Before, the first one (5 in / 10 out) was read as the request's measured
+    usage: a client (or an upstream) leaving there was billed it, completion 0's 30 tokens free.
+    Fewer parts than choices are the request's only once [DONE] came (vLLM's one chunk of the
+    totals, right before it); all the parts count without it."""
+    meter = open_stream(Endpoint.CHAT, fast=fast, choices=2)
+    meter.feed(_n2_chat_prefix(30))
+    left = meter.usage_so_far()
+    assert (left.input_tokens, left.output_tokens) == (None, None)
+    assert left.unknown_reason == "incomplete_usage"
+    assert meter.finish()[1].unknown_reason == "incomplete_usage"  # the upstream ended there
+    # both parts, no [DONE] yet: measured
+    meter = open_stream(Endpoint.CHAT, fast=fast, choices=2)
+    meter.feed(_n2_chat_prefix(40) + _choice(0, delta={}, finish_reason="stop"))
+    meter.feed(_usage_only(5, 40))
+    u = meter.usage_so_far()
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, 50, None)
+    # vLLM's one chunk of the totals: unknown until [DONE], then the totals
+    meter = open_stream(Endpoint.CHAT, fast=fast, choices=2)
+    finishes = b"".join(_choice(i, delta={}, finish_reason="stop") for i in (0, 1))
+    meter.feed(finishes + _usage_only(5, 68))
+    assert meter.usage_so_far().unknown_reason == "incomplete_usage"
+    meter.feed(b"data: [DONE]\n\n")
+    u = meter.finish()[1]
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, 68, None)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_usage_only_chunks_of_two_choices_agree_on_both_paths_at_every_cut(parts: int) -> None:
+    """n=2 and one (vLLM's totals), two (llama.cpp's parts) or three (invalid) usage-only chunks,
+    the wire cut at every byte: the same bytes for the client, the same usage so far after each
+    piece (before [DONE] as after it), the same finish, on the fast and the reference path."""
+    usage = (
+        [_usage_only(5, 50)]
+        if parts == 1
+        else [_usage_only(5, 10), *[_usage_only(5, 40)] * (parts - 1)]
+    )
+    wire = b"".join(_choice(i, delta={"content": "x "}, finish_reason=None) for i in (0, 1))
+    wire += b"".join(_choice(i, delta={}, finish_reason="stop") for i in (1, 0))
+    wire += b"".join(usage) + b"data: [DONE]\n\n"
+    for strip in (False, True):
+        for cut in range(len(wire) + 1):
+            fast = open_stream(Endpoint.CHAT, fast=True, choices=2, strip_usage=strip)
+            ref = open_stream(Endpoint.CHAT, fast=False, choices=2, strip_usage=strip)
+            for piece in (wire[:cut], wire[cut:]):
+                assert fast.feed(piece) == ref.feed(piece), (strip, cut)
+                assert fast.usage_so_far() == ref.usage_so_far(), (strip, cut)
+            assert fast.finish() == ref.finish(), (strip, cut)
+    meter = open_stream(Endpoint.CHAT, fast=False, choices=2)
+    meter.feed(wire)
+    u = meter.finish()[1]
+    want = (None, None, "invalid_usage") if parts == 3 else (5, 50, None)
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == want
+
+
 def test_role_only_first_chunk_is_not_a_token() -> None:
     role = {
         "id": "c",
@@ -926,6 +998,36 @@ def test_a_zero_usage_choice_beside_running_totals_leaves_the_usage_unknown(
     meter = open_stream(endpoint, choices=2, per_prompt=2, fast=fast)
     meter.feed(b"".join(f"data: {compact(e)}\n\n".encode() for e in both))
     assert meter.usage_so_far().output_tokens == 10
+
+
+def _llama_cpp_text(index: int, final: int | None = None) -> bytes:
+    """llama.cpp's /v1/completions stream (server-task.cpp): partial chunks carry text alone; a
+    result's final chunk (`to_json_oaicompat`) is its one choice with its finish_reason and that
+    result's own usage beside it."""
+    choice: dict[str, Any] = {"text": "x", "index": index, "logprobs": None}
+    obj: dict[str, Any] = {"id": "cmpl-l", "object": "text_completion", "choices": [choice]}
+    choice["finish_reason"] = None
+    if final is not None:
+        choice |= {"text": "", "finish_reason": "stop"}
+        obj["usage"] = {"completion_tokens": final, "prompt_tokens": 5, "total_tokens": 5 + final}
+    return f"data: {compact(obj)}\n\n".encode()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_running_usage_of_one_choice_of_two_is_no_measure(fast: bool) -> None:
+    """llama.cpp's /v1/completions with n_cmpl: 2 (one prompt): completion 1 ended with its usage
+    on its final chunk, completion 0 has 30 tokens and none yet. Before, every *prompt* having
+    running usage was enough (choice 1 is prompt 0's): a client leaving there was billed 5 in /
+    10 out as measured. Running totals measure only when every choice sent them."""
+    meter = open_stream(Endpoint.COMPLETIONS, fast=fast, choices=2, per_prompt=2)
+    data = b"".join(_llama_cpp_text(0) for _ in range(30))
+    meter.feed(data + b"".join(_llama_cpp_text(1) for _ in range(10)) + _llama_cpp_text(1, 10))
+    left = meter.usage_so_far()
+    assert (left.input_tokens, left.output_tokens) == (None, None)
+    assert left.unknown_reason == "incomplete_usage"
+    meter.feed(_llama_cpp_text(0, 30))  # completion 0's own: both measured, the prompt once
+    u = meter.usage_so_far()
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, 40, None)
 
 
 def test_the_wire_path_waits_for_an_event_begun_in_an_earlier_read() -> None:

@@ -1,9 +1,10 @@
 """The llama.cpp server's native wire: `/completion` and `/infill`.
 
-Owns: what such a request asks for (`n_predict`, else `max_tokens`; `stream` a JSON boolean;
-several prompts in one `prompt` list), usage from a complete body (one result, or a list of them
-for several prompts) and from its SSE stream, whose `data:` events carry running counts and end,
-per prompt, with a `stop: true` event holding the totals (no `[DONE]`).
+Owns: what such a request asks for (`n_predict`, else `max_completion_tokens`, else
+`max_tokens`; `stream` a JSON boolean; several prompts in one `prompt` list), usage from a
+complete body (one result, or a list of them for several prompts) and from its SSE stream,
+whose `data:` events carry running counts and end, per prompt, with a `stop: true` event holding
+the totals (no `[DONE]`).
 Never: reads `tokens_cached` as cached input: llama.cpp sets it to the tokens in the slot's cache
 after the request (`n_past`: prompt plus output), so the cached prefix is `timings.cache_n`
 (tools/server/server-task.cpp, `to_json_non_oaicompat`, `result_timings::to_json`).
@@ -34,7 +35,7 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
         info.temperature = number(obj.get("temperature"))
         info.prompt_chars = prompt_chars(obj)
-        info.n = info.choices = _prompts(obj) * completions(obj)
+        info.n = info.choices = prompts(obj) * completions(obj)
         info.output_cap = reqsize.output_cap(info.max_tokens, obj, {})
 
     def usage_from_body(
@@ -56,20 +57,25 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         return LlamaCppStream(endpoint, **options)
 
 
+_LIMIT_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")  # the first present is read
+
+
 def _limit(obj: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
-    """llama.cpp reads `n_predict`, else `max_tokens` (`params_from_json_cmpl`: json_value of
-    n_predict defaulting to max_tokens); -1 (the default) and any other value below 1 mean no
-    limit of the request's own, so the default worst case applies."""
-    key = "n_predict" if obj.get("n_predict") is not None else "max_tokens"
-    value = obj.get(key)
-    if value is None:
+    """llama.cpp reads `n_predict`, else `max_completion_tokens`, else `max_tokens`
+    (`params_from_json_cmpl`: json_value of n_predict defaulting to that of
+    max_completion_tokens, defaulting to max_tokens; a null one is absent); -1 (the default) and
+    any other value below 1 mean no limit of the request's own, so the default worst case
+    applies."""
+    key = next((k for k in _LIMIT_KEYS if obj.get(k) is not None), None)
+    if key is None:
         return None, ()
+    value = obj[key]
     if type(value) is not int:
         return None, (key,)
     return (value if value > 0 else None), ()
 
 
-def _prompts(obj: Mapping[str, Any]) -> int:
+def prompts(obj: Mapping[str, Any]) -> int:
     """Results one request makes: a `prompt` list holding strings or token lists is several
     prompts (one result each); a list of token ids is one prompt, and so is a list holding both
     token ids and strings (`tokenize_input_prompts`: `json_is_array_of_mixed_numbers_strings`,
@@ -88,10 +94,13 @@ def completions(obj: Mapping[str, Any]) -> int:
     llama.cpp's schema reads them (server-schema.cpp, `field_num::eval`: nlohmann's get<int>,
     so a fraction is truncated and a boolean is 0 or 1). Results are numbered prompt * n_cmpl +
     completion (`server_response_reader::post_tasks`). A value below 1 (or above the server's
-    `n_parallel`, unknown here) is refused, and one no number could be (a string) too, or read
-    as the default by older servers' `json_value`: 1 either way, nothing more is generated."""
+    `n_parallel`, unknown here) is refused. An `n_cmpl` no number could be (a string) is read
+    as its default, `n` (`params_from_json_cmpl`: `json_value(data, "n_cmpl",
+    json_value(data, "n", 1))`, and `json_value` answers a wrong type with its default; a server
+    whose schema refuses it generates nothing, so `n` is the most either makes); an `n` no
+    number could be, as 1."""
     value = obj.get("n_cmpl")
-    if value is None:
+    if value is None or not isinstance(value, (int, float)):  # a boolean is an int
         value = obj.get("n")
     if isinstance(value, float):
         value = int(value) if value == value and abs(value) < 2**31 else None

@@ -200,17 +200,17 @@ def _server_tools(tools: object) -> bool:
 
 
 def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
-    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one.
+    """A completion's prompt list gives one choice per prompt (times n); a token-id list is one,
+    and so is a list of token ids and strings (`llamacpp.prompts`).
     vLLM's `prompt_embeds` (one base64 tensor, or a list of them: `CompletionRequest`) are
     prompts too, served before the text ones ("the prompt embeds are always returned first",
     docs/features/prompt_embeds.md): a request's prompts are both together."""
     if endpoint is not Endpoint.COMPLETIONS:
         return 1
     prompt, embeds = obj.get("prompt"), obj.get("prompt_embeds")
-    if isinstance(prompt, list) and prompt:
-        texts = 1 if isinstance(prompt[0], int) else len(prompt)
-    else:
-        texts = 1
+    # llama.cpp's /v1/completions tokenizes `prompt` as its /completion does (one prompt for a
+    # list mixing token ids and strings); vLLM takes no such list
+    texts = llamacpp.prompts(obj)
     if embeds is None:
         return texts
     tensors = len(embeds) if isinstance(embeds, list) else 1
@@ -368,8 +368,8 @@ class ChatStream(SSEMeter):
 
     def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
         """A chat's choices share one prompt. A batched completion's choice `i` belongs to prompt
-        `i // n`, and each choice's running usage carries its own prompt's size: one per prompt,
-        and only when every prompt was seen."""
+        `i // n`, and each choice's running usage carries its own prompt's size: one per prompt
+        (`parts` has every choice's, so every prompt's)."""
         if None in (p.input_tokens for p in parts.values()):
             return None
         if self.endpoint is Endpoint.CHAT:
@@ -377,22 +377,28 @@ class ChatStream(SSEMeter):
         prompts: dict[int, int] = {}
         for i, p in parts.items():
             prompts[i // self._per_prompt] = p.input_tokens or 0
-        if len(prompts) * self._per_prompt < self._choices:
-            return None
         return sum(prompts.values())
 
     def _counted_usage(self) -> Usage:
-        """The totals if they came; else vLLM's running totals (exact up to the last chunk
-        received), each prompt's once: at the stream's end as for a client that left; else
-        unknown (as they are beside a choice the request did not ask for). A usage on a choice's
-        chunk that counts no prompt is no running total (`_counts_a_prompt`): beside another
-        choice's, that choice's output is unknown, so the request's is."""
+        """The totals if they came (with several choices: one part per choice, or fewer once
+        [DONE] came); else vLLM's running totals (exact up to the last chunk received, and with
+        several choices only when every choice sent them), each prompt's once: at the stream's
+        end as for a client that left; else unknown (as they are beside a choice the request did
+        not ask for). A usage on a choice's chunk that counts no prompt is no running total
+        (`_counts_a_prompt`): beside another choice's, that choice's output is unknown, so the
+        request's is."""
         running = {i: u for i, u in self._choice_usage.items() if _counts_a_prompt(u)}
         if self._extra_usage:
             # more usage-only chunks than the request has choices: which are parts and which
             # repeat another cannot be told
             return replace(self._base(), unknown_reason=INVALID_USAGE)
         if self._final_usage or not running:
+            if 0 < len(self._final_usage) < self._choices and not self.done:
+                # Parts of the totals, not yet all: llama.cpp sends each completion's usage-only
+                # chunk as that completion ends, the others still generating; vLLM its one chunk
+                # of totals right before [DONE]. Fewer parts than choices are the request's usage
+                # only once [DONE] came; before, some choice's tokens may be in none of them.
+                return replace(self._base(), unknown_reason="incomplete_usage")
             # A chat's choices share one prompt: its input is counted once (the largest part's);
             # a completion's parts may each be another prompt's, so their inputs add up.
             shared = self.endpoint is Endpoint.CHAT
@@ -405,6 +411,10 @@ class ChatStream(SSEMeter):
             return replace(self._base(), unknown_reason=INVALID_USAGE)
         if self._choices < 2:
             return _totals(self._base(), [*running.values()], self.endpoint)
+        if len(running) < self._choices:
+            # a choice without running usage: its output so far was never read (llama.cpp's
+            # /v1/completions puts each result's usage on that result's final chunk alone)
+            return replace(self._base(), unknown_reason="incomplete_usage")
         parts = {i: read_usage(_decoded(u), self.endpoint) for i, u in running.items()}
         inp = self._running_input(parts)
         reason = next((p.unknown_reason for p in parts.values() if p.unknown_reason), None)
