@@ -28,6 +28,8 @@ from tests.waiting import wait_for
 
 SIM_MODEL = "sim-llama-3-8b"
 PRICES = sim.prices(SIM_MODEL)
+# the sidecar in front of each fake llama.cpp below: a ledger, these prices, a budget
+FRONTED: dict[str, Any] = {"pricing": PRICES, "budgets": {"user_daily_usd": 5.0}}
 
 # A final result as llama.cpp writes it (server-task.cpp, `server_task_result_cmpl_final::
 # to_json_non_oaicompat`, fields in its order; values from the README's /completion example).
@@ -302,18 +304,8 @@ async def test_n_predict_beside_max_tokens_on_llama_cpps_openai_routes_is_billed
     max_output_tokens: `max_tokens: 1, n_predict: 50` had its 50 tokens, which llama.cpp
     generated and reported, taken as more than it asked (invalid usage): the ledger NULL, the
     budget charged the hold of one output token. `n_predict` is one of the limit fields now."""
-    app = web.Application()
-    app.router.add_post(path, llama_cpp_v1)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {
-            "pricing": PRICES,
-            "ledger": {"path": str(db), "flush_interval_s": 0.05},
-            "budgets": {"user_daily_usd": 5.0},
-        },
-        upstream_url=str(up.make_url("")).rstrip("/"),
-    )
+    route = (path, llama_cpp_v1)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **FRONTED)
     body: dict[str, Any] = {"model": SIM_MODEL, "max_tokens": 1, "n_predict": ANSWER}
     body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "a"}
     headers = {"X-Tollbooth-User": "nia"}
@@ -343,26 +335,6 @@ async def test_n_predict_beside_max_tokens_on_llama_cpps_openai_routes_is_billed
 ANSWERS = [40, 28, 33, 21]  # tokens each completion generates to its end (no limit it obeys)
 MSGS: Any = [{"role": "user", "content": "one two three four five"}]  # 5 prompt tokens
 BILLED = "user, endpoint, input_tokens, output_tokens, cost_usd"
-
-
-async def _fronting(
-    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, path: str, handler: Any
-) -> tuple[Running, Path]:
-    """A sidecar with a ledger and a budget in front of a fake answering one route."""
-    app = web.Application()
-    app.router.add_post(path, handler)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {
-            "pricing": PRICES,
-            "ledger": {"path": str(db), "flush_interval_s": 0.05},
-            "budgets": {"user_daily_usd": 5.0},
-            "upstream": {"model_name": SIM_MODEL},
-        },
-        upstream_url=str(up.make_url("")).rstrip("/"),
-    )
-    return run, db
 
 
 async def _billed(run: Running, db: Path) -> list[tuple[Any, ...]]:
@@ -426,8 +398,13 @@ async def test_parallel_samples_on_llama_cpps_chat_stream_are_each_billed(
     others ("last wins", 3b3c617), so n=2 was billed 40 of its 68 output tokens and n=4 40 of
     122; with `n_cmpl` (read as one choice) the other completions' chunks were stray too. Each
     is billed now, the one prompt once."""
-    run, db = await _fronting(
-        start_sidecar, aiohttp_server, tmp_path, "/v1/chat/completions", llama_cpp_v1_chat_stream
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/v1/chat/completions", llama_cpp_v1_chat_stream),
+        **FRONTED,
+        upstream={"model_name": SIM_MODEL},
     )
     client = openai.AsyncOpenAI(
         base_url=run.url + "/v1", api_key="k", default_headers={"X-Tollbooth-User": "pat"}
@@ -494,8 +471,13 @@ async def test_leaving_after_the_first_completions_usage_is_not_billed_as_measur
     completions' first 10 tokens (the hold)."""
     release = asyncio.Event()
     handler = _slow_second_completion(release, end_early=end_early)
-    run, db = await _fronting(
-        start_sidecar, aiohttp_server, tmp_path, "/v1/chat/completions", handler
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/v1/chat/completions", handler),
+        **FRONTED,
+        upstream={"model_name": SIM_MODEL},
     )
     body = {"model": SIM_MODEL, "messages": MSGS, "stream": True, "max_tokens": 100, "n": 2}
     body["stream_options"] = {"include_usage": True}
@@ -553,8 +535,13 @@ async def test_n_completions_of_a_completion_stream_are_measured(
     string `n_cmpl` beside `n: 4` after that, which llama.cpp reads as `n` (`json_value`'s
     default). Each completion reports its prompt (5 tokens): the four results' counts add up,
     as a body's."""
-    run, db = await _fronting(
-        start_sidecar, aiohttp_server, tmp_path, "/completion", llama_cpp_completion_stream
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/completion", llama_cpp_completion_stream),
+        **FRONTED,
+        upstream={"model_name": SIM_MODEL},
     )
     req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, **extra}
     async with (
