@@ -44,13 +44,8 @@ async def start_simulated(
 ) -> tuple[Running, Path]:
     """The simulator (vLLM's routes and every engine's own) and a sidecar in front of it,
     writing its ledger to a file under `tmp_path` (returned)."""
-    sim = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
-    db = tmp_path / "ledger.db"
-    run = await start_sidecar(
-        {"pricing": prices, "ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},
-        upstream_url=str(sim.make_url("")).rstrip("/"),
-    )
-    return run, db
+    up = await aiohttp_server(create_simulator("vllm", EngineParams(step_base_s=0.002)))
+    return await _fronting(start_sidecar, up, tmp_path, pricing=prices, **config)
 
 
 async def start_fake(
@@ -64,7 +59,12 @@ async def start_fake(
     a fake engine answering one `(path, handler)` POST route."""
     app = web.Application()
     app.router.add_post(*route)
-    up = await aiohttp_server(app)
+    return await _fronting(start_sidecar, await aiohttp_server(app), tmp_path, **config)
+
+
+async def _fronting(
+    start_sidecar: StartSidecar, up: Any, tmp_path: Path, **config: Any
+) -> tuple[Running, Path]:
     db = tmp_path / "ledger.db"
     run = await start_sidecar(
         {"ledger": {"path": str(db), "flush_interval_s": 0.05}, **config},

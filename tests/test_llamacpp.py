@@ -30,6 +30,7 @@ SIM_MODEL = "sim-llama-3-8b"
 PRICES = sim.prices(SIM_MODEL)
 # the sidecar in front of each fake llama.cpp below: a ledger, these prices, a budget
 FRONTED: dict[str, Any] = {"pricing": PRICES, "budgets": {"user_daily_usd": 5.0}}
+NAMED = {**FRONTED, "upstream": {"model_name": SIM_MODEL}}  # and the one model it serves
 
 # A final result as llama.cpp writes it (server-task.cpp, `server_task_result_cmpl_final::
 # to_json_non_oaicompat`, fields in its order; values from the README's /completion example).
@@ -398,14 +399,8 @@ async def test_parallel_samples_on_llama_cpps_chat_stream_are_each_billed(
     others ("last wins", 3b3c617), so n=2 was billed 40 of its 68 output tokens and n=4 40 of
     122; with `n_cmpl` (read as one choice) the other completions' chunks were stray too. Each
     is billed now, the one prompt once."""
-    run, db = await sim.start_fake(
-        start_sidecar,
-        aiohttp_server,
-        tmp_path,
-        ("/v1/chat/completions", llama_cpp_v1_chat_stream),
-        **FRONTED,
-        upstream={"model_name": SIM_MODEL},
-    )
+    route = ("/v1/chat/completions", llama_cpp_v1_chat_stream)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
     client = openai.AsyncOpenAI(
         base_url=run.url + "/v1", api_key="k", default_headers={"X-Tollbooth-User": "pat"}
     )
@@ -471,14 +466,8 @@ async def test_leaving_after_the_first_completions_usage_is_not_billed_as_measur
     completions' first 10 tokens (the hold)."""
     release = asyncio.Event()
     handler = _slow_second_completion(release, end_early=end_early)
-    run, db = await sim.start_fake(
-        start_sidecar,
-        aiohttp_server,
-        tmp_path,
-        ("/v1/chat/completions", handler),
-        **FRONTED,
-        upstream={"model_name": SIM_MODEL},
-    )
+    route = ("/v1/chat/completions", handler)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
     body = {"model": SIM_MODEL, "messages": MSGS, "stream": True, "max_tokens": 100, "n": 2}
     body["stream_options"] = {"include_usage": True}
     try:
@@ -535,14 +524,8 @@ async def test_n_completions_of_a_completion_stream_are_measured(
     string `n_cmpl` beside `n: 4` after that, which llama.cpp reads as `n` (`json_value`'s
     default). Each completion reports its prompt (5 tokens): the four results' counts add up,
     as a body's."""
-    run, db = await sim.start_fake(
-        start_sidecar,
-        aiohttp_server,
-        tmp_path,
-        ("/completion", llama_cpp_completion_stream),
-        **FRONTED,
-        upstream={"model_name": SIM_MODEL},
-    )
+    route = ("/completion", llama_cpp_completion_stream)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
     req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, **extra}
     async with (
         aiohttp.ClientSession() as s,
