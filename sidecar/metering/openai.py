@@ -392,13 +392,15 @@ class ChatStream(SSEMeter):
             # more usage-only chunks than the request has choices: which are parts and which
             # repeat another cannot be told
             return replace(self._base(), unknown_reason=INVALID_USAGE)
-        if self._final_usage or not running:
-            if 0 < len(self._final_usage) < self._choices and not self.done:
-                # Parts of the totals, not yet all: llama.cpp sends each completion's usage-only
-                # chunk as that completion ends, the others still generating; vLLM its one chunk
-                # of totals right before [DONE]. Fewer parts than choices are the request's usage
-                # only once [DONE] came; before, some choice's tokens may be in none of them.
+        if 0 < len(self._final_usage) < self._choices and not self.done:
+            # Parts of the totals, not yet all: llama.cpp sends each completion's usage-only
+            # chunk as that completion ends, the others still generating; vLLM its one chunk
+            # of totals right before [DONE]. Fewer parts than choices are the request's usage
+            # only once [DONE] came; before, some choice's tokens may be in none of them, and
+            # only every choice's running totals (vLLM's, all sent by then) measure it.
+            if len(running) < self._choices:
                 return replace(self._base(), unknown_reason="incomplete_usage")
+        elif self._final_usage or not running:
             # A chat's choices share one prompt: its input is counted once (the largest part's);
             # a completion's parts may each be another prompt's, so their inputs add up.
             shared = self.endpoint is Endpoint.CHAT
