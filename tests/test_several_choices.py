@@ -27,18 +27,20 @@ def _usage(prompt: int, out: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "total_tokens": prompt + out, "completion_tokens": out}
 
 
-def _chat_chunk(
-    index: int, delta: dict[str, Any], finish: str | None, usage: dict[str, int] | None
+def _chunk(
+    kind: str, part: tuple[str, Any], index: int, finish: str | None, usage: dict | None
 ) -> bytes:
-    """vLLM's chat chunk (serving_chat.py, `model_dump_json(exclude_unset=True)`): compact,
-    usage last when continuous_usage_stats is on, each chunk one choice."""
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None}
+    """vLLM's chunk of one choice (serving_chat.py, serving_completion.py:
+    `model_dump_json(exclude_unset=True)`): compact, usage last when continuous_usage_stats is
+    on. `kind` its object, `part` the choice's ("delta", {...}) or ("text", "...")."""
+    choice: dict[str, Any] = {"index": index, part[0]: part[1], "logprobs": None}
     choice["finish_reason"] = finish
     if finish is not None:
         choice["stop_reason"] = None
+    prefix = "chatcmpl" if kind == "chat.completion.chunk" else "cmpl"
     obj: dict[str, Any] = {
-        "id": "chatcmpl-r5",
-        "object": "chat.completion.chunk",
+        "id": f"{prefix}-r5",
+        "object": kind,
         "created": 1,
         "model": "m",
         "choices": [choice],
@@ -46,6 +48,12 @@ def _chat_chunk(
     if usage is not None:
         obj["usage"] = usage
     return _event(obj)
+
+
+def _chat_chunk(
+    index: int, delta: dict[str, Any], finish: str | None, usage: dict[str, int] | None
+) -> bytes:
+    return _chunk("chat.completion.chunk", ("delta", delta), index, finish, usage)
 
 
 def _vllm_n2_chat(continuous: bool, lengths: tuple[int, int] = (6, 2), prompt: int = 5):
@@ -138,20 +146,7 @@ def test_vllm_n2_chat_fast_and_reference_agree_event_by_event(continuous: bool) 
 
 
 def _completion_chunk(index: int, text: str, finish: str | None, usage: dict | None) -> bytes:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None}
-    choice["finish_reason"] = finish
-    if finish is not None:
-        choice["stop_reason"] = None
-    obj: dict[str, Any] = {
-        "id": "cmpl-r5",
-        "object": "text_completion",
-        "created": 1,
-        "model": "m",
-        "choices": [choice],
-    }
-    if usage is not None:
-        obj["usage"] = usage
-    return _event(obj)
+    return _chunk("text_completion", ("text", text), index, finish, usage)
 
 
 def _vllm_batched_completion(prompts: tuple[int, ...], n: int, steps: int):
