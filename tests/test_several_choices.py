@@ -120,16 +120,22 @@ def test_vllm_n2_chat_fast_and_reference_agree_at_every_cut(continuous: bool, st
     events, _ = _vllm_n2_chat(continuous=continuous)
     wire = b"".join(events)
     opts = {"choices": 2, "strip_usage": strip, "strip_chunk_usage": strip and continuous}
+    assert _cuts_where_paths_differ(Endpoint.CHAT, wire, opts) == []
+
+
+def _cuts_where_paths_differ(endpoint: Endpoint, wire: bytes, opts: dict[str, Any]) -> list[int]:
+    """The bytes at which `wire` cut in two makes the fast and the reference path differ: in
+    what the client gets or the usage so far after a piece, or in the finish."""
     bad = []
     for cut in range(len(wire) + 1):
-        f = open_stream(Endpoint.CHAT, fast=True, **opts)
-        r = open_stream(Endpoint.CHAT, fast=False, **opts)
+        f = open_stream(endpoint, fast=True, **opts)
+        r = open_stream(endpoint, fast=False, **opts)
         for piece in (wire[:cut], wire[cut:]):
             if f.feed(piece) != r.feed(piece) or f.usage_so_far() != r.usage_so_far():
                 bad.append(cut)
         if f.finish() != r.finish():
             bad.append(cut)
-    assert bad == []
+    return bad
 
 
 @pytest.mark.parametrize("continuous", [True, False])
@@ -203,16 +209,7 @@ def test_vllm_batched_completion_fast_and_reference_agree_at_every_cut() -> None
     events, _ = _vllm_batched_completion((3, 7), 2, 3)
     wire = b"".join(events)
     opts = {"choices": 4, "per_prompt": 2, "strip_usage": True, "strip_chunk_usage": True}
-    bad = []
-    for cut in range(len(wire) + 1):
-        f = open_stream(Endpoint.COMPLETIONS, fast=True, **opts)
-        r = open_stream(Endpoint.COMPLETIONS, fast=False, **opts)
-        for piece in (wire[:cut], wire[cut:]):
-            if f.feed(piece) != r.feed(piece) or f.usage_so_far() != r.usage_so_far():
-                bad.append(cut)
-        if f.finish() != r.finish():
-            bad.append(cut)
-    assert bad == []
+    assert _cuts_where_paths_differ(Endpoint.COMPLETIONS, wire, opts) == []
 
 
 @pytest.mark.parametrize("lengths", [(5, 1), (1, 5), (3, 3)])
@@ -301,15 +298,8 @@ def test_vllm_unset_completion_chunks_of_two_prompts_agree_and_measure(continuou
     events.append(b"data: [DONE]\n\n")
     wire = b"".join(events)
     opts = {"choices": 2, "per_prompt": n, "strip_usage": True, "strip_chunk_usage": continuous}
-    bad = []
-    for cut in range(len(wire) + 1):
-        f = open_stream(Endpoint.COMPLETIONS, fast=True, **opts)
-        r = open_stream(Endpoint.COMPLETIONS, fast=False, **opts)
-        for piece in (wire[:cut], wire[cut:]):
-            if f.feed(piece) != r.feed(piece) or f.usage_so_far() != r.usage_so_far():
-                bad.append(cut)
-        if f.finish() != r.finish():
-            bad.append(cut)
-    assert bad == []
+    assert _cuts_where_paths_differ(Endpoint.COMPLETIONS, wire, opts) == []
+    r = open_stream(Endpoint.COMPLETIONS, fast=False, **opts)
+    r.feed(wire)
     u = r.finish()[1]
     assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (10, 8, None)
