@@ -26,7 +26,7 @@ from sidecar.telemetry.metrics import Metrics
 from tests import simulated as sim
 from tests.conftest import StartSidecar
 from tests.test_ollama import MODEL, MSGS_V1, STREAMED, ollama_v1_generating
-from tests.waiting import wait_for
+from tests.waiting import TIMEOUT_S, wait_for
 
 USER = Scope("user", "u", to_micros(1.0))
 GLOBAL = Scope("global", "*", to_micros(1.5))
@@ -50,12 +50,18 @@ async def _stores_closed() -> AsyncIterator[None]:
         await MADE.pop().close()  # a second close() only connects and closes once more
 
 
-def make(server: Any, mode: str = "local", lease: float = 60.0, source: Any = None) -> RedisStore:
+def make(
+    server: Any,
+    mode: str = "local",
+    lease: float = 60.0,
+    source: Any = None,
+    timeout: float = 0.2,  # short: the outage tests stop Redis and wait out each call's timeout
+) -> RedisStore:
     cfg = BudgetConfig(
         store=server.url,
         store_unavailable=mode,  # type: ignore[arg-type]
         lease_s=lease,
-        store_timeout_s=0.2,
+        store_timeout_s=timeout,
     )
     store = RedisStore(cfg, Metrics(), lambda: TODAY, source, max_scopes=10)
     store.breaker.cooldown_s = 0.1
@@ -174,7 +180,9 @@ async def test_a_running_request_keeps_its_hold_while_its_sidecar_renews_it(
 
 
 async def test_many_sidecars_seeding_at_once_add_the_ledger_once(redis_server: Any) -> None:
-    stores = [make(redis_server) for _ in range(5)]
+    # Redis is up throughout: five connections opened at once on a loaded machine may take
+    # longer than the outage tests' 0.2 s (a CI run failed there with StoreDown)
+    stores = [make(redis_server, timeout=TIMEOUT_S) for _ in range(5)]
     await asyncio.gather(*(s.seed(TODAY, {"user:u": 400_000}) for s in stores))
     assert spent(redis_server) == {"user:u": 400_000}
     assert not (await stores[0].reserve(hold("a", 0.7))).admitted
