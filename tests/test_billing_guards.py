@@ -660,7 +660,7 @@ async def test_a_hold_admitted_without_redis_counts_in_the_next_decision(
 ) -> None:
     """`outage or settling` made `and`: holds admitted while Redis was away, still running, are
     left out of the next decision once it answers, and the budget is spent twice."""
-    cfg = BudgetConfig(store=redis_server.url, store_unavailable="local", store_timeout_s=0.2)
+    cfg = BudgetConfig(store=redis_server.url, store_unavailable="local", store_timeout_s=1.0)
     store = RedisStore(cfg, Metrics(), lambda: TODAY, None, max_scopes=10)
     try:
         assert (await store.reserve(Hold("k", TODAY, 100_000, (USER,)))).admitted
@@ -677,7 +677,7 @@ async def test_a_hold_admitted_without_redis_counts_in_the_next_decision(
 async def test_a_spent_budget_admits_nothing_while_redis_is_away(redis_server: Any) -> None:
     """`max(0, left)` made `max(1, left)`: a spent scope's share during an outage is a
     micro-dollar, and free (unpriced) requests go through."""
-    cfg = BudgetConfig(store=redis_server.url, store_unavailable="local", store_timeout_s=0.2)
+    cfg = BudgetConfig(store=redis_server.url, store_unavailable="local", store_timeout_s=1.0)
     store = RedisStore(cfg, Metrics(), lambda: TODAY, None, max_scopes=10)
     try:
         assert (await store.reserve(Hold("k", TODAY, USER.limit, (USER,)))).admitted

@@ -38,6 +38,10 @@ def hold(rid: str, usd: float, *scopes: Scope) -> Hold:
 
 
 MADE: list[RedisStore] = []
+# A frozen Redis (SIGSTOP) answers nothing: each call waits out the store's timeout, so the tests
+# that freeze it use a short one. A store with Redis up uses the suite's bounded TIMEOUT_S: five
+# connections opened at once on a loaded machine took longer than 0.2 s (a CI run failed there).
+OUTAGE_S = 0.5
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +59,7 @@ def make(
     mode: str = "local",
     lease: float = 60.0,
     source: Any = None,
-    timeout: float = 0.2,  # short: the outage tests stop Redis and wait out each call's timeout
+    timeout: float = TIMEOUT_S,  # bounded; the tests that freeze Redis pass OUTAGE_S
 ) -> RedisStore:
     cfg = BudgetConfig(
         store=server.url,
@@ -180,9 +184,7 @@ async def test_a_running_request_keeps_its_hold_while_its_sidecar_renews_it(
 
 
 async def test_many_sidecars_seeding_at_once_add_the_ledger_once(redis_server: Any) -> None:
-    # Redis is up throughout: five connections opened at once on a loaded machine may take
-    # longer than the outage tests' 0.2 s (a CI run failed there with StoreDown)
-    stores = [make(redis_server, timeout=TIMEOUT_S) for _ in range(5)]
+    stores = [make(redis_server) for _ in range(5)]
     await asyncio.gather(*(s.seed(TODAY, {"user:u": 400_000}) for s in stores))
     assert spent(redis_server) == {"user:u": 400_000}
     assert not (await stores[0].reserve(hold("a", 0.7))).admitted
@@ -297,7 +299,7 @@ async def test_redis_stopped_gives_each_store_unavailable_behaviour(
 async def test_settlements_wait_for_an_unreachable_redis_and_then_count(
     redis_server: Any,
 ) -> None:
-    store = make(redis_server, mode="open")
+    store = make(redis_server, mode="open", timeout=OUTAGE_S)
     store.start()
     assert (await store.reserve(hold("a", 0.2))).admitted
     assert redis_server.proc is not None
@@ -341,7 +343,7 @@ async def test_a_request_cancelled_during_a_store_call_is_cancelled(redis_server
 async def test_holds_admitted_while_redis_was_away_go_into_it_before_any_new_decision(
     redis_server: Any,
 ) -> None:
-    a, b = make(redis_server), make(redis_server)
+    a, b = make(redis_server, timeout=OUTAGE_S), make(redis_server, timeout=OUTAGE_S)
     assert (await a.reserve(hold("a", 0.2))).admitted  # a's known remainder: 0.8
     assert redis_server.proc is not None
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
