@@ -16,9 +16,7 @@ changes the Prometheus metrics. Without OTLP configured nothing here exists.
 
 from __future__ import annotations
 
-import os
 from typing import Any
-from urllib.parse import urlsplit
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
@@ -30,30 +28,14 @@ from .. import __version__
 from ..config import Config
 from ..exchange import Exchange
 from .metrics import GENAI_DURATION_ADVICE, GENAI_TOKEN_ADVICE
-from .tracing import resource
-
-
-def exporter_from_env() -> MetricExporter:
-    """OTLP over gRPC or HTTP/protobuf, as OTEL_EXPORTER_OTLP_(METRICS_)PROTOCOL says."""
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
-    )
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc
-
-        return grpc.OTLPMetricExporter()
-    from opentelemetry.exporter.otlp.proto.http import metric_exporter as http
-
-    return http.OTLPMetricExporter()
+from .tracing import exporter_from_env, resource, server
 
 
 class GenAiMetrics:
     def __init__(self, config: Config, exporter: MetricExporter | None = None) -> None:
         self.provider_name = config.upstream.api
-        parts = urlsplit(config.upstream.url)
-        self.address = parts.hostname or ""
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        reader = PeriodicExportingMetricReader(exporter or exporter_from_env())
+        self.address, self.port = server(config.upstream.url)
+        reader = PeriodicExportingMetricReader(exporter or exporter_from_env("metric"))
         self.provider = MeterProvider(resource=resource(), metric_readers=[reader])
         meter = self.provider.get_meter("tollbooth", __version__)
         self.tokens = meter.create_histogram(

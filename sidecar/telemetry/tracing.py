@@ -10,9 +10,10 @@ Attribute names come from opentelemetry-semantic-conventions 0.66b2 (pinned in p
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
@@ -40,18 +41,21 @@ def enabled(config: Config) -> bool:
     return any(os.environ.get(v) for v in ENDPOINT_VARS)
 
 
-def exporter_from_env() -> SpanExporter:
-    """OTLP over gRPC or HTTP/protobuf, as OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL says."""
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+def exporter_from_env(signal: Literal["trace", "metric"]) -> Any:
+    """The OTLP exporter of spans (`trace`) or metrics over gRPC or HTTP/protobuf, as
+    OTEL_EXPORTER_OTLP_(TRACES_|METRICS_)PROTOCOL says."""
+    protocol = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}S_PROTOCOL") or os.environ.get(
         "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
     )
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc
+    wire = "grpc" if protocol == "grpc" else "http"
+    module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{wire}.{signal}_exporter")
+    return getattr(module, "OTLPSpanExporter" if signal == "trace" else "OTLPMetricExporter")()
 
-        return grpc.OTLPSpanExporter()
-    from opentelemetry.exporter.otlp.proto.http import trace_exporter as http
 
-    return http.OTLPSpanExporter()
+def server(url: str) -> tuple[str, int]:
+    """server.address and server.port of the upstream at `url` (its scheme's port by default)."""
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def resource() -> Resource:
@@ -81,12 +85,10 @@ class Tracing:
         self.config = config
         self.provider = TracerProvider(resource=resource())  # sampler from OTEL_TRACES_SAMPLER
         self.provider.add_span_processor(
-            CountingBatchSpanProcessor(exporter or exporter_from_env(), metrics)
+            CountingBatchSpanProcessor(exporter or exporter_from_env("trace"), metrics)
         )
         self.tracer = self.provider.get_tracer("tollbooth", __version__)
-        parts = urlsplit(config.upstream.url)
-        self.server_address = parts.hostname or ""
-        self.server_port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.server_address, self.server_port = server(config.upstream.url)
         self.spans: dict[int, trace.Span] = {}
 
     # --- hooks
