@@ -18,15 +18,13 @@ import logging.handlers
 import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from ..config import AuditConfig
 from ..credentials import KEY_HEADERS, api_key_id
-from ..exchange import CleanupContext, Exchange, priced_model
+from ..exchange import Exchange, priced_model
 from ..metering.pricing import PriceBook
 from ..metering.sse import SSEParser
 from ..telemetry.accesslog import fields
@@ -289,15 +287,6 @@ def _text_of(obj: Any) -> str:
             out.append(str(msg.get("content") or "") if isinstance(msg, dict) else "")
             out.append(str(c.get("text") or ""))
     return "".join(out)
-
-
-def audit_context(audit: Audit) -> CleanupContext:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        audit.start()
-        yield
-        audit.stop()
-
-    return ctx
 
 
 # --- tollbooth audit ------------------------------------------------------------------------------

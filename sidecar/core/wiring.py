@@ -10,17 +10,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from aiohttp import web
+
 from ..billing.admission import Admission
-from ..billing.audit import Audit, audit_context
+from ..billing.audit import Audit
 from ..billing.budget import Budgets, max_scopes, month_start, today_by_user_and_team
 from ..billing.budget_state import BudgetState
 from ..billing.ledger import Ledger, ledger_context
-from ..exchange import closing_context, task_context
+from ..exchange import CleanupContext, closing_context, task_context
 from ..telemetry import thresholds, tracing
-from ..telemetry.accesslog import AccessLog, access_log_context
+from ..telemetry.accesslog import AccessLog
 from ..telemetry.gpu import Attribution, GpuCollector, gpu_context
 from ..telemetry.health import Writer
 from ..telemetry.reconcile import Reconciler
@@ -105,11 +107,11 @@ def wire(
         sc.meter.add_sink("ledger", ledger.append)
     if cfg.audit.enabled:
         audit = sc.audit = Audit(cfg.audit, thresholds.DEFAULT, sc.prices, sc.metrics, sc.ledger)
-        sc.extra_contexts.append(audit_context(audit))
+        sc.extra_contexts.append(_writer_context(audit))
         sc.meter.add_sink("audit", audit.check)  # before the access log: audited lines are kept
     if cfg.logging.access_log != "off":
         access = sc.access_log = AccessLog(cfg.logging, metrics=sc.metrics)
-        sc.extra_contexts.append(access_log_context(access))
+        sc.extra_contexts.append(_writer_context(access))
         sc.meter.add_sink("access_log", access.write)
     if sc.attribution is not None:  # the last gate: GPU time counts from admission, not arrival
         sc.gates.append(sc.attribution.admitted)
@@ -132,6 +134,18 @@ def _reconcile(sc: Sidecar) -> None:
     sc.metrics.registry.register(reconciler)
     # scrapes in the background (the first at once) until closed
     sc.extra_contexts.append(task_context("tollbooth-reconcile", reconciler.run))
+
+
+def _writer_context(writer: Audit | AccessLog) -> CleanupContext:
+    """Its writer thread started before the first request; stopped (what is pending written,
+    the file closed) after the last."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        writer.start()
+        yield
+        writer.stop()
+
+    return ctx
 
 
 def _watch_writers(sc: Sidecar) -> None:

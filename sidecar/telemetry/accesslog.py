@@ -11,13 +11,11 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from aiohttp import web
-
 from ..config import LoggingConfig
-from ..exchange import CleanupContext, Exchange, consumed, measured
+from ..exchange import Exchange, consumed, measured
 from .logs import BatchWriter, iso_time, json_line
 from .metrics import Metrics
 
@@ -183,12 +181,3 @@ class AccessLog:
             return
         if self._writer is not None:
             self._writer.put((time.time(), failed, snapshot(ex)))
-
-
-def access_log_context(log: AccessLog) -> CleanupContext:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        log.start()
-        yield
-        log.stop()
-
-    return ctx
