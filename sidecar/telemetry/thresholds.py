@@ -75,6 +75,4 @@ def load(path: str | Path | None = None, **overrides: object) -> Thresholds:
     """Defaults, then a YAML file of overrides, then keyword overrides (tests lower thresholds)."""
     data = load_yaml(path) if path else {}
     data.update(overrides)
-    if "dashboard_tags" in data and isinstance(data["dashboard_tags"], list):
-        data["dashboard_tags"] = tuple(data["dashboard_tags"])
     return build(Thresholds, data, prefix="thresholds")
