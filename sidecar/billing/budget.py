@@ -348,9 +348,11 @@ class Budgets:
     ) -> tuple[Scope, ...]:
         """Every limit that applies to a request or a ledger row: its user's, team's, project's,
         each of its tags', its model's and the global one, in each window that has one."""
+        names = {"global": "*", "user": user, "team": team, "project": project, "model": model}
         out = []
         for rule in self.rules:
-            for name in _names(rule.kind, user, team, project, tags, model):
+            one = names.get(rule.kind)  # None for tag: a request has any number of tags
+            for name in tags if rule.kind == "tag" else (one,) if one else ():
                 lim = rule.named.get(name, rule.each)
                 if lim is not None:
                     out.append(Scope(rule.kind, name, to_micros(lim.usd), rule.window))
@@ -600,23 +602,6 @@ class Budgets:
             }
             for s, (spent, held) in zip(scopes, usage, strict=True)
         ]
-
-
-def _names(
-    kind: Kind,
-    user: str,
-    team: str | None,
-    project: str | None,
-    tags: Sequence[str],
-    model: str | None,
-) -> Sequence[str]:
-    """The scope names of kind `kind` a request or a ledger row is charged to."""
-    if kind == "global":
-        return ("*",)
-    if kind == "tag":
-        return tags
-    one = {"user": user, "team": team, "project": project, "model": model}[kind]
-    return (one,) if one else ()
 
 
 def today_by_user_and_team(
