@@ -88,14 +88,52 @@ def test_the_routes_are_metered() -> None:
         ({"prompt": "a", "max_tokens": 1, "max_completion_tokens": 500}, 500),
         ({"prompt": "a", "max_completion_tokens": None, "max_tokens": 9}, 9),  # null: absent
         ({"prompt": "a", "max_completion_tokens": -1, "max_tokens": 9}, None),
+        # a value get<int> refuses is absent to `json_value`: its default, the next field. Before,
+        # each of these was unreadable and the sidecar refused the request (400) that llama.cpp
+        # serves with the next field's limit
+        ({"prompt": "a", "n_predict": "8", "max_tokens": 9}, 9),
+        ({"prompt": "a", "n_predict": [8], "max_completion_tokens": 7, "max_tokens": 9}, 7),
+        ({"prompt": "a", "max_completion_tokens": "x", "max_tokens": 9}, 9),
+        ({"prompt": "a", "n_predict": {"n": 1}, "max_completion_tokens": "x", "max_tokens": 3}, 3),
+        ({"prompt": "a", "n_predict": "8", "max_completion_tokens": [1]}, None),  # the default
+        ({"prompt": "a", "n_predict": 8, "max_tokens": "x"}, 8),  # a later one is never read
     ],
 )
 def test_the_limit_is_read_as_llama_cpp_reads_it(body: dict[str, Any], limit: int | None) -> None:
-    """`params_from_json_cmpl`: `n_predict`, else `max_completion_tokens`, else `max_tokens`."""
+    """`params_from_json_cmpl`: `n_predict`, else `max_completion_tokens`, else `max_tokens`
+    (`json_value` each, the next one its default)."""
     info = inspect_request(Endpoint.LLAMA_COMPLETION, json.dumps(body).encode(), inject_usage=True)
     assert info.max_tokens == limit
-    assert info.output_cap == limit  # no cap where the server reads no limit
+    assert info.unreadable == ()  # nothing the hold must refuse: llama.cpp reads each of these
+    # no cap where the server reads no limit; else the largest limit that is a number (another
+    # version may read another field), never one llama.cpp reads as absent
+    numbers = [v for k, v in body.items() if k in LIMITS and type(v) is int]
+    assert info.output_cap == (None if limit is None else max(numbers))
     assert info.body == json.dumps(body).encode()  # never changed
+
+
+LIMITS = ("n_predict", "max_completion_tokens", "max_tokens")
+
+
+@pytest.mark.parametrize(
+    ("extra", "limit"),
+    [
+        ({"n_predict": 8.9}, 8),  # get<int> truncates
+        ({"n_predict": 0.5, "max_tokens": 9}, None),  # 0: no limit of its own, never the next
+        ({"n_predict": True, "max_tokens": 9}, 1),  # a boolean is 0 or 1 to get<int>
+        ({"n_predict": False, "max_tokens": 9}, None),
+        ({"max_completion_tokens": 1e30, "max_tokens": 9}, None),  # past int32: no limit read
+    ],
+)
+def test_a_limit_of_another_number_type_is_read_as_get_int_reads_it(
+    extra: dict[str, Any], limit: int | None
+) -> None:
+    """Before, a fraction or a boolean was unreadable (a 400); llama.cpp reads it as a number.
+    The cap on counted output never reads one below the limit (a fraction is no cap)."""
+    body = json.dumps({"prompt": "a", **extra}).encode()
+    info = inspect_request(Endpoint.LLAMA_COMPLETION, body, inject_usage=True)
+    assert (info.max_tokens, info.unreadable) == (limit, ())
+    assert info.output_cap is None or (limit is not None and info.output_cap >= limit)
 
 
 def test_several_prompts_are_several_results() -> None:

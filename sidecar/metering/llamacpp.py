@@ -30,13 +30,13 @@ class LlamaCppAdapter(reqsize.ReadOnly):
     api = "llamacpp"
 
     def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
-        info.max_tokens, info.unreadable = _limit(obj)
+        info.max_tokens = _limit(obj)
         info.stream = obj.get("stream") is True  # nlohmann's get<bool>: only a JSON boolean
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
         info.temperature = number(obj.get("temperature"))
         info.prompt_chars = prompt_chars(obj)
         info.n = info.choices = prompts(obj) * completions(obj)
-        info.output_cap = reqsize.output_cap(info.max_tokens, obj, {})
+        info.output_cap = reqsize.output_cap(info.max_tokens, _read_limits(obj), {})
 
     def usage_from_body(
         self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
@@ -57,22 +57,39 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         return LlamaCppStream(endpoint, **options)
 
 
-_LIMIT_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")  # the first present is read
+_LIMIT_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")  # the first read is the limit
 
 
-def _limit(obj: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+def _limit(obj: Mapping[str, Any]) -> int | None:
     """llama.cpp reads `n_predict`, else `max_completion_tokens`, else `max_tokens`
-    (`params_from_json_cmpl`: json_value of n_predict defaulting to that of
-    max_completion_tokens, defaulting to max_tokens; a null one is absent); -1 (the default) and
-    any other value below 1 mean no limit of the request's own, so the default worst case
-    applies."""
-    key = next((k for k in _LIMIT_KEYS if obj.get(k) is not None), None)
-    if key is None:
-        return None, ()
-    value = obj[key]
-    if type(value) is not int:
-        return None, (key,)
-    return (value if value > 0 else None), ()
+    (server-task.cpp `params_from_json_cmpl`: `json_value(data, "n_predict", json_value(data,
+    "max_completion_tokens", json_value(data, "max_tokens", n_predict)))`). `json_value` reads a
+    null, or a value nlohmann's get<int> refuses (a string, a list, an object: its type_error
+    caught), as absent: its default, the next field. A number is read as get<int> reads it (a
+    fraction truncated) and so is a boolean (0 or 1). -1 (the default) and any other value below
+    1 mean no limit of the request's own, so the default worst case applies. A server with the
+    schema (server-schema.cpp, `field_num::eval`) reads the same first field and refuses one of
+    the wrong type (nothing generated): the field read here is never one a server ignores."""
+    for key in _LIMIT_KEYS:
+        value = obj.get(key)
+        if value is None or not isinstance(value, (int, float)):  # a boolean is an int
+            continue  # absent to json_value: the next field is its default
+        if isinstance(value, float):  # get<int>: truncated; one past int32 is no limit read
+            value = int(value) if value == value and abs(value) < 2**31 else 0
+        return int(value) if value > 0 else None
+    return None
+
+
+def _read_limits(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`obj` without the limit fields llama.cpp reads as absent (no number: `_limit`), for the
+    output cap: a wrong-typed one is no limit any llama.cpp obeys, so no reason for no cap."""
+    if all(isinstance(obj.get(k), (int, float, type(None))) for k in _LIMIT_KEYS):
+        return obj  # the usual body: no copy
+    return {
+        k: v
+        for k, v in obj.items()
+        if k not in _LIMIT_KEYS or isinstance(v, (int, float, type(None)))
+    }
 
 
 def prompts(obj: Mapping[str, Any]) -> int:
