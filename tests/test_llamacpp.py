@@ -604,14 +604,21 @@ def test_completions_per_prompt_are_read_as_llama_cpp_reads_them(
     assert (info.choices, info.n) == (2 * choices, 2 * choices)
 
 
-@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES])
 def test_n_cmpl_on_llama_cpps_openai_routes_is_as_many_choices(endpoint: Endpoint) -> None:
     """llama.cpp's OpenAI routes copy `n_cmpl` through to the completion it runs, which makes
     that many (vLLM ignores the field, and reads `n`): the route's choices are the most either
-    makes, so none of llama.cpp's is stray, and the hold is for as many."""
+    makes, so none of llama.cpp's is stray, and the hold is for as many. /v1/responses too
+    (`post_responses_oai`: the body copied into a chat's, then run as one); before, it was read
+    as one choice there, the hold one completion's of the three llama.cpp generated."""
     body: dict[str, Any] = {"model": SIM_MODEL, "max_tokens": 5, "n_cmpl": 3}
-    body |= {"messages": MSGS} if endpoint is Endpoint.CHAT else {"prompt": ["a", "b"]}
-    prompts = 1 if endpoint is Endpoint.CHAT else 2
+    if endpoint is Endpoint.RESPONSES:
+        body = {"model": SIM_MODEL, "max_output_tokens": 5, "n_cmpl": 3, "input": "hi"}
+    elif endpoint is Endpoint.CHAT:
+        body |= {"messages": MSGS}
+    else:
+        body |= {"prompt": ["a", "b"]}
+    prompts = 2 if endpoint is Endpoint.COMPLETIONS else 1
     info = inspect_request(endpoint, json.dumps(body).encode(), inject_usage=False)
     assert (info.choices, info.n) == (3 * prompts, 3)
     vllm_n = inspect_request(endpoint, json.dumps({**body, "n": 4}).encode(), inject_usage=False)
