@@ -126,7 +126,13 @@ class OpenAIAdapter:
     # --- responses --------------------------------------------------------------------------------
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
         return body_usage(endpoint, body_value(body))
