@@ -149,6 +149,10 @@ class RequestInfo:
     # continuous_usage_stats): remove that member from each chunk.
     strip_chunk_usage: bool = False
     choices: int = 1  # choices the stream will carry (n, times the prompts of a completion)
+    # The choices of each prompt (adjacent indexes) where `n` is not that: llama.cpp's native
+    # routes, whose `n` is every result (for the estimates), and whose `n_cmpl` completions of a
+    # prompt share its one evaluation (`prompt_choices`).
+    per_prompt: int | None = None
     # `echo` (vLLM's OpenAI routes): a chat whose last message is the assistant's has it sent
     # back as one more content event a choice, no token generated (`Budgets.unmeasured_usd`)
     echoed: bool = False
@@ -367,6 +371,12 @@ def closing_context(close: Callable[[], object]) -> CleanupContext:
         await asyncio.to_thread(close)
 
     return ctx
+
+
+def prompt_choices(info: RequestInfo) -> int:
+    """The choices of each prompt of the request: `per_prompt` where the adapter set it, else
+    `n` (an OpenAI-shaped request's choices per prompt)."""
+    return info.per_prompt or info.n or 1
 
 
 def held_output(info: RequestInfo) -> int | None:

@@ -88,14 +88,52 @@ def test_the_routes_are_metered() -> None:
         ({"prompt": "a", "max_tokens": 1, "max_completion_tokens": 500}, 500),
         ({"prompt": "a", "max_completion_tokens": None, "max_tokens": 9}, 9),  # null: absent
         ({"prompt": "a", "max_completion_tokens": -1, "max_tokens": 9}, None),
+        # a value get<int> refuses is absent to `json_value`: its default, the next field. Before,
+        # each of these was unreadable and the sidecar refused the request (400) that llama.cpp
+        # serves with the next field's limit
+        ({"prompt": "a", "n_predict": "8", "max_tokens": 9}, 9),
+        ({"prompt": "a", "n_predict": [8], "max_completion_tokens": 7, "max_tokens": 9}, 7),
+        ({"prompt": "a", "max_completion_tokens": "x", "max_tokens": 9}, 9),
+        ({"prompt": "a", "n_predict": {"n": 1}, "max_completion_tokens": "x", "max_tokens": 3}, 3),
+        ({"prompt": "a", "n_predict": "8", "max_completion_tokens": [1]}, None),  # the default
+        ({"prompt": "a", "n_predict": 8, "max_tokens": "x"}, 8),  # a later one is never read
     ],
 )
 def test_the_limit_is_read_as_llama_cpp_reads_it(body: dict[str, Any], limit: int | None) -> None:
-    """`params_from_json_cmpl`: `n_predict`, else `max_completion_tokens`, else `max_tokens`."""
+    """`params_from_json_cmpl`: `n_predict`, else `max_completion_tokens`, else `max_tokens`
+    (`json_value` each, the next one its default)."""
     info = inspect_request(Endpoint.LLAMA_COMPLETION, json.dumps(body).encode(), inject_usage=True)
     assert info.max_tokens == limit
-    assert info.output_cap == limit  # no cap where the server reads no limit
+    assert info.unreadable == ()  # nothing the hold must refuse: llama.cpp reads each of these
+    # no cap where the server reads no limit; else the largest limit that is a number (another
+    # version may read another field), never one llama.cpp reads as absent
+    numbers = [v for k, v in body.items() if k in LIMITS and type(v) is int]
+    assert info.output_cap == (None if limit is None else max(numbers))
     assert info.body == json.dumps(body).encode()  # never changed
+
+
+LIMITS = ("n_predict", "max_completion_tokens", "max_tokens")
+
+
+@pytest.mark.parametrize(
+    ("extra", "limit"),
+    [
+        ({"n_predict": 8.9}, 8),  # get<int> truncates
+        ({"n_predict": 0.5, "max_tokens": 9}, None),  # 0: no limit of its own, never the next
+        ({"n_predict": True, "max_tokens": 9}, 1),  # a boolean is 0 or 1 to get<int>
+        ({"n_predict": False, "max_tokens": 9}, None),
+        ({"max_completion_tokens": 1e30, "max_tokens": 9}, None),  # past int32: no limit read
+    ],
+)
+def test_a_limit_of_another_number_type_is_read_as_get_int_reads_it(
+    extra: dict[str, Any], limit: int | None
+) -> None:
+    """Before, a fraction or a boolean was unreadable (a 400); llama.cpp reads it as a number.
+    The cap on counted output never reads one below the limit (a fraction is no cap)."""
+    body = json.dumps({"prompt": "a", **extra}).encode()
+    info = inspect_request(Endpoint.LLAMA_COMPLETION, body, inject_usage=True)
+    assert (info.max_tokens, info.unreadable) == (limit, ())
+    assert info.output_cap is None or (limit is not None and info.output_cap >= limit)
 
 
 def test_several_prompts_are_several_results() -> None:
@@ -490,25 +528,29 @@ async def test_leaving_after_the_first_completions_usage_is_not_billed_as_measur
 
 
 async def llama_cpp_completion_stream(request: web.Request) -> web.StreamResponse:
-    """/completion streamed as llama.cpp streams `n_cmpl` (or `n`) completions of one prompt:
-    each event with its result's index, each result ending with its `stop: true` totals
+    """/completion streamed as llama.cpp streams `n_cmpl` (or `n`) completions of each prompt:
+    each event with its result's index (prompt * n_cmpl + completion), its task's whole prompt
+    in `tokens_evaluated`, each result ending with its `stop: true` totals
     (`to_json_non_oaicompat`); no [DONE]."""
     obj = json.loads(await request.read())
     outs = _completions(obj)
+    prompts = obj["prompt"] if isinstance(obj["prompt"], list) else [obj["prompt"]]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for step in range(max(outs)):
-        for i, out in enumerate(outs):
-            if step >= out:
-                continue
-            stop = step == out - 1
-            event: dict[str, Any] = {"index": i, "content": "x", "stop": False, "id_slot": i}
-            event |= {"tokens_predicted": step + 1, "tokens_evaluated": 5}
-            await resp.write(_event(event))
-            if stop:
-                final = {**event, "content": "", "stop": True, "model": SIM_MODEL}
-                final |= {"stop_type": "eos", "timings": {"cache_n": 0, "prompt_n": 5}}
-                await resp.write(_event(final))
+        for p, prompt in enumerate(prompts):
+            size = len(prompt.split())
+            for c, out in enumerate(outs):
+                if step >= out:
+                    continue
+                i = p * len(outs) + c
+                event: dict[str, Any] = {"index": i, "content": "x", "stop": False, "id_slot": i}
+                event |= {"tokens_predicted": step + 1, "tokens_evaluated": size}
+                await resp.write(_event(event))
+                if step == out - 1:
+                    final = {**event, "content": "", "stop": True, "model": SIM_MODEL}
+                    final |= {"stop_type": "eos", "timings": {"cache_n": 0, "prompt_n": size}}
+                    await resp.write(_event(final))
     return resp
 
 
@@ -522,8 +564,9 @@ async def test_n_completions_of_a_completion_stream_are_measured(
     events (index 1..3) were stray and the usage invalid: the ledger NULL, the budget charged
     the hold of ONE completion (40 output tokens) for the 122 that four generated; and so was a
     string `n_cmpl` beside `n: 4` after that, which llama.cpp reads as `n` (`json_value`'s
-    default). Each completion reports its prompt (5 tokens): the four results' counts add up,
-    as a body's."""
+    default). Each completion reports its prompt (5 tokens), which llama.cpp evaluated once
+    (`copy_state_to`): then the four results' counts were added up, 20 input tokens billed for
+    5. Now the prompt is billed once, every completion's output."""
     route = ("/completion", llama_cpp_completion_stream)
     run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
     req = {"prompt": "one two three four five", "n_predict": 40, "stream": True, **extra}
@@ -534,9 +577,104 @@ async def test_n_completions_of_a_completion_stream_are_measured(
         assert r.status == 200
         await r.read()
     out = sum(ANSWERS)
-    cost = pytest.approx(sim.token_cost(20, out))
-    assert await _billed(run, db) == [("cmp", "/completion", 20, out, cost)]
-    assert run.sc.budgets.store.spent["user:cmp"] == to_micros(sim.token_cost(20, out))
+    cost = pytest.approx(sim.token_cost(5, out))
+    assert await _billed(run, db) == [("cmp", "/completion", 5, out, cost)]
+    assert run.sc.budgets.store.spent["user:cmp"] == to_micros(sim.token_cost(5, out))
+
+
+async def test_n_completions_of_two_prompts_streamed_bill_each_prompt_once(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Two prompts (3 and 4 tokens), two completions of each, streamed: results 0, 1 are the
+    first prompt's, 2, 3 the second's. Before, 14 input tokens were billed for 7."""
+    route = ("/completion", llama_cpp_completion_stream)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
+    req = {"prompt": ["one two three", "four five six seven"], "n_predict": 40, "n_cmpl": 2}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/completion", json={**req, "stream": True}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    out = 2 * sum(ANSWERS[:2])
+    cost = pytest.approx(sim.token_cost(7, out))
+    assert await _billed(run, db) == [("anonymous", "/completion", 7, out, cost)]
+
+
+async def llama_cpp_completion_body(request: web.Request) -> web.Response:
+    """/completion not streamed, as llama.cpp answers `n_cmpl` completions of each prompt: one
+    result object, or a list of them numbered prompt * n_cmpl + completion (`post_tasks`,
+    `handle_completions_impl`), each reporting its task's whole prompt (a completion's copy of
+    the first one's: `tokens_evaluated` and `timings.cache_n` the same in each)."""
+    obj = json.loads(await request.read())
+    prompts = obj["prompt"] if isinstance(obj["prompt"], list) else [obj["prompt"]]
+    outs = _completions(obj)
+    results = []
+    for p, prompt in enumerate(prompts):
+        for c, out in enumerate(outs):
+            result = {**FINAL, "index": p * len(outs) + c, "model": SIM_MODEL, "id_slot": c}
+            result |= {"tokens_predicted": out, "tokens_evaluated": len(prompt.split())}
+            results.append(result | {"timings": {"cache_n": 1, "prompt_n": len(prompt.split())}})
+    return web.json_response(results if len(results) > 1 else results[0])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n_cmpl"),
+    [("one two three four five", 4), (["one two three", "four five six seven"], 2)],
+    ids=["one_prompt", "two_prompts"],
+)
+async def test_n_completions_of_a_completion_body_bill_each_prompt_once(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, prompt: Any, n_cmpl: int
+) -> None:
+    """A list body of `n_cmpl` completions of each prompt: each result reports its prompt, the
+    one llama.cpp evaluated once for all its completions. Before, every result's
+    `tokens_evaluated` (and `cache_n`) was added up: 20 input tokens billed for one prompt of 5
+    (n_cmpl 4), 14 for two prompts of 3 and 4 (n_cmpl 2). Each prompt is its own input."""
+    route = ("/completion", llama_cpp_completion_body)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
+    req = {"prompt": prompt, "n_predict": 40, "n_cmpl": n_cmpl}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/completion", json=req, headers={"X-Tollbooth-User": "cmp"}) as r,
+    ):
+        assert r.status == 200
+        got = await r.json()
+    assert len(got) == n_cmpl * (len(prompt) if isinstance(prompt, list) else 1)
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    inp = sum(len(p.split()) for p in prompts)
+    out = sum(ANSWERS[:n_cmpl]) * len(prompts)
+    cost = pytest.approx(sim.token_cost(inp, out))
+    assert await _billed(run, db) == [("cmp", "/completion", inp, out, cost)]
+    cached = run.value(
+        "llm_cached_input_tokens_total", model=SIM_MODEL, api_endpoint="/completion", user_id="cmp"
+    )
+    assert cached == len(prompts)  # each prompt's cache_n (1) once
+
+
+def test_shared_prompts_of_a_body_and_a_stream_agree() -> None:
+    """The same results, whole or streamed: each prompt's input once, every output, and a
+    result never read (a stream cut short) leaves the usage unknown, as before."""
+    results = [{**FINAL, "index": i, "tokens_predicted": 3 + i} for i in range(6)]
+    for per_prompt, inp in ((1, 72), (2, 36), (3, 24), (6, 12)):
+        raw = json.dumps(results).encode()
+        body = usage_from_body(
+            Endpoint.LLAMA_COMPLETION, raw, {}, sequences=6, per_prompt=per_prompt
+        )
+        meter = open_stream(Endpoint.LLAMA_COMPLETION, choices=6, per_prompt=per_prompt)
+        meter.feed(b"".join(sse(r) for r in results))
+        streamed = meter.finish()[1]
+        for u in (body, streamed):
+            assert (u.input_tokens, u.output_tokens) == (inp, 33), per_prompt
+            assert u.cached_input_tokens == 4 * inp // 12 and u.unknown_reason is None
+        cut = open_stream(Endpoint.LLAMA_COMPLETION, choices=6, per_prompt=per_prompt)
+        cut.feed(b"".join(sse(r) for r in results[:5]))
+        assert cut.usage_so_far().output_tokens is None
+    # a server without `n_cmpl` (older than its schema) makes one result a prompt: three
+    # prompts asked two completions each (6 choices) come back as 3 results, each its own prompt
+    old = usage_from_body(
+        Endpoint.LLAMA_COMPLETION, json.dumps(results[:3]).encode(), {}, sequences=6, per_prompt=2
+    )
+    assert (old.input_tokens, old.output_tokens) == (36, 12)
 
 
 @pytest.mark.parametrize(
@@ -566,14 +704,21 @@ def test_completions_per_prompt_are_read_as_llama_cpp_reads_them(
     assert (info.choices, info.n) == (2 * choices, 2 * choices)
 
 
-@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES])
 def test_n_cmpl_on_llama_cpps_openai_routes_is_as_many_choices(endpoint: Endpoint) -> None:
     """llama.cpp's OpenAI routes copy `n_cmpl` through to the completion it runs, which makes
     that many (vLLM ignores the field, and reads `n`): the route's choices are the most either
-    makes, so none of llama.cpp's is stray, and the hold is for as many."""
+    makes, so none of llama.cpp's is stray, and the hold is for as many. /v1/responses too
+    (`post_responses_oai`: the body copied into a chat's, then run as one); before, it was read
+    as one choice there, the hold one completion's of the three llama.cpp generated."""
     body: dict[str, Any] = {"model": SIM_MODEL, "max_tokens": 5, "n_cmpl": 3}
-    body |= {"messages": MSGS} if endpoint is Endpoint.CHAT else {"prompt": ["a", "b"]}
-    prompts = 1 if endpoint is Endpoint.CHAT else 2
+    if endpoint is Endpoint.RESPONSES:
+        body = {"model": SIM_MODEL, "max_output_tokens": 5, "n_cmpl": 3, "input": "hi"}
+    elif endpoint is Endpoint.CHAT:
+        body |= {"messages": MSGS}
+    else:
+        body |= {"prompt": ["a", "b"]}
+    prompts = 2 if endpoint is Endpoint.COMPLETIONS else 1
     info = inspect_request(endpoint, json.dumps(body).encode(), inject_usage=False)
     assert (info.choices, info.n) == (3 * prompts, 3)
     vllm_n = inspect_request(endpoint, json.dumps({**body, "n": 4}).encode(), inject_usage=False)

@@ -63,7 +63,13 @@ class AnthropicAdapter(reqsize.ReadOnly):
         info.output_cap = reqsize.output_cap(info.max_tokens, obj, obj)
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete Messages response (or its error body)."""
         obj = body_value(body)

@@ -293,7 +293,13 @@ class AudioAdapter(OpenAIAdapter):
     counts an audio prompt (the OpenAI adapter's are for chat and completions only)."""
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a json or verbose_json answer."""
         obj = body_value(body)

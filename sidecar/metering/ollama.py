@@ -51,7 +51,13 @@ class OllamaAdapter(reqsize.ReadOnly):
         info.prompt_chars = prompt_chars(obj)
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete response: the one `done: true` object (or the embed response)."""
         obj = body_value(body)

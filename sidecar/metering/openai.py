@@ -37,6 +37,8 @@ from .sse import Event
 from .stream import SSEMeter, choice_index
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
+# the routes llama.cpp serves with its completion params, `n_cmpl` among them
+_LLAMA_CPP_CMPL = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES)
 
 
 class OpenAIAdapter:
@@ -72,10 +74,13 @@ class OpenAIAdapter:
         if n is not None and read_n is None:
             unreadable += ("n",)
         n = read_n if read_n is not None and read_n > 0 else None
-        if endpoint in _INJECTABLE and (completions := llamacpp.completions(obj)) > (n or 1):
+        if endpoint in _LLAMA_CPP_CMPL and (completions := llamacpp.completions(obj)) > (n or 1):
             # llama.cpp's OpenAI routes copy the body's other fields through to its completion
             # params (server-common.cpp `oaicompat_chat_params_parse`), where `n_cmpl`, else
-            # `n`, is the completions per prompt: the most any server behind the route makes
+            # `n`, is the completions per prompt: the most any server behind the route makes.
+            # Its /v1/responses too: `server_chat_convert_responses_to_chatcmpl` (server-chat.cpp)
+            # starts from a copy of the body, then `oaicompat_chat_params_parse` and
+            # `handle_completions_impl` as for a chat (server-context.cpp `post_responses_oai`)
             n = completions
         # An absent field is answered here, without the call that would say so: most bodies
         # have no `stream`, `user` or `temperature`.
@@ -121,7 +126,13 @@ class OpenAIAdapter:
     # --- responses --------------------------------------------------------------------------------
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
         return body_usage(endpoint, body_value(body))

@@ -49,7 +49,13 @@ class PoolingAdapter(OpenAIAdapter):
         return info
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """`usage.prompt_tokens` as the input; the output is 0 when the body does not say."""
         usage = body_usage(endpoint, body_value(body))

@@ -50,7 +50,13 @@ class SGLangAdapter(reqsize.ReadOnly):
         info.unreadable = tuple(dict.fromkeys(k for _, bad in read for k in bad))
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete response: one object with `meta_info`, or a list (a batch)."""
         results = body_results(body)

@@ -91,7 +91,13 @@ class TGIAdapter:
         return info
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete (non-streaming) response. `sequences`: what the request's
         `choices` says it generates (on the generate routes, `best_of`)."""

@@ -77,10 +77,17 @@ class WireAdapter(Protocol):
         ...
 
     def usage_from_body(
-        self, endpoint: Endpoint, body: bytes, headers: Mapping[str, str], *, sequences: int = 1
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        sequences: int = 1,
+        per_prompt: int = 1,
     ) -> Usage:
         """Usage of a complete (non-streaming) response; `sequences`: how many the request's
-        `choices` says are generated (where the wire reports only the best of them)."""
+        `choices` says are generated (where the wire reports only the best of them);
+        `per_prompt`: the choices of each prompt, adjacent by index (`exchange.prompt_choices`)."""
         ...
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> StreamMeter:
@@ -171,9 +178,12 @@ def usage_from_body(
     *,
     api: str = "vllm",
     sequences: int = 1,
+    per_prompt: int = 1,
 ) -> Usage:
     """Usage of a complete response on `endpoint` of server `api`."""
-    return adapter_for(endpoint, api).usage_from_body(endpoint, body, headers, sequences=sequences)
+    return adapter_for(endpoint, api).usage_from_body(
+        endpoint, body, headers, sequences=sequences, per_prompt=per_prompt
+    )
 
 
 def within_request(usage: Usage, info: RequestInfo) -> Usage:

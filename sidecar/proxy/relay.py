@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from ..exchange import STATUS_CLIENT_CLOSED, Endpoint, Exchange, Usage
+from ..exchange import STATUS_CLIENT_CLOSED, Endpoint, Exchange, Usage, prompt_choices
 from ..metering.meter import price_cost
 from ..metering.wire import StreamMeter, open_stream, usage_from_body, within_request
 from ..telemetry.metrics import LabelCap, Metrics
@@ -80,6 +80,7 @@ async def buffered(
             up.headers,
             api=ex.info.api or s.api,
             sequences=ex.info.choices,
+            per_prompt=prompt_choices(ex.info),
         )
         set_usage(ex, usage, deps.models)
     except Exception:
@@ -107,7 +108,7 @@ async def stream(
         strip_usage=info.injected_usage,
         strip_chunk_usage=info.strip_chunk_usage,
         choices=info.choices,
-        per_prompt=info.n or 1,
+        per_prompt=prompt_choices(info),
         max_event_bytes=s.max_event_bytes,
         api=info.api or s.api,
     )
