@@ -132,9 +132,12 @@ class MeteringConfig:
     unknown_routes: Literal["forward", "refuse"] = "refuse"
     # A client that leaves after the last token: read the upstream this long for the usage.
     drain_after_disconnect_s: float = 5.0
-    # An upstream SSE event longer than this is not parsed: its bytes go to the client as they
-    # come, nothing of it is held, and the stream's usage is unknown (event_too_large; a budget
-    # charges its hold). Bounds what one stream holds and keeps a flood linear (docs/traffic.md).
+    # An upstream SSE event (or NDJSON line) longer than this is not parsed: its bytes go to the
+    # client as they come and nothing of it is held. The stream's usage is unknown
+    # (event_too_large; a budget charges its hold) unless every reading it is built from came
+    # after the last such event and supersedes all before it (the final totals, counts so far;
+    # parts added up: one per choice, all after it). Bounds what one stream holds and keeps a
+    # flood linear (docs/traffic.md).
     # vLLM's and TGI's events are one chunk each: under 1 KB, TGI's last one with the whole
     # generated text about 4 bytes a token (128k tokens: 512 KB).
     max_event_bytes: int = 1 << 20

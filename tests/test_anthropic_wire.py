@@ -177,6 +177,74 @@ def test_the_last_message_delta_wins() -> None:
     assert (u.input_tokens, u.output_tokens) == (5, 9)
 
 
+LIMIT = 1024  # a small metering.max_event_bytes: a longer event is not read
+LONG_DELTA = (
+    "content_block_delta",
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "t" * 2000},
+    },
+)
+
+
+def _start(**usage: int) -> tuple[str, dict[str, Any]]:
+    message = {"id": "msg_1", "content": [], "model": "m", "usage": usage}
+    return ("message_start", {"type": "message_start", "message": message})
+
+
+def _delta(**usage: int) -> tuple[str, dict[str, Any]]:
+    return ("message_delta", {"type": "message_delta", "usage": usage})
+
+
+def _read_with_limit(data: bytes) -> set[tuple[Any, ...]]:
+    """(input, cached, output, reason) of `data` cut in two at every byte; each read unchanged."""
+    results = set()
+    for cut in range(len(data) + 1):
+        meter = open_stream(EP, max_event_bytes=LIMIT)
+        out = meter.feed(data[:cut]) + meter.feed(data[cut:])
+        tail, u = meter.finish()
+        assert out + tail == data
+        results.add((u.input_tokens, u.cached_input_tokens, u.output_tokens, u.unknown_reason))
+    return results
+
+
+CACHE = {"cache_read_input_tokens": 30, "cache_creation_input_tokens": 3}
+
+
+def test_a_message_delta_after_an_event_over_the_limit_with_every_count_is_the_usage() -> None:
+    """`message_delta`'s usage is cumulative: read after the long event, with the input (and
+    the cache counts `message_start` gave) repeated there, it is the usage."""
+    vllm = sse(
+        _start(input_tokens=7, output_tokens=0), LONG_DELTA, _delta(input_tokens=7, output_tokens=4)
+    )
+    assert _read_with_limit(vllm) == {(7, None, 4, None)}
+    every = sse(
+        _start(input_tokens=7, **CACHE),
+        LONG_DELTA,
+        _delta(input_tokens=7, output_tokens=4, **CACHE),
+    )
+    assert _read_with_limit(every) == {(40, 30, 4, None)}
+
+
+def test_counts_read_only_before_an_event_over_the_limit_leave_the_usage_unknown() -> None:
+    """The long event may have been a `message_delta` with other counts: an input (or cache
+    count) read only in `message_start` before it, a `message_start` not read at all, or a
+    `message_delta` before it, leave the usage unknown."""
+    unknown = {(None, None, None, "event_too_large")}
+    docs = sse(_start(input_tokens=25, output_tokens=1), LONG_DELTA, _delta(output_tokens=15))
+    assert _read_with_limit(docs) == unknown
+    cache = sse(
+        _start(input_tokens=7, **CACHE), LONG_DELTA, _delta(input_tokens=7, output_tokens=4)
+    )
+    assert _read_with_limit(cache) == unknown
+    long_start = _start(input_tokens=7, output_tokens=0)
+    long_start[1]["message"]["content"] = [{"type": "text", "text": "t" * 2000}]
+    assert _read_with_limit(sse(long_start, _delta(input_tokens=7, output_tokens=4))) == unknown
+    after = sse(_start(input_tokens=7), _delta(input_tokens=7, output_tokens=4), LONG_DELTA)
+    assert _read_with_limit(after) == unknown
+
+
 @pytest.mark.parametrize(
     "bad", [-1, True, "12", 1.5, MAX_TOKEN_COUNT + 1, 10**40, None, [], {"n": 1}]
 )

@@ -202,6 +202,39 @@ def test_a_stream_cut_short_is_billed_its_running_counts() -> None:
     assert (u.input_tokens, u.output_tokens) == (12, 3) and not meter.done
 
 
+def _read_with_limit(data: bytes, choices: int = 1) -> set[tuple[Any, ...]]:
+    """(input, output, cached, reason) of `data` cut in two at every byte; each read unchanged."""
+    results = set()
+    for cut in range(len(data) + 1):
+        meter = open_stream(Endpoint.LLAMA_COMPLETION, max_event_bytes=1024, choices=choices)
+        out = meter.feed(data[:cut]) + meter.feed(data[cut:])
+        tail, u = meter.finish()
+        assert out + tail == data
+        results.add((u.input_tokens, u.output_tokens, u.cached_input_tokens, u.unknown_reason))
+    return results
+
+
+LONG_EVENT = sse({**partial(3), "content": "t" * 2000})  # one event too long to read
+UNKNOWN = {(None, None, None, "event_too_large")}
+
+
+def test_counts_after_an_event_over_the_limit_are_the_usage() -> None:
+    """Every event carries its prompt's counts so far: the final event read after a long one
+    supersedes it (before, the whole stream was unknown); one read before it does not."""
+    assert _read_with_limit(sse(partial(1)) + LONG_EVENT + sse(FINAL)) == {(12, 7, 4, None)}
+    assert _read_with_limit(sse(partial(1)) + sse(FINAL) + LONG_EVENT) == UNKNOWN
+
+
+def test_a_prompt_whose_counts_came_before_an_event_over_the_limit_is_unknown() -> None:
+    """Two prompts: each prompt's counts must be read after the long event, which may have
+    been an event of either."""
+    second = {**FINAL, "index": 1, "tokens_predicted": 5}
+    before = sse(FINAL) + LONG_EVENT + sse(second)
+    assert _read_with_limit(before, choices=2) == UNKNOWN
+    after = LONG_EVENT + sse(FINAL) + sse(second)
+    assert _read_with_limit(after, choices=2) == {(24, 12, 8, None)}
+
+
 # --- through the sidecar, in front of the simulator speaking llama.cpp ---------------------------
 
 

@@ -175,6 +175,30 @@ def test_a_line_over_the_limit_makes_the_usage_unknown() -> None:
     assert meter.finish()[1].unknown_reason == "event_too_large"
 
 
+def _read_with_limit(data: bytes) -> set[tuple[Any, ...]]:
+    """(input, output, reason) of `data` cut in two at every byte; each read unchanged."""
+    results = set()
+    for cut in range(len(data) + 1):
+        meter = open_stream(Endpoint.OLLAMA_CHAT, max_event_bytes=1024)
+        out = meter.feed(data[:cut]) + meter.feed(data[cut:])
+        tail, u = meter.finish()
+        assert out + tail == data
+        results.add((u.input_tokens, u.output_tokens, u.unknown_reason))
+    return results
+
+
+LONG_LINE = json.dumps({"model": "llama3.2", "message": {"content": "t" * 2000}}).encode() + b"\n"
+DONE_LINE = json.dumps(DOCS_CHAT_FINAL).encode() + b"\n"
+
+
+def test_the_done_line_after_a_line_over_the_limit_is_the_usage() -> None:
+    """The `done` line's counts are the request's: read after a line too long to read, they
+    are the usage (before, the whole stream was unknown). A `done` line before it is not."""
+    assert _read_with_limit(_lines(2) + LONG_LINE + _lines(1) + DONE_LINE) == {(26, 282, None)}
+    unknown = {(None, None, "event_too_large")}
+    assert _read_with_limit(_lines(2) + DONE_LINE + LONG_LINE) == unknown
+
+
 def test_a_stream_cut_before_its_done_line_has_no_measured_usage() -> None:
     meter = open_stream(Endpoint.OLLAMA_GENERATE)
     meter.feed(_lines(3))

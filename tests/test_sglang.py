@@ -121,6 +121,29 @@ def test_a_stream_is_read_at_every_cut_and_passes_unchanged(cut: int) -> None:
     assert cut_short.usage_so_far().output_tokens == 2 and not cut_short.done
 
 
+def _read_with_limit(data: bytes) -> set[tuple[Any, ...]]:
+    """(input, output, cached, reason) of `data` cut in two at every byte; each read unchanged."""
+    results = set()
+    for cut in range(len(data) + 1):
+        meter = open_stream(GEN, api="sglang", max_event_bytes=1024)
+        out = meter.feed(data[:cut]) + meter.feed(data[cut:])
+        tail, u = meter.finish()
+        assert out + tail == data
+        results.add((u.input_tokens, u.output_tokens, u.cached_input_tokens, u.unknown_reason))
+    return results
+
+
+def test_counts_after_an_event_over_the_limit_are_the_usage() -> None:
+    """Each chunk's `meta_info` is its prompt's counts so far: the last chunk read after a long
+    one supersedes it; one read before it does not."""
+    long = _chunk(2).replace(b'"xx"', b'"' + b"x" * 2000 + b'"')  # over the limit
+    done = b"data: [DONE]\n\n"
+    assert _read_with_limit(_chunk(1) + long + _chunk(3, last=True) + done) == {(9, 3, 4, None)}
+    assert _read_with_limit(_chunk(1) + _chunk(3, last=True) + long + done) == {
+        (None, None, None, "event_too_large")
+    }
+
+
 # --- through the sidecar, in front of the simulator speaking SGLang -------------------------------
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from sidecar.exchange import Endpoint
 from sidecar.metering import sse as sse_module
-from sidecar.metering.sse import SSEParser
+from sidecar.metering.sse import Oversized, SSEParser
 from sidecar.metering.wire import open_stream
 from tests.conftest import StartSidecar
 from tests.fakes import MODEL
@@ -83,9 +83,10 @@ def test_a_huge_unterminated_event_costs_linear_work_and_holds_nothing(
     assert usage.input_tokens is None and usage.output_tokens is None
 
 
-def test_after_the_huge_event_the_stream_is_read_again_and_its_usage_is_unknown() -> None:
-    """The event ends; the chunks after it are counted again, but the stream's usage stays
-    unknown: the event that was not read may have carried anything."""
+def test_after_the_huge_event_the_stream_is_read_again_and_the_usage_chunk_is_its_usage() -> None:
+    """The event ends; the chunks after it are counted again, and the usage chunk after it is
+    the request's totals (of one choice: it replaces whatever the unread event carried).
+    Before, the stream's usage stayed unknown, and a budget charged only the hold."""
     meter = open_stream(Endpoint.CHAT, strip_usage=True, max_event_bytes=4096)
     sent = [LEARNT, HUGE_HEAD + b"z" * 10000, b'"}}]}\n', b"\n" + chunk("d"), USAGE]
     sent.append(b"data: [DONE]\n\n")
@@ -93,8 +94,8 @@ def test_after_the_huge_event_the_stream_is_read_again_and_its_usage_is_unknown(
     tail, usage = meter.finish()
     assert b"".join(out) + tail == b"".join(sent[:-2]) + sent[-1]  # our usage chunk cut only
     assert meter.token_events == 4 and meter.done
-    assert usage.unknown_reason == "event_too_large"
-    assert (usage.input_tokens, usage.output_tokens) == (None, None)
+    assert usage.unknown_reason is None
+    assert (usage.input_tokens, usage.output_tokens) == (3, 9)
     assert usage.model == "m"
 
 
@@ -168,13 +169,16 @@ def test_events_over_the_limit_are_passed_through_and_all_others_read_at_any_cut
     read = [(e.data, e.event) for e in got if e.data is not None]
     assert read == [(e.data, e.event) for e in every if e.data is not None and len(e.raw) <= limit]
     assert fast.oversized == sum(1 for e in every if len(e.raw) > limit)
+    # each is marked in its place: the first piece of an event over the limit is `Oversized`
+    assert fast.oversized == sum(1 for e in got if isinstance(e, Oversized))
 
 
 async def test_the_sidecar_passes_a_huge_event_through_and_others_stay_fast(
     start_sidecar: StartSidecar, aiohttp_server: Any
 ) -> None:
-    """Through the proxy: the client gets every byte of an 8 MiB event as it came, the request
-    is counted as usage unknown (event_too_large), and another request is answered meanwhile."""
+    """Through the proxy: the client gets every byte of an 8 MiB event as it came, another
+    request is answered meanwhile, and the usage chunk after the event is the request's usage
+    (before, it was counted as unknown, event_too_large, and charged its hold)."""
     body = b"".join([LEARNT, *huge(8 << 20), b'"}}]}\n\n', USAGE, b"data: [DONE]\n\n"])
     flowing = asyncio.Event()
 
@@ -211,17 +215,122 @@ async def test_the_sidecar_passes_a_huge_event_through_and_others_stay_fast(
             assert r.status == 200
         assert await asyncio.wait_for(task, 60) == body
     for _ in range(200):  # the request is metered after its last byte went out
-        if _too_large(run):
+        if _tokens(run, "output"):
             break
         await asyncio.sleep(0.01)
-    assert _too_large(run) == 1
+    assert (_tokens(run, "input"), _tokens(run, "output")) == (3, 9)
+    assert _unknown(run) == 0
 
 
-def _too_large(run: Any) -> float:
+def _tokens(run: Any, kind: str) -> float:
+    return _sum(run, "llm_tokens_total", "token_type", kind)
+
+
+def _unknown(run: Any) -> float:
+    return _sum(run, "llm_usage_unknown_total", None, None)
+
+
+def _sum(run: Any, name: str, label: str | None, value: str | None) -> float:
     return sum(
         sample.value
         for metric in run.sc.metrics.registry.collect()
         for sample in metric.samples
-        if sample.name == "llm_usage_unknown_total"
-        and sample.labels.get("reason") == "event_too_large"
+        if sample.name == name and (label is None or sample.labels.get(label) == value)
     )
+
+
+# --- usage read after an event over the limit --------------------------------------------------
+# The event that was not read may have carried anything, so a reading before it may have been
+# superseded (or, for parts added up, joined) by it: the usage is measured only when every
+# reading it is built from came after the last such event and supersedes all before it.
+
+LIMIT = 1024  # a small metering.max_event_bytes
+DONE = b"data: [DONE]\n\n"
+
+
+def completion(text: str, **extra: Any) -> bytes:
+    obj = {"id": "c", "model": "m", "choices": [{"index": 0, "text": text}]}
+    return b"data: " + json.dumps({**obj, **extra}, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_only(prompt: int, out: int) -> bytes:
+    obj = {"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": prompt}}
+    obj["usage"]["completion_tokens"] = out  # type: ignore[index]
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def read_at_every_cut(endpoint: Endpoint, data: bytes, **options: Any) -> set[tuple[Any, ...]]:
+    """(input, output, reason) of `data` read in two pieces cut at every byte, and whole in
+    reads of 64 bytes, on the fast path and the reference path; each read passes unchanged."""
+    results = set()
+    pieces = [[data[:c], data[c:]] for c in range(len(data) + 1)]
+    pieces.append([data[i : i + 64] for i in range(0, len(data), 64)])
+    for fast in (True, False):
+        for parts in pieces:
+            meter = open_stream(endpoint, max_event_bytes=LIMIT, fast=fast, **options)
+            out = b"".join(meter.feed(p) for p in parts)
+            tail, u = meter.finish()
+            assert out + tail == data
+            results.add((u.input_tokens, u.output_tokens, u.unknown_reason))
+    return results
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_the_usage_chunk_after_an_event_over_the_limit_is_the_usage(endpoint: Endpoint) -> None:
+    """One choice: the usage-only chunk is the request's totals, whatever came before it (the
+    reviewer's stream: a 1 MiB event, then the usage, read in full, charged the hold alone)."""
+    make = chunk if endpoint is Endpoint.CHAT else completion
+    learnt = make("a") + make("b") + make("c")
+    data = learnt + make("t" * 2000) + make("d") + usage_only(3, 9) + DONE
+    assert read_at_every_cut(endpoint, data) == {(3, 9, None)}
+
+
+def test_a_usage_chunk_before_an_event_over_the_limit_leaves_the_usage_unknown() -> None:
+    """The event after it may have been another usage chunk, which would replace it. Read in
+    one piece, the parser counts the long event before the meter reads the usage chunk: the
+    order is the stream's, not the parser's count at the time."""
+    data = LEARNT + usage_only(3, 9) + chunk("t" * 2000) + DONE
+    assert read_at_every_cut(Endpoint.CHAT, data) == {(None, None, "event_too_large")}
+    unterminated = LEARNT + usage_only(3, 9) + chunk("t" * 2000)[:-2]
+    assert read_at_every_cut(Endpoint.CHAT, unterminated) == {(None, None, "event_too_large")}
+
+
+def test_usage_parts_with_an_event_over_the_limit_between_them_are_unknown() -> None:
+    """Two choices, a usage-only chunk each (llama.cpp's parts): the long event may have been a
+    part, so the two read are not known to be the request's. With both after it, they are."""
+    two = chunk("a") + chunk("b", choices=[{"index": 1, "delta": {"content": "b"}}])
+    between = two + usage_only(3, 4) + chunk("t" * 2000) + usage_only(3, 5) + DONE
+    assert read_at_every_cut(Endpoint.CHAT, between, choices=2) == {(None, None, "event_too_large")}
+    after = two + chunk("t" * 2000) + usage_only(3, 4) + usage_only(3, 5) + DONE
+    assert read_at_every_cut(Endpoint.CHAT, after, choices=2) == {(3, 9, None)}
+    fewer = two + chunk("t" * 2000) + usage_only(3, 9) + DONE  # vLLM's totals, or one part
+    assert read_at_every_cut(Endpoint.CHAT, fewer, choices=2) == {(None, None, "event_too_large")}
+
+
+def test_running_totals_read_after_an_event_over_the_limit_are_the_usage() -> None:
+    """vLLM's running totals (continuous usage) supersede each other: the last one read counts
+    when it came after the long event, not when it came before."""
+
+    def running(text: str, out: int) -> bytes:
+        return chunk(text, usage={"prompt_tokens": 3, "completion_tokens": out})
+
+    head = running("a", 1) + running("b", 2) + running("c", 3)
+    after = head + running("t" * 2000, 4) + running("d", 5)
+    assert read_at_every_cut(Endpoint.CHAT, after) == {(3, 5, None)}
+    before = head + running("t" * 2000, 4) + DONE
+    assert read_at_every_cut(Endpoint.CHAT, before) == {(None, None, "event_too_large")}
+
+
+def test_the_responses_terminal_event_after_an_event_over_the_limit_is_the_usage() -> None:
+    def ev(obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    delta = {"type": "response.output_text.delta", "delta": "t" * 2000}
+    response = {"id": "r", "model": "m", "status": "completed"}
+    usage = {"input_tokens": 3, "output_tokens": 9}
+    done = ev({"type": "response.completed", "response": {**response, "usage": usage}})
+    data = ev({"type": "response.created", "response": response}) + ev(delta) + done
+    assert read_at_every_cut(Endpoint.RESPONSES, data) == {(3, 9, None)}
+    assert read_at_every_cut(Endpoint.RESPONSES, done + ev(delta)) == {
+        (None, None, "event_too_large")
+    }

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import aiohttp
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
+from sidecar.exchange import Endpoint
+from sidecar.metering.wire import open_stream
 from tests.conftest import StartSidecar
 
 TGI_MODEL = "fake/tgi-model"  # what the fake's /info reports
@@ -121,3 +125,54 @@ async def test_configured_model_name_wins_over_info(start_sidecar: StartSidecar)
         )
         == 1
     )
+
+
+# --- /generate_stream with an event over metering.max_event_bytes -------------------------------
+
+LIMIT = 1024  # a small metering.max_event_bytes: a longer event is not read
+
+
+def _token(i: int, text: str = "a") -> bytes:
+    token = {"id": 1, "text": text, "logprob": -1.0, "special": False}
+    event = {"index": i, "token": token, "generated_text": None, "details": None}
+    return b"data:" + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _last(i: int, details: dict[str, Any]) -> bytes:
+    token = {"id": 2, "text": "b", "logprob": -1.0, "special": False}
+    event = {"index": i, "token": token, "generated_text": "ab", "details": details}
+    return b"data:" + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _read_with_limit(data: bytes) -> set[tuple[Any, ...]]:
+    """(input, output, reason) of `data` cut in two at every byte, on the fast path and the
+    reference path; each read passes unchanged."""
+    results = set()
+    for fast in (True, False):
+        for cut in range(len(data) + 1):
+            meter = open_stream(Endpoint.TGI_GENERATE_STREAM, max_event_bytes=LIMIT, fast=fast)
+            out = meter.feed(data[:cut]) + meter.feed(data[cut:])
+            tail, u = meter.finish()
+            assert out + tail == data
+            results.add((u.input_tokens, u.output_tokens, u.unknown_reason))
+    return results
+
+
+DETAILS = {"finish_reason": "length", "generated_tokens": 5, "input_length": 9}
+
+
+def test_the_last_event_after_an_event_over_the_limit_is_the_usage() -> None:
+    """TGI's last event's `details` are the request's final counts: read after a token event
+    too long to read, they are the usage (before, the whole stream was unknown)."""
+    data = _token(0) + _token(1) + _token(2, "t" * 2000) + _token(3) + _last(4, DETAILS)
+    assert _read_with_limit(data) == {(9, 5, None)}
+
+
+def test_token_events_counted_around_an_event_over_the_limit_are_no_usage() -> None:
+    """Without `generated_tokens` the output is the token events counted, and the long event
+    may have been one: unknown. So is a last event before a long one."""
+    no_count = {"finish_reason": "length", "input_length": 9}
+    data = _token(0) + _token(1, "t" * 2000) + _last(2, no_count)
+    assert _read_with_limit(data) == {(None, None, "event_too_large")}
+    after = _token(0) + _last(1, DETAILS) + _token(2, "t" * 2000)
+    assert _read_with_limit(after) == {(None, None, "event_too_large")}

@@ -150,6 +150,8 @@ class MessagesStream(SSEMeter):
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._usage_obj: dict[str, Any] = {}  # the latest value of each usage member read
+        self._member_skips: dict[str, int] = {}  # each member's: events over the limit before
+        self._started = False  # message_start was read (where the input and cache counts are)
         self._invalid = False
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
@@ -159,6 +161,7 @@ class MessagesStream(SSEMeter):
         elif kind == "message_start" and isinstance(msg := obj.get("message"), dict):
             self._s.model = clean_or_none(msg.get("model"), MODEL_CHARS)
             self._s.response_id = clean_or_none(msg.get("id"), ID_CHARS)
+            self._started = True
             self._merge(msg.get("usage"), output=False)
         elif kind == "message_delta":
             self._merge(obj.get("usage"), output=True)
@@ -177,6 +180,15 @@ class MessagesStream(SSEMeter):
         for key in _COUNTS if output else _COUNTS[:1] + _COUNTS[2:]:
             if key in usage:  # only the counts: an event's other members are never kept
                 self._usage_obj[key] = usage[key]
+                self._member_skips[key] = self._skips
+
+    def _read_after_skips(self) -> bool:
+        # message_delta's usage is cumulative: it supersedes what came before only for the
+        # members it repeats. Every member the usage is built from, read after the last event
+        # over the limit, and message_start read (an unread one may have held cache counts that
+        # no later event repeats)
+        skips = self._skips
+        return self._started and all(n == skips for n in self._member_skips.values())
 
     def _counted_usage(self) -> Usage:
         base = self._base()

@@ -130,7 +130,8 @@ def _embed_usage(obj: Mapping[str, Any]) -> Usage:
 class OllamaStream:
     """An NDJSON stream: each line one object; `done: true` ends it with the counts. Bytes pass
     through unchanged; at most `max_event_bytes` of one line are held, a longer line is not read
-    and makes the usage unknown (it may have been the final one)."""
+    and makes the usage unknown (it may have been the final one) unless a `done` line was read
+    after it: that line's counts are the request's, whatever came before."""
 
     def __init__(self, endpoint: Endpoint, *, max_event_bytes: int | None = None) -> None:
         self.endpoint = endpoint
@@ -139,7 +140,8 @@ class OllamaStream:
         self._max = max_event_bytes or DEFAULT_MAX_EVENT_BYTES
         self._line = bytearray()
         self._skipping = False  # inside a line over the limit: dropped up to its newline
-        self._oversized = False
+        self._oversized = 0  # lines over the limit so far
+        self._final_skips = 0  # lines over the limit before the `done` line
         self._events = 0
         self._final: Usage | None = None
         self._model: str | None = None
@@ -169,7 +171,8 @@ class OllamaStream:
             return
         if len(self._line) + len(piece) > self._max:
             self._line.clear()
-            self._skipping = self._oversized = True
+            self._skipping = True
+            self._oversized += 1
             return
         self._line += piece
 
@@ -193,6 +196,7 @@ class OllamaStream:
             return
         if obj.get("done") is True:
             self._final = _final_usage(obj)
+            self._final_skips = self._oversized
             self.done = True
             return
         message = obj.get("message")
@@ -210,9 +214,17 @@ class OllamaStream:
         return b"", self.usage_so_far()
 
     def usage_so_far(self) -> Usage:
-        if self._oversized:
+        if self._oversized and not self._read_after_skips():
             return Usage(model=self._model, error=self._error, unknown_reason="event_too_large")
         if self._final is not None and self._error is None:
             return self._final
         reason = "no_usage" if self._final is None else "error_response"
         return Usage(model=self._model, error=self._error, unknown_reason=reason)
+
+    def _read_after_skips(self) -> bool:
+        """The `done` line, measured and read after the last line over the limit, with no error
+        line read: the request's counts, which nothing before it adds to."""
+        final = self._final
+        if final is None or self._error is not None or final.unknown_reason is not None:
+            return False
+        return self._final_skips == self._oversized

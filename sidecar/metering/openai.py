@@ -34,7 +34,7 @@ from .counts import (
 )
 from .reqsize import body_size, lax_int, prompt_chars
 from .sse import Event
-from .stream import SSEMeter, choice_index
+from .stream import SSEMeter, choice_index, read_since
 
 _INJECTABLE = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 # the routes llama.cpp serves with its completion params, `n_cmpl` among them
@@ -330,9 +330,11 @@ class ChatStream(SSEMeter):
         super().__init__(endpoint, **options)
         # the usage-only chunks' usage: the last one's (one choice), or up to one per choice
         self._final_usage: list[Mapping[str, Any] | bytes] = []
+        self._final_skips = 0  # the events over the limit before the first of them kept
         self._extra_usage = False  # more usage-only chunks than choices came
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
+        self._choice_usage_then: dict[int, Mapping[str, Any] | bytes] = {}  # at the last skip
         # a chunk of a choice the request did not ask for came (`stream.choice_index`)
         self._stray = False
 
@@ -364,10 +366,13 @@ class ChatStream(SSEMeter):
                 # the request's totals, not a part of them: a repeated usage chunk replaces the
                 # one before (the last word, as a client's SDK keeps it), never adds to it
                 self._final_usage = [usage]
+                self._final_skips = self._skips
             elif len(self._final_usage) < self._choices:
                 # several choices: llama.cpp sends one usage-only chunk per completion, each
                 # with that completion's counts (`to_json_oaicompat_chat_stream`); vLLM one
                 # with the totals. Each is a part, added up (`_counted_usage`)
+                if not self._final_usage:
+                    self._final_skips = self._skips
                 self._final_usage.append(usage)
             else:
                 self._extra_usage = True  # more parts than choices: no choice's own
@@ -376,6 +381,20 @@ class ChatStream(SSEMeter):
 
     def _cut_event(self, ev: Event) -> bytes:
         return _without_usage(ev)
+
+    def _skipped(self) -> None:
+        super()._skipped()
+        self._choice_usage_then = dict(self._choice_usage)
+
+    def _read_after_skips(self) -> bool:
+        """The usage-only chunks, when they are read as the totals: one choice's last (its
+        totals), or a part per choice, every one after the last event over the limit (which may
+        have been a part: fewer parts, vLLM's totals among them, stay unknown). Else each
+        choice's running totals, each read after it."""
+        if self._final_usage:
+            whole = len(self._final_usage) >= self._choices
+            return whole and self._final_skips == self._skips
+        return read_since(self._choice_usage, self._choice_usage_then)
 
     def _running_input(self, parts: Mapping[int, Usage]) -> int | None:
         """A chat's choices share one prompt. A batched completion's choice `i` belongs to prompt
@@ -449,6 +468,7 @@ class ResponsesStream(SSEMeter):
         super().__init__(endpoint, **options)
         self._idle = False  # the last output item is done, no delta since
         self._final_usage: list[Mapping[str, Any] | bytes] = []  # the terminal event's
+        self._final_skips = 0  # the events over the limit before it
 
     @property
     def finished(self) -> bool:
@@ -475,9 +495,15 @@ class ResponsesStream(SSEMeter):
             # (usage and all, as a client's SDK keeps the last), never adds to it.
             usage = response.get("usage")
             self._final_usage = [usage] if isinstance(usage, dict) else []
+            self._final_skips = self._skips
             if kind == "response.failed":
                 self._s.error = self._s.error or "response.failed"
         return False
+
+    def _read_after_skips(self) -> bool:
+        # the terminal event carries the whole response: read after the last event over the
+        # limit, nothing before it is a part of its usage
+        return bool(self._final_usage) and self._final_skips == self._skips
 
     def _counted_usage(self) -> Usage:
         return _totals(self._base(), self._final_usage, self.endpoint)

@@ -116,7 +116,7 @@ class FastChatStream(WireMeter, ChatStream):
 
     def _on_event(self, ev: Event) -> bool:
         if ev.data is None:
-            return False
+            return super()._on_event(ev)  # an event over the limit is noted there
         shape, raw = self._shape, ev.raw
         found = None
         if shape.head and raw.startswith((shape.head, shape.bare)):  # as `at` starts, inline

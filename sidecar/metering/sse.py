@@ -3,7 +3,8 @@
 Owns: splitting a byte stream into events (any of the three line endings, split anywhere across
 chunks), keeping each event's exact bytes so a caller can forward or drop whole events, and the
 bound on an event's size: an event longer than `max_event_bytes` is not parsed but passed through
-as it comes, in pieces with no data (`oversized` counts them), holding nothing.
+as it comes, in pieces with no data, the first an `Oversized` (`oversized` counts them), holding
+nothing.
 Never: touches sockets, clocks or metrics, holds more than `max_event_bytes` plus one chunk, or
 reads a byte more than a bounded number of times (a long event split across many reads costs
 time linear in its length). With `keep_raw` (the default) the concatenation of every event's
@@ -30,6 +31,13 @@ class Event(NamedTuple):  # a tuple: built once per event, the cheapest record P
     raw: bytes
     data: str | None  # data lines joined by "\n"; None when the event had no data field
     event: str | None  # the `event:` field, if any
+
+
+class Oversized(Event):
+    """The first piece of an event over the size limit (`SSEParser.oversized` counts these), in
+    its place among the events: a reader learns where in the stream the unread event was."""
+
+    __slots__ = ()
 
 
 class SSEParser:
@@ -106,7 +114,7 @@ class SSEParser:
             raw = chunk[pos : end + 2] if self._keep_raw else b""
             if end + 2 - pos > self._max:
                 self.oversized += 1
-                events.append(Event(raw, None, None))  # too long: passed through unparsed
+                events.append(Oversized(raw, None, None))  # too long: passed through unparsed
             elif chunk.startswith(b"data:", pos) and chunk.find(b"\n", pos, end) < 0:
                 start = pos + 6 if chunk[pos + 5] == 0x20 else pos + 5  # one data line: usual
                 events.append(Event(raw, chunk[start:end].decode("utf-8", "replace"), None))
@@ -174,7 +182,7 @@ class SSEParser:
         self._pos = self._scanned = self._event_start = 0
         self._data, self._event = [], None
         self.oversized += 1
-        return Event(raw, None, None)
+        return Oversized(raw, None, None)
 
     def _skipping(self, chunk: bytes) -> list[Event]:
         """Bytes of an event over the limit: passed through up to its blank line, in pieces with
@@ -242,9 +250,10 @@ class SSEParser:
 
     def _dispatch(self) -> Event:
         raw = bytes(self._buf[self._event_start : self._pos]) if self._keep_raw else b""
+        ev: Event
         if self._pos - self._event_start > self._max:  # too long: passed through unparsed
             self.oversized += 1
-            ev = Event(raw, None, None)
+            ev = Oversized(raw, None, None)
         else:
             data = "\n".join(self._data) if self._data else None
             ev = Event(raw, data, self._event)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..exchange import Endpoint, Usage
 from .counts import INVALID_USAGE, NO_COUNTS, Counts, error_type, summed, unmeasured
-from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, SSEParser
+from .sse import DEFAULT_MAX_EVENT_BYTES, Event, LineParser, Oversized, SSEParser
 
 # What a wire fast path found at a position: (the event's end, whether its text is not empty,
 # where its usage member starts or -1).
@@ -33,6 +33,15 @@ def choice_index(obj: Mapping[str, Any], choices: int) -> int | None:
     beside them (either lost one choice's tokens or counted some twice)."""
     index = obj.get("index", 0)
     return index if type(index) is int and 0 <= index < choices else None
+
+
+def read_since(latest: Mapping[int, object], then: Mapping[int, object]) -> bool:
+    """Was each of `latest`'s values (a choice's or a prompt's latest reading, replaced on every
+    chunk that carries one) read after the last event over the limit? `then` is a copy of
+    `latest` taken at that event: a reading taken since is another object (each is built anew,
+    a decoded object or a slice of the bytes), one not taken again is the same object. Costs
+    nothing per chunk: the copy is made once per event over the limit."""
+    return all(value is not then.get(key) for key, value in latest.items())
 
 
 @dataclass(slots=True)
@@ -78,6 +87,12 @@ class SSEMeter:
         self._parser = parser(keep_raw=self._rewrite, max_event_bytes=max_event_bytes)
         self._max_event = max_event_bytes  # the wire paths leave a longer event to the parser
         self._s = StreamState()
+        # Events over the limit met so far, counted in their place among the events read (the
+        # parser's `oversized` counts one as it parses a read, before the events that read
+        # held ahead of it are read, so a reading stamped with that could be older than the
+        # event). A reading stamped with `_skips` is after the last such event when `_skips`
+        # is still that at the end.
+        self._skips = 0
         self.done = False  # saw [DONE] or the wire's terminal event
         self.passthrough = False  # set after an accounting failure: forward, stop parsing
 
@@ -118,6 +133,8 @@ class SSEMeter:
         by the adapter (`_read`). True when it must not reach the client."""
         data = ev.data
         if data is None:
+            if ev.__class__ is Oversized:
+                self._skipped()
             return False
         if data == "[DONE]":
             self.done = True
@@ -156,10 +173,31 @@ class SSEMeter:
         """Usage of a stream the client cut short: what `finish` would say now."""
         return self._usage()
 
+    def _skipped(self) -> None:
+        """An event over the limit, unread, in its place among the events. An adapter whose
+        readings are rare (usage chunks, final details) stamps each with `_skips` as it takes
+        it; one whose readings replace each other on every chunk (running totals, counts so
+        far) copies them here instead, once per such event, and tells later which were read
+        since (`read_since`): no work per chunk either way."""
+        self._skips += 1
+
     def _usage(self) -> Usage:
-        if self._parser.oversized:  # an event that was not read may have carried anything
-            return unmeasured(self._counted_usage(), "event_too_large")
-        return self._counted_usage()
+        usage = self._counted_usage()
+        skipped = self._parser.oversized
+        if skipped and not (
+            skipped == self._skips and usage.unknown_reason is None and self._read_after_skips()
+        ):
+            # an event that was not read may have carried anything: a reading before it may
+            # have been superseded by it, or a part of the usage joined by another
+            return unmeasured(usage, "event_too_large")
+        return usage
+
+    def _read_after_skips(self) -> bool:
+        """Is the usage built only from readings each of which supersedes every event before it
+        (final totals, counts so far), all read after the last event over the limit (and, for
+        parts added up, a part per choice, every one after it)? Then what the unread events
+        carried is no part of it. False unless an adapter knows."""
+        return False
 
     def _base(self) -> Usage:
         s = self._s
@@ -182,6 +220,7 @@ class CountsStream(SSEMeter):
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._counts: dict[int, Counts] = {}  # per prompt: the latest counts read
+        self._counts_then: dict[int, Counts] = {}  # `_counts` at the last event over the limit
         self._invalid = False
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
@@ -194,6 +233,15 @@ class CountsStream(SSEMeter):
         if read[0] is not None or read[1] is not None:
             self._counts[index] = read
         return False
+
+    def _skipped(self) -> None:
+        super()._skipped()
+        self._counts_then = dict(self._counts)
+
+    def _read_after_skips(self) -> bool:
+        # each prompt's counts so far supersede its earlier ones: every prompt's, read after
+        # the last event over the limit (which may have been an event of any of them)
+        return len(self._counts) >= self._choices and read_since(self._counts, self._counts_then)
 
     def _counts_of(self, obj: Mapping[str, Any]) -> Counts | None:
         """The event's counts; None when one was sent but is no count."""

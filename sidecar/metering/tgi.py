@@ -258,6 +258,7 @@ class TGIStream(SSEMeter):
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._details: Mapping[str, Any] | None = None
+        self._details_skips = 0  # the events over the limit before the details were read
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         if isinstance(obj.get("token"), dict):
@@ -265,11 +266,20 @@ class TGIStream(SSEMeter):
         details = obj.get("details")
         if isinstance(details, dict):
             self._details = details
+            self._details_skips = self._skips
             if (r := clean_or_none(details.get("finish_reason"), REASON_CHARS)) is not None:
                 self._s.finish[0] = r
         if obj.get("generated_text") is not None:
             self.done = True
         return False
+
+    def _read_after_skips(self) -> bool:
+        # the last event's details are the request's counts, when they hold the output's: the
+        # token events counted instead may have been joined by one not read
+        details = self._details
+        if details is None or details.get("generated_tokens") is None:
+            return False
+        return self._details_skips == self._skips
 
     def _counted_usage(self) -> Usage:
         base = self._base()
