@@ -199,6 +199,17 @@ def test_the_done_line_after_a_line_over_the_limit_is_the_usage() -> None:
     assert _read_with_limit(_lines(2) + DONE_LINE + LONG_LINE) == unknown
 
 
+def test_a_line_over_the_limit_counts_as_an_event_of_output() -> None:
+    """A line too long to read reached the client and may have carried output: the unmeasured
+    charge reads each as at least one token (`Budgets.unmeasured_usd`), as it reads a line read."""
+    data = _lines(2) + LONG_LINE + _lines(1) + LONG_LINE
+    for cut in range(len(data) + 1):
+        meter = open_stream(Endpoint.OLLAMA_CHAT, max_event_bytes=1024)
+        meter.feed(data[:cut])
+        meter.feed(data[cut:])
+        assert meter.token_events == 5
+
+
 def test_a_stream_cut_before_its_done_line_has_no_measured_usage() -> None:
     meter = open_stream(Endpoint.OLLAMA_GENERATE)
     meter.feed(_lines(3))

@@ -245,6 +245,92 @@ async def test_a_burst_against_a_small_budget_is_held(
     )
 
 
+# --- a stream whose chunks outgrow the event limit ------------------------------------------------
+
+GROWN = 1000  # tokens the fake generates for a request with no limit
+
+
+async def sglang_stream_no_limit(request: web.Request) -> web.StreamResponse:
+    """A streamed /generate with `return_logprob`, as SGLang streams it without
+    --incremental-streaming-output: every chunk carries the whole text, output ids and output
+    logprobs so far (tokenizer_manager.py slices `output_token_logprobs` and the other
+    `_INCREMENTAL_STREAMING_META_INFO_KEYS` only with incremental streaming), so each chunk is
+    longer than the last; then `data: [DONE]`. With `max_new_tokens: null` the scheduler runs to
+    the context's end (scheduler.py `init_req_max_new_tokens`): GROWN tokens here."""
+    obj = json.loads(await request.read())
+    assert obj["sampling_params"]["max_new_tokens"] is None
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for n in range(1, GROWN + 1):
+        meta = {
+            "id": "r1",
+            "finish_reason": {"type": "length", "length": n} if n == GROWN else None,
+            "prompt_tokens": 9,
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "output_token_logprobs": [[-0.25, 7, None]] * n,
+        }
+        chunk = {"text": " tok" * n, "output_ids": [7] * n, "meta_info": meta, "index": 0}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_event_over_the_limit_counts_as_an_event_of_output(fast: bool) -> None:
+    """On both paths, at every cut: an event too long to read is one more output event."""
+    long = b"data: " + json.dumps({"text": "t" * 2000, "index": 0}).encode() + b"\n\n"
+    data = _chunk(1) + long + _chunk(2) + long
+    for cut in range(len(data) + 1):
+        meter = open_stream(GEN, max_event_bytes=1024, fast=fast, api="sglang")
+        meter.feed(data[:cut])
+        meter.feed(data[cut:])
+        assert meter.token_events == 4
+
+
+async def test_chunks_grown_past_the_event_limit_are_each_an_event_of_output(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """SGLang's cumulative chunks (`max_new_tokens: null`, `return_logprob`) outgrow
+    `metering.max_event_bytes` as the output grows: the counts in them go unread and the stream
+    is unmeasured (event_too_large). Each event over the limit is one the client got, which may
+    carry output: the unmeasured charge counts it as at least one token. Before, only the events
+    read counted: 1,000 tokens served (320 events read, 8 KiB limit) were charged $0.65, the
+    held prompt and those 320 events, not the $2.009 of 1,000 tokens (from the h-rev6 review)."""
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/generate", sglang_stream_no_limit),
+        pricing=PRICES,
+        upstream={"api": "sglang", "model_name": SIM_MODEL},
+        budgets={"user_daily_usd": 50.0, "default_max_output_tokens": 100},
+        metering={"max_event_bytes": 8192},
+    )
+    body = {
+        "text": "one two three four five six seven eight",
+        "sampling_params": {"max_new_tokens": None},
+        "return_logprob": True,
+        "stream": True,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json=body, headers={"X-Tollbooth-User": "grow"}) as r,
+    ):
+        assert r.status == 200
+        raw = await r.read()
+    events = [x[6:] for x in raw.split(b"\n\n") if x.startswith(b"data: ")]
+    assert len(events) == GROWN + 1 and json.loads(events[-2])["meta_info"]["completion_tokens"]
+    rows = "output_tokens, cost_usd, budget_usd"
+    await wait_for(lambda: len(sim.ledger_rows(db, rows)) == 1, "the ledger row")
+    ((out, cost, charged),) = sim.ledger_rows(db, rows)
+    assert (out, cost) == (None, None)  # unmeasured: the counts were in chunks never read
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    spent = run.sc.budgets.store.spent["user:grow"] / 1e6
+    assert spent == pytest.approx(charged)
+    assert sim.token_cost(9, GROWN) <= spent <= sim.token_cost(10, GROWN)
+
+
 # --- a batch of embeddings ------------------------------------------------------------------------
 
 ANSWERS = [40, 28, 33, 21]  # tokens each prompt's generation runs to (no limit it obeys)

@@ -149,7 +149,7 @@ class OllamaStream:
 
     @property
     def token_events(self) -> int:
-        return self._events
+        return self._events + self._oversized  # a line over the limit may have carried output
 
     @property
     def finished(self) -> bool:

@@ -98,7 +98,10 @@ class SSEMeter:
 
     @property
     def token_events(self) -> int:
-        return self._s.token_events
+        # an event over the limit is one the client got unread: it may have carried output
+        # (SGLang's cumulative chunks outgrow the limit as the output grows), and the
+        # unmeasured charge reads these as each at least one token (`Budgets.unmeasured_usd`)
+        return self._s.token_events + self._skips
 
     def feed(self, chunk: bytes) -> bytes:
         if self.passthrough:
