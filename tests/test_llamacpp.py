@@ -756,3 +756,197 @@ def test_n_cmpl_on_llama_cpps_openai_routes_is_as_many_choices(endpoint: Endpoin
     assert (info.choices, info.n) == (3 * prompts, 3)
     vllm_n = inspect_request(endpoint, json.dumps({**body, "n": 4}).encode(), inject_usage=False)
     assert (vllm_n.choices, vllm_n.n) == (4 * prompts, 4)  # vLLM's n=4 is more than 3
+
+
+# --- several completions on llama.cpp's OpenAI routes: what its body and stream report -----------
+# server-context.cpp `handle_completions_impl`, not streamed: one result is its body; several, on
+# /v1/chat/completions and /v1/completions, are the first result's body with the others'
+# `choices[0]` appended (its usage the first completion's alone), and on /v1/responses a JSON
+# array of responses. Streamed, each result sends its own events; on /v1/responses each under
+# its own response id (`task_result_state`: "resp_" and a random string per task).
+
+TIMINGS = {"cache_n": 0, "prompt_n": 5, "predicted_n": ANSWERS[0]}  # every final result's
+
+
+async def llama_cpp_v1_several(request: web.Request) -> web.Response:
+    """/v1/chat/completions or /v1/completions, not streamed, with `n` or `n_cmpl` completions
+    (or a `prompt` list), as `handle_completions_impl` merges them: the first result's body,
+    `usage` and `timings` included, every result's choice."""
+    obj = json.loads(await request.read())
+    outs = _completions(obj)
+    prompts = obj["prompt"] if isinstance(obj.get("prompt"), list) else [None]
+    chat = request.path.endswith("/chat/completions")
+    choices = []
+    for i in range(len(prompts) * len(outs)):
+        text = " ".join(["x"] * outs[i % len(outs)])
+        if chat:
+            choices.append({"finish_reason": "stop", "index": i, "message": {"content": text}})
+        else:
+            choices.append({"text": text, "index": i, "finish_reason": "stop"})
+    usage = {"completion_tokens": outs[0], "prompt_tokens": 5, "total_tokens": 5 + outs[0]}
+    body = {"choices": choices, "created": 1, "model": obj["model"], "usage": usage}
+    return web.json_response({**body, "id": "chatcmpl-m", "timings": TIMINGS})
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "inp"),
+    [
+        ("/v1/chat/completions", {"n": 3}, 5),
+        ("/v1/chat/completions", {"n_cmpl": 3}, 5),
+        ("/v1/completions", {"n": 3, "prompt": "one two three four five"}, 5),
+        ("/v1/completions", {"prompt": ["one two three four five", "six seven"]}, None),
+    ],
+    ids=["chat_n", "chat_n_cmpl", "completions_n", "completions_two_prompts"],
+)
+async def test_several_completions_in_one_body_are_not_billed_as_the_first_ones(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    path: str,
+    extra: dict[str, Any],
+    inp: int | None,
+) -> None:
+    """llama.cpp answers n=3 with the three choices and the first completion's usage (40 of the
+    101 tokens generated). Before, the ledger said 5 in / 40 out, measured, and the budget was
+    charged that: the other completions free. Now the output is unknown (the input, the one
+    prompt's, measured; two prompts' is not) and the budget charges the hold, which covers
+    every completion at the limit."""
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, (path, llama_cpp_v1_several), **NAMED
+    )
+    body: dict[str, Any] = {"model": SIM_MODEL, "max_tokens": 100, **extra}
+    if "chat" in path:
+        body["messages"] = MSGS
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=body, headers={"X-Tollbooth-User": "pat"}) as r,
+    ):
+        assert r.status == 200
+        got = await r.json()
+    served = sum(len(c.get("text") or c["message"]["content"]) // 2 + 1 for c in got["choices"])
+    rows = await _billed(run, db)
+    assert rows[0][2:4] == (inp, None), rows
+    spent = run.sc.budgets.store.spent["user:pat"]
+    assert spent >= to_micros(sim.token_cost(5, served)), (spent, served)
+    unknown = {"model": SIM_MODEL, "api_endpoint": path, "reason": "choices_unreported"}
+    assert run.value("llm_usage_unknown_total", **unknown) == 1
+
+
+def test_an_honest_vllm_body_of_several_choices_is_read_as_before() -> None:
+    """vLLM's usage of n choices counts every one (no `timings`): measured as it is; and a
+    llama.cpp body of one choice is its whole usage."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 101, "total_tokens": 106}
+    choices = [{"index": i, "message": {"content": "x"}, "finish_reason": "stop"} for i in range(3)]
+    vllm = json.dumps({"id": "c", "model": "m", "choices": choices, "usage": usage}).encode()
+    u = usage_from_body(Endpoint.CHAT, vllm, {}, sequences=3, per_prompt=3)
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, 101, None)
+    one = {"id": "c", "model": "m", "choices": choices[:1], "usage": usage, "timings": TIMINGS}
+    u = usage_from_body(Endpoint.CHAT, json.dumps(one).encode(), {})
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, 101, None)
+
+
+def _resp_event(kind: str, **data: Any) -> bytes:
+    """llama.cpp's `format_oai_resp_sse`: `event:` and `data:` lines."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+def llama_cpp_responses_stream(outs: list[int], upto: int | None = None) -> bytes:
+    """/v1/responses streamed as llama.cpp streams n_cmpl completions: each completion's
+    `response.created` and `.in_progress` with its first token (`n_decoded == 1`), its deltas,
+    interleaved, and its own `response.completed` with its usage, under its own response id;
+    `upto`: only the events before completion `upto`'s terminal event and the rest."""
+    out: list[bytes] = []
+    for step in range(max(outs)):
+        for i, n in enumerate(outs):
+            rid = f"resp_{i}abc"
+            if step == 0:
+                head = {"id": rid, "object": "response", "status": "in_progress"}
+                out.append(_resp_event("response.created", response=head))
+                out.append(_resp_event("response.in_progress", response=head))
+            if step < n:
+                out.append(_resp_event("response.output_text.delta", item_id=f"msg_{i}", delta="x"))
+            if step == n - 1:
+                if upto == i:
+                    return b"".join(out)
+                item = {"type": "message", "status": "completed", "id": f"msg_{i}"}
+                out.append(_resp_event("response.output_item.done", item=item))
+                usage = {"input_tokens": 5, "output_tokens": n, "total_tokens": 5 + n}
+                done = {"id": rid, "object": "response", "status": "completed", "model": SIM_MODEL}
+                out.append(_resp_event("response.completed", response={**done, "usage": usage}))
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
+def test_a_responses_stream_of_n_completions_is_measured_at_every_cut(fast: bool) -> None:
+    """Three completions (40, 28, 33 tokens), each its own response. Before: the last terminal
+    event's usage replaced the others' (5 in / 40 out for 101 generated), the stream `done` at
+    the first one's end. Now each response's usage is added, the prompt once; while a response
+    seen has not ended, the usage is unknown, never the ended ones' alone."""
+    outs = ANSWERS[:3]
+    data = llama_cpp_responses_stream(outs)
+    for cut in range(0, len(data), 97):
+        meter = open_stream(Endpoint.RESPONSES, choices=3, fast=fast)
+        meter.feed(data[:cut])
+        meter.feed(data[cut:])
+        u = meter.finish()[1]
+        assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, sum(outs), None)
+        assert u.finish_reasons == ("completed",) * 3 and meter.done
+    # a client that left after the shortest completion's end: the others' output is unknown
+    for upto in (0, 2):
+        meter = open_stream(Endpoint.RESPONSES, choices=3, fast=fast)
+        meter.feed(llama_cpp_responses_stream(outs, upto=upto))
+        u = meter.usage_so_far()
+        assert u.output_tokens is None and not meter.done, (upto, u)
+    # vLLM's one response to a request with `n: 3` (a field it ignores): its usage, as before
+    one = llama_cpp_responses_stream(outs[:1])
+    meter = open_stream(Endpoint.RESPONSES, choices=3, fast=fast)
+    meter.feed(one)
+    u = meter.finish()[1]
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, outs[0], None)
+    # more responses than the request's choices: whose they are cannot be told
+    meter = open_stream(Endpoint.RESPONSES, choices=2, fast=fast)
+    meter.feed(data)
+    assert meter.finish()[1].unknown_reason == "invalid_usage"
+
+
+async def llama_cpp_responses(request: web.Request) -> web.StreamResponse:
+    """/v1/responses with `n_cmpl`: streamed, each completion its own response events; not
+    streamed, a JSON array of the responses (`res->ok(arr)`: OAI_RESP is merged by no one)."""
+    obj = json.loads(await request.read())
+    outs = _completions(obj)
+    if not obj.get("stream"):
+        usages = [{"input_tokens": 5, "output_tokens": n, "total_tokens": 5 + n} for n in outs]
+        arr = [{"id": f"resp_{i}", "object": "response", "usage": u} for i, u in enumerate(usages)]
+        return web.json_response(arr if len(arr) > 1 else arr[0])
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(llama_cpp_responses_stream(outs))
+    return resp
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "body"])
+async def test_n_cmpl_completions_on_llama_cpps_responses_route_are_billed(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool
+) -> None:
+    """Streamed: before, 5 in / 40 out (the last terminal event's) was billed as measured for
+    the 101 tokens three completions generated; now 5 / 101. Not streamed, llama.cpp answers a
+    JSON array the sidecar does not read: unknown, charged the hold of three completions."""
+    route = ("/v1/responses", llama_cpp_responses)
+    run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **NAMED)
+    body = {"model": SIM_MODEL, "input": "one two three four five", "max_output_tokens": 100}
+    body |= {"n_cmpl": 3, "stream": stream}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/responses", json=body, headers={"X-Tollbooth-User": "pat"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    out = sum(ANSWERS[:3])
+    rows = await _billed(run, db)
+    spent = run.sc.budgets.store.spent["user:pat"]
+    if stream:
+        assert rows == [("pat", "/v1/responses", 5, out, pytest.approx(sim.token_cost(5, out)))]
+        assert spent == to_micros(sim.token_cost(5, out))
+    else:
+        assert rows[0][2:4] == (None, None)
+        assert spent >= to_micros(sim.token_cost(5, 3 * 100)), spent  # every completion's limit

@@ -93,7 +93,7 @@ def test_after_the_huge_event_the_stream_is_read_again_and_the_usage_chunk_is_it
     out = [meter.feed(p) for p in sent]
     tail, usage = meter.finish()
     assert b"".join(out) + tail == b"".join(sent[:-2]) + sent[-1]  # our usage chunk cut only
-    assert meter.token_events == 4 and meter.done
+    assert meter.token_events == 5 and meter.done  # the huge event among them, unread
     assert usage.unknown_reason is None
     assert (usage.input_tokens, usage.output_tokens) == (3, 9)
     assert usage.model == "m"
@@ -102,7 +102,8 @@ def test_after_the_huge_event_the_stream_is_read_again_and_the_usage_chunk_is_it
 @pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.TGI_GENERATE_STREAM])
 def test_a_long_event_is_not_read_whether_it_comes_whole_or_in_pieces(endpoint: Endpoint) -> None:
     """The wire fast paths match whole events without the parser: one over the limit in a single
-    read must not be counted when the same bytes in pieces are not."""
+    read must not be read when the same bytes in pieces are not (it counts as one event of
+    output, unread, either way)."""
     if endpoint is Endpoint.CHAT:
         before, event = LEARNT, chunk("t" * 5000)
     else:
@@ -116,7 +117,7 @@ def test_a_long_event_is_not_read_whether_it_comes_whole_or_in_pieces(endpoint: 
         for p in pieces:
             assert meter.feed(p) == p
         results.append((meter.token_events, meter.finish()[1].unknown_reason))
-    assert results == [(3, "event_too_large")] * 3
+    assert results == [(4, "event_too_large")] * 3
 
 
 def test_an_event_at_the_limit_is_read() -> None:
@@ -334,3 +335,27 @@ def test_the_responses_terminal_event_after_an_event_over_the_limit_is_the_usage
     assert read_at_every_cut(Endpoint.RESPONSES, done + ev(delta)) == {
         (None, None, "event_too_large")
     }
+
+
+def test_several_responses_after_an_event_over_the_limit_are_the_usage_only_all_after_it() -> None:
+    """llama.cpp's /v1/responses with n_cmpl: 2 streams one response a completion, each under
+    its own id with its own terminal event (see ResponsesStream). Both read after the long
+    event: their usage, the prompt once. One before it, or fewer than the choices after it
+    (the long event may have been the other's terminal event): unknown."""
+
+    def ev(obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    def done(rid: str, out: int) -> bytes:
+        response = {"id": rid, "model": "m", "status": "completed"}
+        usage = {"input_tokens": 3, "output_tokens": out}
+        return ev({"type": "response.completed", "response": {**response, "usage": usage}})
+
+    long = ev({"type": "response.output_text.delta", "delta": "t" * 2000})
+    after = long + done("a", 4) + done("b", 5)
+    assert read_at_every_cut(Endpoint.RESPONSES, after, choices=2) == {(3, 9, None)}
+    between = done("a", 4) + long + done("b", 5)
+    unknown = {(None, None, "event_too_large")}
+    assert read_at_every_cut(Endpoint.RESPONSES, between, choices=2) == unknown
+    one = long + done("a", 4)
+    assert read_at_every_cut(Endpoint.RESPONSES, one, choices=2) == unknown

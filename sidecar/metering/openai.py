@@ -134,8 +134,9 @@ class OpenAIAdapter:
         sequences: int = 1,
         per_prompt: int = 1,
     ) -> Usage:
-        """Usage of a complete (non-streaming) response (`sequences` is TGI's: unused here)."""
-        return body_usage(endpoint, body_value(body))
+        """Usage of a complete (non-streaming) response; `sequences` and `per_prompt` tell
+        whether the choices of a body that reports only its first one's share one prompt."""
+        return body_usage(endpoint, body_value(body), one_prompt=per_prompt >= sequences)
 
     def stream(
         self, endpoint: Endpoint, *, fast: bool = True, **options: Any
@@ -228,8 +229,8 @@ def _prompts(endpoint: Endpoint, obj: Mapping[str, Any]) -> int:
     return max(1, tensors + (texts if prompt is not None else 0))
 
 
-def body_usage(endpoint: Endpoint, obj: object) -> Usage:
-    """Usage of a decoded OpenAI response body."""
+def body_usage(endpoint: Endpoint, obj: object, *, one_prompt: bool = True) -> Usage:
+    """Usage of a decoded OpenAI response body (`one_prompt`: its choices share one prompt)."""
     if not isinstance(obj, dict):
         return Usage(unknown_reason="unparseable_response")
     if obj.get("error") is not None and "choices" not in obj:  # Responses bodies carry error: null
@@ -244,7 +245,40 @@ def body_usage(endpoint: Endpoint, obj: object) -> Usage:
         return Usage(
             model=model, response_id=rid, finish_reasons=reasons, unknown_reason="no_usage"
         )
-    return read_usage(usage, endpoint, model=model, response_id=rid, finish_reasons=reasons)
+    read = read_usage(usage, endpoint, model=model, response_id=rid, finish_reasons=reasons)
+    if endpoint in _INJECTABLE and _first_result_only(obj) and read.unknown_reason is None:
+        return _others_unreported(read, one_prompt)
+    return read
+
+
+def _first_result_only(obj: Mapping[str, Any]) -> bool:
+    """Is this llama.cpp's body of several results whose usage is the first one's alone? Its
+    `handle_completions_impl` (server-context.cpp), not streamed, with several results on
+    /v1/chat/completions or /v1/completions (`n`/`n_cmpl` above 1, or a `prompt` list), appends
+    the other results' `choices[0]` to the first result's body and sends that body, its `usage`
+    the first completion's counts (server-task.cpp `to_json_oaicompat_chat`,
+    `to_json_oaicompat`). Told by `timings`: every final result of llama.cpp carries it
+    (`send_final_response` sets `res->timings`; `prompt_n` is a count, so `if (timings.prompt_n
+    >= 0)` always adds it), and no vLLM, SGLang, TGI or Ollama body has one (vLLM's usage of
+    several choices counts every one of them, read as it is)."""
+    choices = obj.get("choices")
+    return isinstance(obj.get("timings"), dict) and isinstance(choices, list) and len(choices) > 1
+
+
+def _others_unreported(usage: Usage, one_prompt: bool) -> Usage:
+    """The usage of a body that counts only its first result: the other completions' output is
+    in no count (unknown, charged the hold: `choices_unreported`); the input is measured when
+    every choice is of the one prompt (each result reports the whole prompt, evaluated once:
+    `llamacpp.shared_prompts`), else the other prompts' is unknown too."""
+    kept = one_prompt and usage.input_tokens is not None
+    return replace(
+        usage,
+        input_tokens=usage.input_tokens if kept else None,
+        cached_input_tokens=usage.cached_input_tokens if kept else None,
+        output_tokens=None,
+        reasoning_tokens=None,
+        unknown_reason="choices_unreported",
+    )
 
 
 def read_usage(
@@ -462,17 +496,36 @@ class ChatStream(SSEMeter):
 
 class ResponsesStream(SSEMeter):
     """The Responses API's typed events: a `.delta` is a token event; the terminal event
-    (`response.completed`, `.incomplete`, `.failed`) carries the response with its usage."""
+    (`response.completed`, `.incomplete`, `.failed`) carries the response with its usage.
+
+    A request of several choices (llama.cpp's `n_cmpl`) may be several responses in one stream:
+    llama.cpp's `post_responses_oai` runs the body as a chat (`handle_completions_impl`), and
+    streamed, each completion sends its own events (`to_json_oaicompat_resp` for its partial
+    results, `to_json_oaicompat_resp_stream` for its final one, server-task.cpp), interleaved,
+    each under its own response id (`task_result_state`'s `oai_resp_id`, "resp_" and a random
+    string, one state per task, children too: server-queue.cpp `post_tasks`) and ending with its
+    own terminal event, whose usage is that completion's: the stream ends after the last. Each
+    response id is then its own response, up to the request's choices (more is invalid usage).
+    """
 
     def __init__(self, endpoint: Endpoint, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._idle = False  # the last output item is done, no delta since
-        self._final_usage: list[Mapping[str, Any] | bytes] = []  # the terminal event's
-        self._final_skips = 0  # the events over the limit before it
+        # each response by its id (one response when one choice): where it is in the stream's
+        # order, its terminal event's usage (None: that event had none), and the events over
+        # the limit before that event
+        self._seen: dict[object, int] = {}
+        self._ends: dict[object, Mapping[str, Any] | None] = {}
+        self._end_skips: dict[object, int] = {}
+        self._extra = False  # more responses than choices
 
     @property
     def finished(self) -> bool:
-        return self.done or self._idle
+        if self.done:
+            return True
+        if len(self._seen) > 1:  # several responses: every one seen has ended (more may come)
+            return len(self._ends) >= len(self._seen)
+        return self._idle
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         kind = compared(obj.get("type")) or ""
@@ -486,27 +539,59 @@ class ResponsesStream(SSEMeter):
             return False
         self._s.model = self._s.model or clean_or_none(response.get("model"), MODEL_CHARS)
         self._s.response_id = self._s.response_id or clean_or_none(response.get("id"), ID_CHARS)
-        if kind in ("response.completed", "response.incomplete", "response.failed"):
-            self.done = True
+        position = self._position(response.get("id"))
+        if position is not None and kind in _TERMINAL:
             if (status := clean_or_none(response.get("status"), REASON_CHARS)) is not None:
-                self._s.finish[0] = status
+                self._s.finish[position] = status
             # One response, so one final word: each terminal event carries the whole response
-            # (its usage the totals, not an increment), and a later one replaces an earlier one
-            # (usage and all, as a client's SDK keeps the last), never adds to it.
+            # (its usage the totals, not an increment), and a later one of the same response
+            # replaces an earlier one (usage and all, as a client's SDK keeps the last).
             usage = response.get("usage")
-            self._final_usage = [usage] if isinstance(usage, dict) else []
-            self._final_skips = self._skips
+            key = self._key(response.get("id"))
+            self._ends[key] = usage if isinstance(usage, dict) else None
+            self._end_skips[key] = self._skips
+            self.done = len(self._ends) >= self._choices
             if kind == "response.failed":
                 self._s.error = self._s.error or "response.failed"
         return False
 
     def _read_after_skips(self) -> bool:
-        # the terminal event carries the whole response: read after the last event over the
-        # limit, nothing before it is a part of its usage
-        return bool(self._final_usage) and self._final_skips == self._skips
+        # each terminal event carries its whole response: every choice's read after the last
+        # event over the limit (which may have been another response's), nothing before them
+        # is a part of their usage
+        ends = self._end_skips.values()
+        return len(self._ends) >= self._choices and all(n == self._skips for n in ends)
+
+    def _key(self, rid: object) -> object:
+        """The response an event is of: one when the request asked one choice (any id)."""
+        return rid if self._choices > 1 and isinstance(rid, str) else None
+
+    def _position(self, rid: object) -> int | None:
+        """The response's place in the stream; None for one past the request's choices."""
+        key = self._key(rid)
+        if key not in self._seen:
+            if len(self._seen) >= self._choices:
+                self._extra = True
+                return None
+            self._seen[key] = len(self._seen)
+        return self._seen[key]
 
     def _counted_usage(self) -> Usage:
-        return _totals(self._base(), self._final_usage, self.endpoint)
+        """Every response's final usage, added up, the prompt they share counted once (each of
+        llama.cpp's completions reports the whole prompt, evaluated once: `shared_prompts`);
+        unknown while a response seen has not ended (its output so far is in no count)."""
+        base = self._base()
+        if self._extra:
+            return replace(base, unknown_reason=INVALID_USAGE)
+        ends = [u for u in self._ends.values() if u is not None]
+        if not ends or len(ends) < len(self._ends):
+            return _totals(base, [], self.endpoint)
+        if len(self._ends) < len(self._seen):
+            return replace(base, unknown_reason="incomplete_usage")
+        return _totals(base, [*ends], self.endpoint, shared_prompt=True)
+
+
+_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _totals(
