@@ -950,3 +950,30 @@ async def test_n_cmpl_completions_on_llama_cpps_responses_route_are_billed(
     else:
         assert rows[0][2:4] == (None, None)
         assert spent >= to_micros(sim.token_cost(5, 3 * 100)), spent  # every completion's limit
+
+
+def _result(index: object, evaluated: int, predicted: int) -> dict[str, object]:
+    timings = {"cache_n": 0}
+    out = {"content": "x", "tokens_evaluated": evaluated, "tokens_predicted": predicted}
+    return {"index": index, **out, "stop": True, "stop_type": "limit", "timings": timings}
+
+
+@pytest.mark.parametrize(
+    ("indexes", "billed"),
+    [([2, 0, 3, 1], (105, 18)), ([0, 1, 2, 3], (10, 18)), ([0, 0, 1, 1], (210, 18))],
+    ids=["out_of_order", "as_the_indexes_say", "not_each_place_once"],
+)
+def test_n_cmpl_results_of_a_body_are_grouped_by_their_index(
+    indexes: list[int], billed: tuple[int, int]
+) -> None:
+    """Two prompts (A: 100 tokens, B: 5), n_cmpl 2: llama.cpp numbers results prompt * n_cmpl +
+    completion and puts that `index` in each (server-task.cpp `to_json_non_oaicompat`). A body
+    listing them B0, A0, B1, A1 was grouped by list place, (B0, A0) and (B1, A1), each group's
+    input its first's: 10 input tokens billed, not 105 (h-rev7). Grouped by index now; indexes
+    that are not each place once group nothing (each result's own input: more, never fewer)."""
+    sizes = [5, 100, 5, 100]  # the list: B, A, B, A
+    body = [_result(i, e, p) for i, e, p in zip(indexes, sizes, [3, 4, 5, 6], strict=True)]
+    u = usage_from_body(
+        Endpoint.LLAMA_COMPLETION, json.dumps(body).encode(), {}, sequences=4, per_prompt=2
+    )
+    assert (u.input_tokens, u.output_tokens) == billed

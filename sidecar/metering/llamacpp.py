@@ -65,6 +65,15 @@ class LlamaCppAdapter(reqsize.ReadOnly):
         reasons = tuple(r for r in (_reason(x) for x in results) if r)
         model = clean_or_none(first.get("model"), MODEL_CHARS)
         shared = per_prompt if len(results) == sequences else 1
+        if shared > 1:
+            # grouped by each result's own `index` (prompt * n_cmpl + completion), not its place
+            # in the list; indexes that are not each place once group nothing: each result's
+            # own input, never fewer prompts than were evaluated
+            order = [r.get("index") for r in results]
+            if all(type(i) is int for i in order) and sorted(order) == [*range(len(order))]:
+                results = sorted(results, key=lambda r: r["index"])
+            else:
+                shared = 1
         counts = shared_prompts([_final_counts(r) for r in results], shared)
         return summed(counts, model, reasons)
 
