@@ -70,7 +70,7 @@ class LlamaCppAdapter(reqsize.ReadOnly):
             # in the list; indexes that are not each place once group nothing: each result's
             # own input, never fewer prompts than were evaluated
             order = [r.get("index") for r in results]
-            if all(type(i) is int for i in order) and sorted(order) == [*range(len(order))]:
+            if all(type(i) is int for i in order) and {*order} == {*range(len(order))}:
                 results = sorted(results, key=lambda r: r["index"])
             else:
                 shared = 1
