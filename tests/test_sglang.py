@@ -245,6 +245,62 @@ async def test_a_burst_against_a_small_budget_is_held(
     )
 
 
+# --- PUT, which SGLang serves as POST ------------------------------------------------------------
+
+
+async def sglang_generate_any_method(request: web.Request) -> web.Response:
+    """SGLang's /generate, on POST or PUT alike (http_server.py `@app.api_route("/generate",
+    methods=["POST", "PUT"])`, one `generate_request`): 9 prompt tokens, `max_new_tokens` out."""
+    obj = json.loads(await request.read())
+    out = obj["sampling_params"]["max_new_tokens"]
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": out}, "cached_tokens": 0}
+    meta |= {"prompt_tokens": 9, "completion_tokens": out}
+    return web.json_response({"text": " tok" * out, "output_ids": [7] * out, "meta_info": meta})
+
+
+@pytest.mark.parametrize("method", ["PUT", "PATCH"])
+async def test_a_generate_sent_as_put_is_metered_as_a_post_is(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, method: str
+) -> None:
+    """SGLang serves /generate (and /encode) on PUT too. Before, only a POST was metered and any
+    other method forwarded untouched: a PUT /generate was served with no hold, no budget and no
+    ledger row, every token free (h-rev6). A PUT or PATCH is now read as a POST is: held,
+    refused past the budget, metered; an unknown path on it follows `metering.unknown_routes`."""
+    app = web.Application()
+    app.router.add_route("*", "/generate", sglang_generate_any_method)
+    app.router.add_route("*", "/elsewhere", sglang_generate_any_method)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    run = await start_sidecar(
+        {
+            "ledger": {"path": str(db), "flush_interval_s": 0.05},
+            "pricing": PRICES,
+            "upstream": {"api": "sglang", "model_name": SIM_MODEL},
+            "budgets": {"user_daily_usd": 0.1},
+        },
+        upstream_url=str(up.make_url("")).rstrip("/"),
+    )
+    body = {"text": "one two three four", "sampling_params": {"max_new_tokens": 20}}
+    headers = {"X-Tollbooth-User": "put"}
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, run.url + "/generate", json=body, headers=headers) as r:
+            assert r.status == 200
+        too_many = {**body, "sampling_params": {"max_new_tokens": 500}}  # its hold: over $0.1
+        async with s.request(method, run.url + "/generate", json=too_many, headers=headers) as r:
+            assert r.status == 429
+        async with s.request(method, run.url + "/elsewhere", json=body, headers=headers) as r:
+            assert r.status == 403  # metering.unknown_routes: refuse
+    columns = "endpoint, input_tokens, output_tokens, cost_usd, status"
+    await wait_for(lambda: len(sim.ledger_rows(db, columns)) == 3, "the ledger rows")
+    cost = pytest.approx(sim.token_cost(9, 20))
+    assert sim.ledger_rows(db, columns) == [
+        ("/generate", 9, 20, cost, "200"),
+        ("/generate", None, None, 0.0, "429"),  # refused: nothing served
+        ("other", None, None, 0.0, "403"),
+    ]
+    assert run.sc.budgets.store.spent["user:put"] / 1e6 == cost
+
+
 # --- a stream whose chunks outgrow the event limit ------------------------------------------------
 
 GROWN = 1000  # tokens the fake generates for a request with no limit

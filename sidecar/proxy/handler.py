@@ -30,7 +30,14 @@ from .identity import Principal, Unauthorized
 from .memory import NoRoom, RequestMemory, Reservation, TooLarge
 from .relay import buffered, client_left, finish_later, relay, stream
 from .request import inspect, log_context, memory_bucket, new_exchange, read_body, sent
-from .routes import AmbiguousPath, anthropic_route, classify, endpoint_class, routing_path
+from .routes import (
+    GENERATING_METHODS,
+    AmbiguousPath,
+    anthropic_route,
+    classify,
+    endpoint_class,
+    routing_path,
+)
 from .settings import ProxyDeps, ProxySettings
 from .spend import SPEND_PATH, answer
 from .upstream import UpstreamResponse
@@ -85,8 +92,8 @@ class Proxy:
             )
             if endpoint is None:  # a required key is checked, also here
                 principal = principal or self.identity.resolve(request.headers, None)
-                # Forwarded as is, unless it is a POST that may generate.
-                if request.method != "POST" or path in self.s.free_routes:
+                # Forwarded as is, unless it is a POST (PUT, PATCH) that may generate.
+                if request.method not in GENERATING_METHODS or path in self.s.free_routes:
                     return await self._passthrough(request, path)
                 return await self._unmetered(request, path, None, principal)
         except Unauthorized as exc:

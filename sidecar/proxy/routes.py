@@ -59,12 +59,18 @@ def _normalised(raw_path: str) -> str:
     return "/" + "/".join(segments)
 
 
+# Methods whose body a server may generate from: SGLang routes /generate and /encode on PUT as
+# on POST (http_server.py `@app.api_route("/generate", methods=["POST", "PUT"])`), and a server
+# may route any of them. A request of another method (GET, HEAD, DELETE, OPTIONS) is forwarded.
+GENERATING_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
 def classify(method: str, path: str) -> Endpoint | None:
     """The metered route for a request, or None for anything that is only forwarded.
 
     `path` is a `routing_path`; a trailing slash is ignored for callers that pass a raw one.
     """
-    if method != "POST":
+    if method not in GENERATING_METHODS:
         return None
     if len(path) > 1:
         path = path.rstrip("/")
