@@ -33,6 +33,10 @@ class SGLangAdapter(reqsize.ReadOnly):
     api = "sglang"
 
     def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
+        # SGLang serves its one model: `GenerateReqInput` (managers/io_struct.py) has no `model`
+        # and the body's is ignored, so it never prices or names the request (a client would
+        # name the price book's cheapest); the model is upstream.model_name (Proxy)
+        info.model = None
         params = obj.get("sampling_params")
         # a batch may give one sampling_params per prompt: the largest limit holds for all
         given = params if isinstance(params, list) else [params]

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..exchange import Endpoint, RequestInfo, Usage
-from ..text import MODEL_CHARS, REASON_CHARS, USER_CHARS, clean_or_none
+from ..text import REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import (
     INVALID_USAGE,
@@ -76,7 +76,9 @@ class TGIAdapter:
         limit, unreadable = reqsize.read_limit(reqsize.limit_fields(endpoint, "tgi"), params)
         info = RequestInfo(endpoint, body, True)  # by attribute, as `openai.inspect` builds it
         info.stream = _stream_flag(endpoint, obj)
-        info.model = clean_or_none(obj.get("model"), MODEL_CHARS)
+        # no `info.model`: TGI's `GenerateRequest` (router/src/lib.rs) is `inputs` and
+        # `parameters`, a body's `model` ignored; it serves its one model, named by its /info
+        # (else upstream.model_name: Proxy), never by the client, who would name the cheapest
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
         info.max_tokens = limit
         info.temperature = number(params.get("temperature"))

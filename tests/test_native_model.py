@@ -1,0 +1,111 @@
+"""Native routes whose server serves one model and ignores a body's `model` (SGLang's and
+TGI's /generate): the price is the served model's, never the one a client names (from the
+h-rev6 hostile review: a client naming the price book's cheapest model paid 0.1%)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests import simulated as sim
+from tests.conftest import StartSidecar
+from tests.waiting import wait_for
+
+PROMPT = "one two three four five six seven eight"
+
+
+def _sglang_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """One /generate result as tokenizer_manager.py builds it (`text`, `output_ids`,
+    `meta_info`)."""
+    return {
+        "text": " tok" * completion_tokens,
+        "output_ids": list(range(completion_tokens)),
+        "meta_info": {
+            "id": "r1",
+            "finish_reason": {"type": "length", "length": completion_tokens},
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": 0,
+        },
+    }
+
+
+async def sglang_generate(request: web.Request) -> web.Response:
+    """SGLang's /generate, POST or PUT alike, answering 9 prompt tokens and the request's
+    `max_new_tokens` (or 20 without one) generated."""
+    obj = json.loads(await request.read())
+    params = obj.get("sampling_params") or {}
+    return web.json_response(_sglang_body(9, params.get("max_new_tokens") or 20))
+
+
+SERVED, CHEAP = "big-70b", "tiny-1b"  # what the engine serves; the book's cheapest name
+TWO_PRICES = {
+    "models": {
+        SERVED: {"input_per_1m": 1000.0, "output_per_1m": 2000.0},
+        CHEAP: {"input_per_1m": 1.0, "output_per_1m": 2.0},
+    }
+}
+
+
+async def tgi_generate(request: web.Request) -> web.Response:
+    """TGI's /generate (server.rs `generate_internal`): `{"generated_text", "details"}` and the
+    `x-prompt-tokens`/`x-generated-tokens` headers; no model named anywhere."""
+    obj = json.loads(await request.read())
+    out = obj["parameters"]["max_new_tokens"]
+    headers = {"x-prompt-tokens": "9", "x-generated-tokens": str(out)}
+    return web.json_response({"generated_text": " tok" * out}, headers=headers)
+
+
+async def tgi_info(request: web.Request) -> web.Response:
+    """TGI's /info: the one model it serves, `model_id`."""
+    return web.json_response({"model_id": SERVED, "max_total_tokens": 32768})
+
+
+@pytest.mark.parametrize("engine", ["sglang", "tgi"])
+async def test_a_model_named_in_a_native_body_never_prices_it(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, engine: str
+) -> None:
+    """The client adds `"model": "tiny-1b"` (the price book's cheapest name) to a native
+    /generate body. Neither server reads a model there: SGLang's `GenerateReqInput`
+    (python/sglang/srt/managers/io_struct.py) has no `model` field (FastAPI's dataclass body
+    ignores it), TGI's `GenerateRequest` (router/src/lib.rs) is `inputs` and `parameters`
+    (serde ignores the rest); each serves its one model and names none in its answer. Before,
+    the sidecar read the body's `model` ahead of upstream.model_name and TGI's /info, and
+    priced by it: 9 + 500 tokens of big-70b ($1.009) recorded as tiny-1b, charged $0.001009.
+    Now priced as the model the server serves (upstream.model_name, TGI's /info `model_id`)."""
+    routes = (
+        [("POST", "/generate", sglang_generate)]
+        if engine == "sglang"
+        else [("POST", "/generate", tgi_generate), ("GET", "/info", tgi_info)]
+    )
+    upstream = {"api": engine, **({"model_name": SERVED} if engine == "sglang" else {})}
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": upstream, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    params = {"max_new_tokens": 500}
+    body: dict[str, Any] = (
+        {"text": PROMPT, "sampling_params": params, "model": CHEAP}
+        if engine == "sglang"
+        else {"inputs": PROMPT, "parameters": params, "model": CHEAP}
+    )
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json=body, headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((model,),) = sim.ledger_rows(db, "model")
+    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
+    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
