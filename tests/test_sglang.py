@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.exchange import Endpoint
-from sidecar.metering.wire import inspect_request, open_stream, usage_from_body
+from sidecar.exchange import Endpoint, Usage
+from sidecar.metering.wire import inspect_request, open_stream, usage_from_body, within_request
 from tests import simulated as sim
 from tests.conftest import Running, StartSidecar
 from tests.waiting import wait_for
@@ -63,13 +63,41 @@ def test_an_sglang_body_is_read_as_sglang_reads_it(
     body: dict[str, Any], limit: int | None, choices: int
 ) -> None:
     got = info(body)
+    cap = limit if "sampling_params" in body else None  # the default caps nothing (below)
     assert (got.api, got.max_tokens, got.output_cap, got.choices) == (
         "sglang",
         limit,
-        limit,
+        cap,
         choices,
     )
     assert got.body == json.dumps(body).encode()  # never changed
+
+
+@pytest.mark.parametrize(
+    ("params", "cap"),
+    [
+        (None, None),
+        ({"temperature": 0.5}, None),
+        ({"max_new_tokens": 9}, 9),
+        ([{"max_new_tokens": 9}, {"temperature": 0.5}], None),  # one prompt of the batch: none
+        ([{"max_new_tokens": 9}, {"max_new_tokens": 4}], 9),
+    ],
+)
+def test_an_absent_max_new_tokens_holds_the_default_and_caps_no_count(
+    params: Any, cap: int | None
+) -> None:
+    """An absent max_new_tokens is the server's default: 128 unless SGLang was started with
+    --preferred-sampling-params (tokenizer_manager.py `_create_tokenized_object`:
+    `{**self.preferred_sampling_params, **obj.sampling_params}`). Before, 128 was the cap on
+    counted output too: 600 tokens measured on such a server were invalid usage, and the budget
+    charged the 128-token hold, $0.266 for $1.209 (h-rev6). It holds 128; it caps nothing."""
+    body: dict[str, Any] = {"text": ["a", "b"] if isinstance(params, list) else "a"}
+    if params is not None:
+        body["sampling_params"] = params
+    read = info(body, api="sglang")
+    assert read.output_cap == cap
+    usage = within_request(Usage(input_tokens=9, output_tokens=600 * read.choices), read)
+    assert usage.output_tokens == (None if cap else 600 * read.choices)
 
 
 def test_the_body_tells_sglang_from_tgi_unless_upstream_api_says() -> None:

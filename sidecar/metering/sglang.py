@@ -46,7 +46,12 @@ class SGLangAdapter(reqsize.ReadOnly):
         first = given[0] if given and isinstance(given[0], dict) else {}
         info.stream = lax_true(obj.get("stream"))
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
-        info.max_tokens = info.output_cap = limit
+        info.max_tokens = limit
+        # An absent max_new_tokens is the server's default: 128 unless it was started with
+        # --preferred-sampling-params (tokenizer_manager.py: `{**self.preferred_sampling_params,
+        # **obj.sampling_params}`), so it holds 128 but caps no count the server reports.
+        explicit = all(isinstance(p, dict) and "max_new_tokens" in p for p in given)
+        info.output_cap = limit if explicit else None
         info.temperature = number(first.get("temperature"))
         info.prompt_chars = prompt_chars(obj)
         info.n = max(1, lax_int(first.get("n")) or 1)
