@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
 from sidecar.exchange import Endpoint
@@ -176,3 +177,15 @@ def test_token_events_counted_around_an_event_over_the_limit_are_no_usage() -> N
     assert _read_with_limit(data) == {(None, None, "event_too_large")}
     after = _token(0) + _last(1, DETAILS) + _token(2, "t" * 2000)
     assert _read_with_limit(after) == {(None, None, "event_too_large")}
+
+
+@pytest.mark.parametrize(("generated", "billed"), [(1, None), (4, None), (5, 5), (7, 7)])
+def test_a_count_below_the_token_events_is_invalid(generated: int, billed: int | None) -> None:
+    """TGI sends one event per generated token (server.rs `generate_stream_internal`: "Yield
+    event for every new token", the last token in the `End` event). A `generated_tokens` below
+    the token events read is a broken count: before, 50 token events with a count of 1 were
+    billed 1 token (h-rev6). Now invalid usage (charged as unmeasured: a token an event)."""
+    details = {**DETAILS, "generated_tokens": generated}
+    data = b"".join(_token(i) for i in range(4)) + _last(4, details)
+    reason = None if billed else "invalid_usage"
+    assert _read_with_limit(data) == {(9 if billed else None, billed, reason)}

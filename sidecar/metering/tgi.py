@@ -290,6 +290,11 @@ class TGIStream(SSEMeter):
         out, inp = count(raw_out), count(raw_in)
         if invalid(raw_out, out) or invalid(raw_in, inp):
             return replace(base, unknown_reason=INVALID_USAGE)
+        if out is not None and out < self._s.token_events:
+            # TGI's /generate_stream sends one event per generated token ("Yield event for
+            # every new token", server.rs `generate_stream_internal`): fewer counted than the
+            # token events read is a broken count (charged as unmeasured: a token an event)
+            return replace(base, unknown_reason=INVALID_USAGE)
         if out is None and self._s.token_events:
             # TGI's /generate_stream sends exactly one event per generated token.
             out = count(self._s.token_events)
