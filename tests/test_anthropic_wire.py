@@ -177,6 +177,35 @@ def test_the_last_message_delta_wins() -> None:
     assert (u.input_tokens, u.output_tokens) == (5, 9)
 
 
+@pytest.mark.parametrize(
+    ("start", "input_left"),
+    [
+        ({"input_tokens": 0, "output_tokens": 0}, None),  # SGLang's placeholder
+        ({"input_tokens": 0, "cache_read_input_tokens": 40}, 40),  # all of it cached
+        ({"input_tokens": 7, "output_tokens": 0}, 7),
+    ],
+)
+def test_an_input_of_0_in_message_start_is_no_count(
+    start: dict[str, int], input_left: int | None
+) -> None:
+    """SGLang's message_start says `input_tokens: 0` before anything is counted (its chat
+    stream has usage on the last chunk only: anthropic/serving.py), then the real count in
+    message_delta. Before, a client leaving in between had 0 input measured and count_tokens
+    never asked (h-rev6). A prompt is never 0 tokens, unless all of it was read from the cache
+    (Anthropic's input excludes cache reads): there 0 is the count."""
+    message = {"id": "msg_1", "content": [], "model": "m", "usage": start}
+    head = sse(
+        ("message_start", {"type": "message_start", "message": message}),
+        ("content_block_delta", {"type": "content_block_delta", "delta": {"text": "a"}}),
+    )
+    meter = open_stream(EP, api="sglang")
+    meter.feed(head)
+    assert meter.usage_so_far().input_tokens == input_left  # the client left here
+    meter.feed(sse(_delta(input_tokens=12, output_tokens=5)))
+    if input_left is None:
+        assert (meter.finish()[1].input_tokens, meter.usage_so_far().output_tokens) == (12, 5)
+
+
 LIMIT = 1024  # a small metering.max_event_bytes: a longer event is not read
 LONG_DELTA = (
     "content_block_delta",

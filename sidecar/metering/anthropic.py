@@ -137,6 +137,19 @@ def counted(base: Usage, usage: Mapping[str, Any] | None) -> Usage:
     )
 
 
+def _without_placeholder(usage: object) -> object:
+    """message_start's usage without an input of 0 that counts nothing: SGLang sends
+    `input_tokens: 0` there (anthropic/serving.py: its chat stream has usage on the last chunk
+    only) and the real count in message_delta. A prompt is never 0 tokens, unless all of it
+    was read from the cache (Anthropic's input excludes cache reads): 0 beside a cache count
+    stands."""
+    if not isinstance(usage, dict) or usage.get("input_tokens") != 0:
+        return usage
+    if any(usage.get(k) for k in ("cache_read_input_tokens", "cache_creation_input_tokens")):
+        return usage
+    return {k: v for k, v in usage.items() if k != "input_tokens"}
+
+
 class MessagesStream(SSEMeter):
     """A Messages stream: `message_start` carries the input (and cache) counts, `message_delta`
     the output so far (cumulative: the last one wins; vLLM repeats the input counts there),
@@ -162,7 +175,7 @@ class MessagesStream(SSEMeter):
             self._s.model = clean_or_none(msg.get("model"), MODEL_CHARS)
             self._s.response_id = clean_or_none(msg.get("id"), ID_CHARS)
             self._started = True
-            self._merge(msg.get("usage"), output=False)
+            self._merge(_without_placeholder(msg.get("usage")), output=False)
         elif kind == "message_delta":
             self._merge(obj.get("usage"), output=True)
             delta = obj.get("delta")
