@@ -13,9 +13,12 @@ never read from `message_start`; cache reads and writes added to input once; hos
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,6 +29,9 @@ from sidecar.metering.counts import INVALID_USAGE, MAX_TOKEN_COUNT
 from sidecar.metering.wire import inspect_request, open_stream, tokenize_requests, usage_from_body
 from sidecar.proxy.headers import anthropic_error_body, request_headers
 from sidecar.telemetry.logs import redact_credentials
+from tests import simulated as sim
+from tests.conftest import StartSidecar
+from tests.waiting import wait_for
 
 EP = Endpoint.MESSAGES
 
@@ -198,7 +204,7 @@ def test_an_input_of_0_in_message_start_is_no_count(
         ("message_start", {"type": "message_start", "message": message}),
         ("content_block_delta", {"type": "content_block_delta", "delta": {"text": "a"}}),
     )
-    meter = open_stream(EP, api="sglang")
+    meter = open_stream(EP)  # Anthropic's rule: input excludes the cache reads
     meter.feed(head)
     assert meter.usage_so_far().input_tokens == input_left  # the client left here
     meter.feed(sse(_delta(input_tokens=12, output_tokens=5)))
@@ -312,6 +318,31 @@ def test_a_body_with_cache_counts_input_once() -> None:
     u = usage_from_body(EP, json.dumps(body).encode(), {})
     assert (u.input_tokens, u.cached_input_tokens, u.output_tokens) == (130, 100, 4)
     assert (u.model, u.response_id, u.finish_reasons) == ("m", "msg_1", ("end_turn",))
+
+
+# SGLang's /v1/messages usage (anthropic/serving.py `_convert_response`, and `message_delta` in
+# `_generate_anthropic_stream`): `input_tokens` is the chat usage's whole `prompt_tokens`,
+# `cache_read_input_tokens` its `prompt_tokens_details.cached_tokens`, a part of it.
+SGLANG_USAGE = {"input_tokens": 100, "output_tokens": 10, "cache_read_input_tokens": 60}
+
+
+@pytest.mark.parametrize(("api", "inp"), [("sglang", 100), ("vllm", 160), ("tgi", 160)])
+def test_cache_reads_are_added_to_the_input_by_the_servers_rule(api: str, inp: int) -> None:
+    """SGLang's input already holds its cache reads; Anthropic's rule (and llama.cpp's,
+    `to_json_anthropic`: `n_prompt_tokens - n_prompt_tokens_cache`) adds them."""
+    body = json.dumps({"type": "message", "usage": SGLANG_USAGE}).encode()
+    end = sse(
+        ("message_start", {"type": "message_start", "message": {"usage": SGLANG_USAGE}}),
+        ("message_delta", {"type": "message_delta", "usage": SGLANG_USAGE}),
+        ("message_stop", {"type": "message_stop"}),
+    )
+    for fast in (True, False):
+        meter = open_stream(EP, api=api, fast=fast)
+        meter.feed(end)
+        streamed = meter.finish()[1]
+        for u in (usage_from_body(EP, body, {}, api=api), streamed):
+            assert (u.input_tokens, u.cached_input_tokens, u.output_tokens) == (inp, 60, 10)
+            assert u.unknown_reason is None
 
 
 def test_errors_in_a_body_and_in_a_stream() -> None:
@@ -444,3 +475,64 @@ def test_whatever_the_upstream_sends_is_made_safe(
             assert n is None or (type(n) is int and 0 <= n <= MAX_TOKEN_COUNT)
         for s in (u.model, u.response_id, *u.finish_reasons):
             assert s is None or (isinstance(s, str) and s.encode("utf-8"))
+
+
+# --- SGLang's Messages, through the sidecar -------------------------------------------------------
+
+SIM_MODEL = "sim-llama-3-8b"
+PROMPT = "one two three four five six seven eight"
+LEDGER = "user, input_tokens, cached_input_tokens, output_tokens, status"
+
+
+async def sglang_messages(request: web.Request) -> web.Response:
+    """SGLang's /v1/messages answer (python/sglang/srt/entrypoints/anthropic/serving.py
+    `_convert_response`): `input_tokens` is the chat response's `usage.prompt_tokens`, the whole
+    prompt, cached part included, and `cache_read_input_tokens` its `prompt_tokens_details.
+    cached_tokens` (with --enable-cache-report), a part of that same prompt: 100 prompt tokens
+    of which 60 were cached, 10 generated."""
+    await request.read()
+    return web.json_response(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": SIM_MODEL,
+            "content": [{"type": "text", "text": "ok"}],
+            "stop_reason": "end_turn",
+            "usage": SGLANG_USAGE,
+        }
+    )
+
+
+async def test_sglang_messages_cache_reads_are_counted_twice(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Upstream SGLang answers /v1/messages with `input_tokens` = the whole prompt (100, its
+    chat usage's `prompt_tokens`) and `cache_read_input_tokens` = the cached part of it (60,
+    `prompt_tokens_details.cached_tokens`): anthropic/serving.py `_convert_response`, and
+    `message_start` in `_generate_anthropic_stream` alike. `anthropic.counted` applies
+    Anthropic's own rule (input EXCLUDES the cache reads) to every server, so the ledger records
+    160 input tokens, 60 of them cached, for a 100-token prompt: a count no server measured.
+    Observed: input 160 (cached 60). Expected with `upstream.api: sglang`: input 100, cached 60.
+    Severity: an over-charge (each cached token billed twice, once at the full input price,
+    once at the cached), and a ledger count that was never measured; llama.cpp's and
+    Anthropic's own `input_tokens` do exclude the cache reads (llama.cpp server-task.cpp
+    `to_json_anthropic`: `n_prompt_tokens - n_prompt_tokens_cache`), so the rule is the
+    server's, not the wire's. (From the rev6 review.)"""
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/v1/messages", sglang_messages),
+        pricing=sim.prices(SIM_MODEL),
+        upstream={"api": "sglang", "model_name": SIM_MODEL},
+    )
+    body = {"model": SIM_MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": PROMPT}]}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/messages", json=body, headers={"X-Tollbooth-User": "sm"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, LEDGER)) == 1, "the ledger row")
+    assert sim.ledger_rows(db, LEDGER) == [("sm", 100, 60, 10, "200")]

@@ -6,7 +6,9 @@ size of `system`, `messages` and `tools`), usage from a Messages body and from i
 that turns Anthropic's usage into ours: Anthropic's `input_tokens` EXCLUDES the prompt's cache
 reads and cache writes, so our input is `input_tokens + cache_read_input_tokens +
 cache_creation_input_tokens` and our cached input is `cache_read_input_tokens` (a part of it,
-priced at the cached price; docs/metrics.md).
+priced at the cached price; docs/metrics.md). SGLang's rule is the other one: its `input_tokens`
+is the chat usage's whole `prompt_tokens`, the cache reads a part of it (anthropic/serving.py
+`_convert_response`), so on `upstream.api: sglang` the input is `input_tokens` as sent.
 Never: changes a Messages request or response (nothing is injected: the wire always carries its
 usage), counts stream events as tokens, or invents a count. A count that cannot be read is None.
 """
@@ -48,7 +50,11 @@ _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
 
 class AnthropicAdapter(reqsize.ReadOnly):
     """`/v1/messages` on any server: the format is Anthropic's, whoever serves it (and a
-    Messages prompt is never token ids)."""
+    Messages prompt is never token ids). `cache_in_input`: the server's `input_tokens` already
+    holds the cache reads (SGLang's), else they are added to it (Anthropic's rule)."""
+
+    def __init__(self, *, cache_in_input: bool = False) -> None:
+        self.cache_in_input = cache_in_input
 
     def read(self, info: RequestInfo, obj: Mapping[str, Any]) -> None:
         info.max_tokens, info.unreadable = reqsize.read_limit(_LIMIT, obj)
@@ -84,11 +90,11 @@ class AnthropicAdapter(reqsize.ReadOnly):
             finish_reasons=(reason,) if reason else (),
         )
         usage = obj.get("usage")
-        return counted(base, usage if isinstance(usage, dict) else None)
+        return counted(base, usage if isinstance(usage, dict) else None, self.cache_in_input)
 
     def stream(self, endpoint: Endpoint, *, fast: bool = True, **options: Any) -> MessagesStream:
         """The meter for a Messages stream: the reference path (few events carry usage)."""
-        return MessagesStream(endpoint, fast=fast, **options)
+        return MessagesStream(endpoint, fast=fast, cache_in_input=self.cache_in_input, **options)
 
     def tokenize_requests(self, info: RequestInfo) -> list[tuple[str, bytes]] | None:
         """The server's own /v1/messages/count_tokens counts the prompt as the route renders it
@@ -113,9 +119,10 @@ def _system_chars(system: object) -> int:
     return 0
 
 
-def counted(base: Usage, usage: Mapping[str, Any] | None) -> Usage:
+def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool = False) -> Usage:
     """`base` with the counts of one Anthropic usage object: input is its `input_tokens` plus
-    the cache reads and writes it excludes; cached input is the cache reads."""
+    the cache reads and writes it excludes (or, `cache_in_input`, that already holds them);
+    cached input is the cache reads."""
     if usage is None:
         return replace(base, unknown_reason="no_usage")
     raw = tuple(usage.get(k) for k in _COUNTS)
@@ -124,7 +131,7 @@ def counted(base: Usage, usage: Mapping[str, Any] | None) -> Usage:
         return replace(base, unknown_reason=INVALID_USAGE)
     if inp is None and (read is not None or write is not None):
         return replace(base, unknown_reason=INVALID_USAGE)  # a part of no input count
-    total = None if inp is None else inp + (read or 0) + (write or 0)
+    total = None if inp is None else inp + (0 if cache_in_input else (read or 0) + (write or 0))
     both = total is not None and out is not None
     return bounded(
         replace(
@@ -160,12 +167,13 @@ class MessagesStream(SSEMeter):
     that leaves before the first `message_delta` has its output unknown, never that placeholder.
     """
 
-    def __init__(self, endpoint: Endpoint, **options: Any) -> None:
+    def __init__(self, endpoint: Endpoint, *, cache_in_input: bool = False, **options: Any) -> None:
         super().__init__(endpoint, **options)
         self._usage_obj: dict[str, Any] = {}  # the latest value of each usage member read
         self._member_skips: dict[str, int] = {}  # each member's: events over the limit before
         self._started = False  # message_start was read (where the input and cache counts are)
         self._invalid = False
+        self._cache_in_input = cache_in_input
 
     def _read(self, ev: Event, obj: Mapping[str, Any]) -> bool:
         kind = compared(obj.get("type"))
@@ -207,4 +215,4 @@ class MessagesStream(SSEMeter):
         base = self._base()
         if self._invalid:
             return replace(base, unknown_reason=INVALID_USAGE)
-        return counted(base, self._usage_obj)
+        return counted(base, self._usage_obj, self._cache_in_input)

@@ -121,6 +121,7 @@ register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
 register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server
+register(AnthropicAdapter(cache_in_input=True), (Endpoint.MESSAGES,), "sglang")  # its own rule
 register(PoolingAdapter(), POOLING_ROUTES)  # vLLM's; on any server (none other serves them)
 register(AudioAdapter(), AUDIO_ROUTES)  # multipart requests: read by proxy/audio.py
 register(LlamaCppAdapter(), (Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL))
