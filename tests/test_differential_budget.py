@@ -20,6 +20,7 @@ from sidecar.billing.redis_store import SETTLE_BATCH
 from tests.test_budget_redis import (
     GLOBAL,
     MADE,
+    OUTAGE_S,
     TODAY,
     USER,
     Ledger,
@@ -116,7 +117,7 @@ async def test_a_request_ended_in_an_outage_and_in_the_ledger_is_charged_once(
     redis_server: Any,
 ) -> None:
     ledger = Ledger({})
-    store = make(redis_server, source=ledger)
+    store = make(redis_server, source=ledger, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.1))).admitted
     await ended_while_away(
         store, redis_server, {"x": (0.1, 40_000)}
@@ -138,7 +139,7 @@ async def test_a_request_ended_in_an_outage_is_charged_before_the_next_decision(
 ) -> None:
     """Redis back with its data: the ended request's charge is in it before the next reservation
     is decided (not left to the settler), and once."""
-    store = make(redis_server)
+    store = make(redis_server, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.1))).admitted
     await ended_while_away(store, redis_server, {"x": (0.1, 40_000)})
     await wait_for(lambda: store.breaker.clock() >= store.breaker.retry_at, "the cooldown")
@@ -176,7 +177,7 @@ async def test_a_reservation_cancelled_while_ended_requests_are_settled_loses_no
     """A client that leaves cancels its reservation; the settlements of requests that ended while
     Redis was away, taken out of the queue for it, go back in: none lost, none left in
     `settling` (which made every later reservation scan the queue for them)."""
-    store = make(redis_server)
+    store = make(redis_server, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.1))).admitted
     n = SETTLE_BATCH + 6  # a second batch, never sent
     assert redis_server.proc is not None
@@ -207,7 +208,7 @@ async def test_ended_requests_that_found_their_day_unseeded_are_not_sent_by_ever
     'unseeded' and wait for the reseed; every later reservation (and upkeep tick) sent them all
     again, ceil(n / 64) round trips each under the `_restoring` lock, n up to SETTLE_QUEUE."""
     ledger = Flaky({})
-    store = make(redis_server, source=ledger)
+    store = make(redis_server, source=ledger, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.1))).admitted
     await ended_while_away(store, redis_server, {f"x{i}": (0.01, 10_000) for i in range(3)})
     redis_server.client().flushall()
@@ -231,7 +232,7 @@ async def test_an_ended_request_in_the_settlers_batch_is_counted_before_the_next
     comes: `_restore` saw it neither in the queue nor as a hold, and y was admitted past the
     limit (on 99d8e74 x was put back as a hold: refused). At every admission
     spent + held <= limit."""
-    store = make(redis_server)
+    store = make(redis_server, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.5))).admitted  # known remainder 0.5
     assert redis_server.proc is not None
     store.breaker.cooldown_s = 60.0  # x's reservation is not sent: never in Redis as a hold
@@ -264,7 +265,7 @@ async def test_redis_stopped_between_the_batches_of_ended_requests_charges_each_
     """Redis stops after the first batch of the outage's ended requests is answered: the rest go
     back in the queue (still due before the next decision) and are charged once, the second
     batch's sent settlements, run by Redis when it resumes, answered 'again' when sent again."""
-    store = make(redis_server)
+    store = make(redis_server, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.1))).admitted
     n = SETTLE_BATCH + 6
     await ended_while_away(store, redis_server, {f"x{i}": (0.001, 1_000) for i in range(n)})
@@ -298,7 +299,7 @@ async def test_two_reservations_at_once_after_an_outage_both_wait_for_the_ended_
 ) -> None:
     """Two reservations enter `_restore` together: one settles x, the other waits on the lock
     and finds nothing left to do; both are decided with x's charge in Redis, which has it once."""
-    store = make(redis_server)
+    store = make(redis_server, timeout=OUTAGE_S)
     assert (await store.reserve(hold("a", 0.5))).admitted
     assert redis_server.proc is not None
     store.breaker.cooldown_s = 60.0  # x's reservation is not sent: never in Redis as a hold
