@@ -284,7 +284,9 @@ class ReconcileConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TracingConfig:
-    # Export only when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set, or when this is true.
+    # Unset: spans are exported when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set, the GenAI
+    # metrics when OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT is. true: both (to those, else
+    # localhost:4318); false: neither.
     enabled: bool | None = None
 
 

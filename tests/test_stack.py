@@ -3,6 +3,7 @@ and the compose Prometheus config by the real promtool."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from sidecar.config import Config
+from sidecar.telemetry import tracing
 from sidecar.telemetry.thresholds import DEFAULT
 
 ROOT = Path(__file__).parents[1]
@@ -271,3 +274,22 @@ def test_fleet_profile() -> None:
     assert "server tollbooth-fleet-a:8080;" in nginx and "server tollbooth-fleet-b:8080;" in nginx
     assert "proxy_buffering off;" in nginx and "proxy_next_upstream off;" in nginx
     assert services["fleet-lb"]["ports"] == ["8090:8080"]
+
+
+def test_every_sidecar_exports_spans_and_genai_metrics_to_the_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The collector's metrics pipeline takes the GenAI metrics: each sidecar's environment turns
+    both signals on and names the collector for both (a traces endpoint alone sent the metrics
+    to the container's own localhost)."""
+    sidecars = {n: s for n, s in compose()["services"].items() if "serve" in s.get("command", [])}
+    assert {"tollbooth-sim", "tollbooth-gpu"} <= set(sidecars)
+    for name, svc in sidecars.items():
+        env = {k: str(v) for k, v in svc["environment"].items() if k.startswith("OTEL_")}
+        for var in [k for k in os.environ if k.startswith("OTEL_")]:
+            monkeypatch.delenv(var)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        assert tracing.enabled(Config(), "trace") and tracing.enabled(Config(), "metric"), name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318", name
+        assert not {k for k in env if k.endswith(("TRACES_ENDPOINT", "METRICS_ENDPOINT"))}, name

@@ -157,6 +157,27 @@ async def test_failed_request_has_error_type_and_exemplars(
     assert any(t in exemplar_lines[0] for t in trace_ids)
 
 
+@pytest.mark.parametrize(
+    ("variable", "stages"),
+    [
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ["tracing"]),
+        ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", ["genai_metrics"]),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", ["tracing", "genai_metrics"]),
+    ],
+)
+async def test_each_signal_is_exported_where_its_endpoint_is_set(
+    start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch, variable: str, stages: list[str]
+) -> None:
+    """A traces endpoint alone exports no metrics: they would go to the default localhost:4318,
+    which nobody named (the compose stack's GenAI metrics went there, not to its collector)."""
+    for name in ("TRACES_", "METRICS_", ""):
+        monkeypatch.delenv(f"OTEL_EXPORTER_OTLP_{name}ENDPOINT", raising=False)
+    monkeypatch.setenv(variable, "http://127.0.0.1:9")  # nothing is exported in this test
+    run = await start_sidecar()
+    assert [s for s in run.sc.meter.stages if s in ("tracing", "genai_metrics")] == stages
+    assert (run.sc.tracing is not None) == ("tracing" in stages)
+
+
 async def test_no_endpoint_means_no_tracing(
     start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -63,7 +63,7 @@ def wire(
         sc.on_start.append(t.start)
         sc.meter.add_sink("tracing", t.finish)
         sc.extra_contexts.append(closing_context(t.shutdown))  # flushes what is queued
-    if tracing.enabled(cfg) or metric_exporter is not None:  # GenAI metrics: the same switch
+    if tracing.enabled(cfg, "metric") or metric_exporter is not None:  # GenAI metrics
         from ..telemetry.genai_metrics import GenAiMetrics
 
         genai = GenAiMetrics(cfg, metric_exporter)

@@ -28,6 +28,11 @@ class Meter:
         """Sinks run in order after metrics and cost; each is isolated from the others' failures."""
         self._sinks.append((stage, sink))
 
+    @property
+    def stages(self) -> list[str]:
+        """The sinks' stage names, in the order they run."""
+        return [stage for stage, _ in self._sinks]
+
     def record(self, ex: Exchange) -> None:
         # Each stage isolated from the others' failures; the try inline (free when nothing
         # fails), not a guard function called per stage.

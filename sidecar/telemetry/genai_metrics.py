@@ -1,8 +1,8 @@
 """OpenTelemetry GenAI client metrics over OTLP, beside the traces and the Prometheus metrics.
 
-Owns: a MeterProvider exporting through the standard OTEL_* variables (the same switch as the
-traces: `tracing.enabled`, or an OTLP endpoint variable set; OTEL_EXPORTER_OTLP_METRICS_ENDPOINT
-or OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_(METRICS_)PROTOCOL, OTEL_METRIC_EXPORT_INTERVAL),
+Owns: a MeterProvider exporting through the standard OTEL_* variables (on where `tracing.enabled`
+is true, or, unset, where OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT is
+set; OTEL_EXPORTER_OTLP_(METRICS_)PROTOCOL, OTEL_METRIC_EXPORT_INTERVAL),
 and three histograms recorded once per metered request: `gen_ai.client.token.usage` ({token},
 by gen_ai.token.type), `gen_ai.client.operation.duration` (s) and
 `gen_ai.client.operation.time_to_first_chunk` (s, streams only), with the conventions' advised

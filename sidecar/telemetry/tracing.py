@@ -32,13 +32,16 @@ from .metrics import Metrics
 
 log = logging.getLogger("tollbooth.tracing")
 PROPAGATOR = TraceContextTextMapPropagator()
-ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
-def enabled(config: Config) -> bool:
+def enabled(config: Config, signal: Literal["trace", "metric"] = "trace") -> bool:
+    """Whether to export `signal` over OTLP: `tracing.enabled` where set, else whether an
+    endpoint for it is set (OTEL_EXPORTER_OTLP_ENDPOINT, or the signal's own variable). A
+    traces endpoint alone turns on no metrics: they would go to the default localhost:4318."""
     if config.tracing.enabled is not None:
         return config.tracing.enabled
-    return any(os.environ.get(v) for v in ENDPOINT_VARS)
+    own = f"OTEL_EXPORTER_OTLP_{signal.upper()}S_ENDPOINT"
+    return any(os.environ.get(v) for v in (own, "OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
 def exporter_from_env(signal: Literal["trace", "metric"]) -> Any:
