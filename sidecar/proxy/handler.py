@@ -127,12 +127,23 @@ class Proxy:
             return answers.unread(self.metrics, request, exc, self.s.max_body, self.s.body_timeout)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
+        if (served := self._one_model(info)) is not None:
+            info.model, info.model_pinned = served, True
         tgi = info.endpoint.is_tgi_native and info.api is None
         model = info.model or (await self.tgi_name.get() if tgi else None)
         if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
             model = self.tgi_name.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
         return await self._metered(request, ex, held)
+
+    def _one_model(self, info: RequestInfo) -> str | None:
+        """upstream.model_name when the upstream is SGLang: it serves that one model whatever
+        a request names (no route checks `model`: openai/serving_chat.py `_validate_request`;
+        `base:adapter` picks a LoRA adapter of it) and answers the request's name back as its
+        own (`model=request.model`), so a client naming the book's cheapest would pay its price."""
+        if self.s.api == "sglang" or info.api == "sglang":
+            return self.tgi_name.configured
+        return None
 
     async def _read_audio(
         self,
