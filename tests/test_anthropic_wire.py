@@ -212,6 +212,32 @@ def test_an_input_of_0_in_message_start_is_no_count(
         assert (meter.finish()[1].input_tokens, meter.usage_so_far().output_tokens) == (12, 5)
 
 
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_sglangs_message_start_is_no_count_and_no_invalid_one(api: str) -> None:
+    """h-rev8: SGLang's message_start is `input_tokens: 0, cache_read_input_tokens: 0,
+    output_tokens: 0` (anthropic/serving.py `_generate_anthropic_stream`: the cache count is set
+    to 0, not left out, so it is serialised). The placeholder input was dropped but its cache
+    count of 0 kept, a part of no input: a stream cut before message_delta read as
+    `invalid_usage` (a count SGLang cannot have sent) where nothing was counted yet. A 0 input
+    without a cache count above 0 is a placeholder whole: no count, reason `no_usage`."""
+    usage = {"input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}
+    message = {"id": "msg_1", "content": [], "model": "m", "usage": usage}
+    text = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}}
+    meter = open_stream(EP, api=api)
+    meter.feed(sse(("message_start", {"type": "message_start", "message": message})))
+    meter.feed(sse(("content_block_delta", text)))
+    cut = meter.usage_so_far()  # the stream ends here
+    assert (cut.input_tokens, cut.cached_input_tokens, cut.unknown_reason) == (
+        None,
+        None,
+        "no_usage",
+    )
+    meter.feed(sse(_delta(input_tokens=100, output_tokens=5, cache_read_input_tokens=60)))
+    done = meter.finish()[1]
+    inp = 100 if api == "sglang" else 160  # SGLang's input holds its cache reads (3d47e31)
+    assert (done.input_tokens, done.cached_input_tokens, done.output_tokens) == (inp, 60, 5)
+
+
 LIMIT = 1024  # a small metering.max_event_bytes: a longer event is not read
 LONG_DELTA = (
     "content_block_delta",

@@ -46,6 +46,7 @@ _CACHE_READ, _CACHE_WRITE = "cache_read_input_tokens", "cache_creation_input_tok
 # counted after a disconnect.
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
+_PROMPT_PARTS = (_CACHE_READ, _CACHE_WRITE)
 
 
 class AnthropicAdapter(reqsize.ReadOnly):
@@ -146,15 +147,16 @@ def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool =
 
 def _without_placeholder(usage: object) -> object:
     """message_start's usage without an input of 0 that counts nothing: SGLang sends
-    `input_tokens: 0` there (anthropic/serving.py: its chat stream has usage on the last chunk
-    only) and the real count in message_delta. A prompt is never 0 tokens, unless all of it
-    was read from the cache (Anthropic's input excludes cache reads): 0 beside a cache count
-    stands."""
+    `input_tokens: 0, cache_read_input_tokens: 0` there (anthropic/serving.py: its chat stream
+    has usage on the last chunk only) and the real counts in message_delta. A prompt is never
+    0 tokens, unless all of it was read from the cache (Anthropic's input excludes cache reads):
+    0 beside a cache count above 0 stands. Else its cache counts of 0 go with it (a part of no
+    input count is invalid usage)."""
     if not isinstance(usage, dict) or usage.get("input_tokens") != 0:
         return usage
-    if any(usage.get(k) for k in ("cache_read_input_tokens", "cache_creation_input_tokens")):
+    if any(usage.get(k) for k in _PROMPT_PARTS):
         return usage
-    return {k: v for k, v in usage.items() if k != "input_tokens"}
+    return {k: v for k, v in usage.items() if k != "input_tokens" and k not in _PROMPT_PARTS}
 
 
 class MessagesStream(SSEMeter):
