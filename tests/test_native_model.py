@@ -178,3 +178,37 @@ async def test_a_model_named_to_sglangs_openai_routes_never_prices_it(
     ((model,),) = sim.ledger_rows(db, "model")
     spent = run.sc.budgets.store.spent["user:arb"] / 1e6
     assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_named_to_tgis_chat_route_never_prices_it(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool
+) -> None:
+    """h-rev8: TGI's /v1/chat/completions answers the request's `model` as its own, unchecked
+    (router/src/server.rs `chat_completions`: `Some(m_id) => m_id.to_string()`, its /info
+    `model_id` only for none or "tgi"; the field is documented "[UNUSED]"). Before, on
+    `upstream.api: tgi`, a client naming the book's cheapest model paid its price: 9 + 500
+    tokens of big-70b ($1.009) recorded as tiny-1b, charged $0.001009. Now TGI's /info names it."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", sglang_openai)  # the same echo
+    app.router.add_get("/info", tgi_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"model": CHEAP, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 500}
+    body |= {"stream": True} if stream else {}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "arb"}
+        ) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((model,),) = sim.ledger_rows(db, "model")
+    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
+    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
