@@ -109,3 +109,106 @@ async def test_a_model_named_in_a_native_body_never_prices_it(
     ((model,),) = sim.ledger_rows(db, "model")
     spent = run.sc.budgets.store.spent["user:arb"] / 1e6
     assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
+
+
+def _sglang_chat(model: str, stream: bool) -> bytes:
+    """SGLang's /v1/chat/completions answer (openai/serving_chat.py): `model=request.model`, the
+    name the client sent, whatever SGLang serves; 9 prompt tokens, 500 generated."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 500, "total_tokens": 509}
+    head = {"id": "c1", "object": "chat.completion", "created": 1, "model": model}
+    if not stream:
+        message = {"role": "assistant", "content": " tok" * 500}
+        choice = {"index": 0, "message": message, "finish_reason": "length"}
+        return json.dumps({**head, "choices": [choice], "usage": usage}).encode()
+    delta = {"index": 0, "delta": {"content": " tok"}, "finish_reason": None}
+    chunks = [{**head, "object": "chat.completion.chunk", "choices": [delta]}]
+    chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+async def sglang_openai(request: web.Request) -> web.Response:
+    """SGLang's OpenAI and Messages routes: each answers the request's `model` as its own
+    (serving_chat.py `model=request.model`; anthropic/serving.py `model = anthropic_request.model`),
+    never validated against the one it serves."""
+    obj = json.loads(await request.read())
+    if request.path == "/v1/messages":
+        usage = {"input_tokens": 9, "output_tokens": 500, "cache_read_input_tokens": 0}
+        body = {"id": "m1", "type": "message", "role": "assistant", "model": obj["model"]}
+        body |= {"content": [{"type": "text", "text": "x"}], "stop_reason": "max_tokens"}
+        return web.json_response({**body, "usage": usage})
+    stream = bool(obj.get("stream"))
+    kind = "text/event-stream" if stream else "application/json"
+    return web.Response(body=_sglang_chat(obj["model"], stream), content_type=kind)
+
+
+@pytest.mark.parametrize(
+    ("path", "stream"),
+    [("/v1/chat/completions", False), ("/v1/chat/completions", True), ("/v1/messages", False)],
+)
+async def test_a_model_named_to_sglangs_openai_routes_never_prices_it(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, path: str, stream: bool
+) -> None:
+    """h-rev8: SGLang ignores the `model` of its OpenAI and Messages requests too (no check
+    against its served name: openai/serving_chat.py `_validate_request`; a `base:adapter` name
+    picks a LoRA adapter of the one model) and answers the request's name as the model
+    (`model=request.model`). Before, on `upstream.api: sglang` with `upstream.model_name` set,
+    a client naming the book's cheapest model was priced and labelled by it: 9 + 500 tokens of
+    big-70b ($1.009) recorded as tiny-1b, charged $0.001009. Now upstream.model_name prices it."""
+    app = web.Application()
+    app.router.add_post(path, sglang_openai)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "sglang", "model_name": SERVED}}
+    config |= {"budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"model": CHEAP, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 500}
+    if stream:
+        body["stream"] = True
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=body, headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((model,),) = sim.ledger_rows(db, "model")
+    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
+    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_named_to_tgis_chat_route_never_prices_it(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool
+) -> None:
+    """h-rev8: TGI's /v1/chat/completions answers the request's `model` as its own, unchecked
+    (router/src/server.rs `chat_completions`: `Some(m_id) => m_id.to_string()`, its /info
+    `model_id` only for none or "tgi"; the field is documented "[UNUSED]"). Before, on
+    `upstream.api: tgi`, a client naming the book's cheapest model paid its price: 9 + 500
+    tokens of big-70b ($1.009) recorded as tiny-1b, charged $0.001009. Now TGI's /info names it."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", sglang_openai)  # the same echo
+    app.router.add_get("/info", tgi_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"model": CHEAP, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 500}
+    body |= {"stream": True} if stream else {}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "arb"}
+        ) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((model,),) = sim.ledger_rows(db, "model")
+    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
+    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))

@@ -46,6 +46,7 @@ _CACHE_READ, _CACHE_WRITE = "cache_read_input_tokens", "cache_creation_input_tok
 # counted after a disconnect.
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
+_PROMPT_PARTS = (_CACHE_READ, _CACHE_WRITE)
 
 
 class AnthropicAdapter(reqsize.ReadOnly):
@@ -131,6 +132,10 @@ def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool =
         return replace(base, unknown_reason=INVALID_USAGE)
     if inp is None and (read is not None or write is not None):
         return replace(base, unknown_reason=INVALID_USAGE)  # a part of no input count
+    if cache_in_input and inp is not None and (read or 0) > inp:
+        # more cached than the prompt that holds them (as on the OpenAI routes): the server
+        # may follow Anthropic's rule after all (SGLang since response_conversion.py)
+        return replace(base, unknown_reason=INVALID_USAGE)
     total = None if inp is None else inp + (0 if cache_in_input else (read or 0) + (write or 0))
     both = total is not None and out is not None
     return bounded(
@@ -146,15 +151,16 @@ def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool =
 
 def _without_placeholder(usage: object) -> object:
     """message_start's usage without an input of 0 that counts nothing: SGLang sends
-    `input_tokens: 0` there (anthropic/serving.py: its chat stream has usage on the last chunk
-    only) and the real count in message_delta. A prompt is never 0 tokens, unless all of it
-    was read from the cache (Anthropic's input excludes cache reads): 0 beside a cache count
-    stands."""
+    `input_tokens: 0, cache_read_input_tokens: 0` there (anthropic/serving.py: its chat stream
+    has usage on the last chunk only) and the real counts in message_delta. A prompt is never
+    0 tokens, unless all of it was read from the cache (Anthropic's input excludes cache reads):
+    0 beside a cache count above 0 stands. Else its cache counts of 0 go with it (a part of no
+    input count is invalid usage)."""
     if not isinstance(usage, dict) or usage.get("input_tokens") != 0:
         return usage
-    if any(usage.get(k) for k in ("cache_read_input_tokens", "cache_creation_input_tokens")):
+    if any(usage.get(k) for k in _PROMPT_PARTS):
         return usage
-    return {k: v for k, v in usage.items() if k != "input_tokens"}
+    return {k: v for k, v in usage.items() if k != "input_tokens" and k not in _PROMPT_PARTS}
 
 
 class MessagesStream(SSEMeter):
