@@ -612,3 +612,100 @@ async def test_sglang_messages_cache_reads_are_counted_twice(
         await r.read()
     await wait_for(lambda: len(sim.ledger_rows(db, LEDGER)) == 1, "the ledger row")
     assert sim.ledger_rows(db, LEDGER) == [("sm", 100, 60, 10, "200")]
+
+
+def _sglang_stream(usage: dict[str, int] | None, tokens: int = 20) -> bytes:
+    """SGLang's /v1/messages stream (anthropic/serving.py `_generate_anthropic_stream`): its
+    message_start's usage is 0s (its chat stream has usage on no chunk but the usage-only one);
+    at its chat stream's [DONE], message_delta's usage is that usage-only chunk's
+    (`usage_info`: input = prompt_tokens, output = completion_tokens, cache reads = cached
+    tokens) or, `usage_info` None when none came (the chat stream ended on an error chunk, which
+    SGLang writes before its [DONE]), 0 for each."""
+    zeros = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}
+    message = {"id": "msg_s", "type": "message", "role": "assistant", "content": []}
+    message |= {"model": SIM_MODEL, "usage": zeros}
+    block = {"type": "content_block_delta", "index": 0}
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    return sse(
+        ("message_start", {"type": "message_start", "message": message}),
+        ("content_block_start", {"type": "content_block_start", "index": 0}),
+        *[("content_block_delta", {**block, "delta": {"text": "x "}})] * tokens,
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {**delta, "usage": zeros if usage is None else usage}),
+        ("message_stop", {"type": "message_stop"}),
+    )
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        # no usage came: its 0s are placeholders, so output and input are unknown (the hold)
+        (None, (None, None, None, "no_usage")),
+        # a count: a prompt is never 0 tokens, so an output of 0 beside it is measured
+        ({"input_tokens": 12, "output_tokens": 0, "cache_read_input_tokens": 0}, (12, 0, 0, None)),
+        (
+            {"input_tokens": 12, "output_tokens": 20, "cache_read_input_tokens": 0},
+            (12, 20, 0, None),
+        ),
+    ],
+)
+def test_sglangs_message_delta_of_0s_is_no_count(
+    api: str, usage: dict[str, int] | None, expected: tuple[Any, ...]
+) -> None:
+    """Before, SGLang's message_delta of 0s (no usage chunk came) was read as measured: 0 input,
+    0 output for the 20 tokens the client got, free. Its 0s are the same placeholder as its
+    message_start's (adb7f31): input 0 beside no cache count is no count, and the output sent
+    beside it neither (vLLM's message_delta too writes 0 for each when its usage-only chunk
+    has no usage: anthropic/serving.py `message_stream_converter`)."""
+    data = _sglang_stream(usage)
+    results = set()
+    for cut in range(len(data) + 1):
+        meter = open_stream(EP, api=api)
+        out = meter.feed(data[:cut]) + meter.feed(data[cut:])
+        tail, u = meter.finish()
+        assert out + tail == data and meter.done
+        results.add((u.input_tokens, u.output_tokens, u.cached_input_tokens, u.unknown_reason))
+    assert results == {expected}
+
+
+async def sglang_messages_stream_without_usage(request: web.Request) -> web.StreamResponse:
+    """SGLang streaming /v1/messages whose chat stream sent no usage chunk: 20 text deltas, a
+    message_delta of 0s (`_sglang_stream`)."""
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_sglang_stream(None))
+    return resp
+
+
+async def test_sglangs_stream_without_usage_is_charged_its_hold(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Before: the ledger had 0 input, 0 output, $0 for 20 tokens the client got, and the
+    budget charged nothing. Now the usage is unknown and the budget charges the hold (the
+    prompt and max_tokens 50 of output)."""
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/v1/messages", sglang_messages_stream_without_usage),
+        pricing=sim.prices(SIM_MODEL),
+        upstream={"api": "sglang", "model_name": SIM_MODEL},
+        budgets={"user_daily_usd": 5.0},
+    )
+    body = {"model": SIM_MODEL, "max_tokens": 50, "stream": True}
+    body["messages"] = [{"role": "user", "content": PROMPT}]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/messages", json=body, headers={"X-Tollbooth-User": "sz"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    rows = "input_tokens, output_tokens, cost_usd, budget_usd"
+    await wait_for(lambda: len(sim.ledger_rows(db, rows)) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((inp, out, cost, charged),) = sim.ledger_rows(db, rows)
+    assert (inp, out, cost) == (None, None, None)
+    assert charged >= sim.token_cost(0, 50)
+    assert run.sc.budgets.store.spent["user:sz"] / 1e6 == pytest.approx(charged)

@@ -303,3 +303,59 @@ def test_vllm_unset_completion_chunks_of_two_prompts_agree_and_measure(continuou
     r.feed(wire)
     u = r.finish()[1]
     assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (10, 8, None)
+
+
+def _billed_at_every_cut(endpoint: Endpoint, wire: bytes, opts: dict[str, Any]) -> set[Any]:
+    """(input, output, unknown reason) at the end of `wire` cut in two at every byte, on each
+    path (the paths checked alike at every piece first)."""
+    assert _cuts_where_paths_differ(endpoint, wire, opts) == []
+    got = set()
+    for cut in range(len(wire) + 1):
+        for fast in (True, False):
+            meter = open_stream(endpoint, fast=fast, **opts)
+            meter.feed(wire[:cut])
+            meter.feed(wire[cut:])
+            u = meter.finish()[1]
+            got.add((u.input_tokens, u.output_tokens, u.unknown_reason))
+    return got
+
+
+@pytest.mark.parametrize("sent", [2, 3])
+@pytest.mark.parametrize("continuous", [True, False])
+def test_vllm_n2_totals_sent_again_are_billed_once_at_every_cut(
+    sent: int, continuous: bool
+) -> None:
+    """vLLM sends one usage-only chunk of the totals, after every choice's finish chunk
+    (serving_chat.py: `final_usage_chunk` after the loop over the outputs). Sent twice (an
+    upstream or a proxy before us repeating it), it was read as llama.cpp's parts, one per
+    choice, and added up: 5 in / 16 out for 5 / 8; sent three times, invalid usage (the hold).
+    With no choice finished since the one before, a usage-only chunk repeats it: the last wins,
+    as with one choice (3b3c617)."""
+    events, exact = _vllm_n2_chat(continuous=continuous)
+    wire = b"".join(events[:-1]) + events[-2] * (sent - 1) + events[-1]
+    opts = {"choices": 2, "strip_usage": True, "strip_chunk_usage": continuous}
+    assert _billed_at_every_cut(Endpoint.CHAT, wire, opts) == {(*exact[-1], None)}
+
+
+def _llama_cpp_n_chat(outs: tuple[int, ...], prompt: int = 5) -> bytes:
+    """llama.cpp's chat stream of len(outs) completions (server-task.cpp
+    `to_json_oaicompat_chat_stream`): each completion's final result is its finish chunk and
+    then a usage-only chunk of its own counts, the shortest first; then [DONE]."""
+    wire = b""
+    for step in range(max(outs)):
+        for i, out in enumerate(outs):
+            if step < out:
+                wire += _chat_chunk(i, {"content": f"t{step}"}, None, None)
+            if step == out - 1:
+                wire += _chat_chunk(i, {}, "stop", None)
+                wire += _event({"id": "chatcmpl-l", "choices": [], "usage": _usage(prompt, out)})
+    return wire + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("outs", [(6, 2), (3, 1, 2), (2, 2)])
+def test_llama_cpps_usage_chunk_per_completion_adds_up_at_every_cut(outs: tuple[int, ...]) -> None:
+    """Each of llama.cpp's usage-only chunks follows its own completion's finish chunk: they
+    are parts, added up (the prompt once), wherever the wire is cut, on both paths."""
+    wire = _llama_cpp_n_chat(outs)
+    opts = {"choices": len(outs), "strip_usage": True}
+    assert _billed_at_every_cut(Endpoint.CHAT, wire, opts) == {(5, sum(outs), None)}

@@ -297,15 +297,21 @@ def test_a_usage_chunk_before_an_event_over_the_limit_leaves_the_usage_unknown()
 
 
 def test_usage_parts_with_an_event_over_the_limit_between_them_are_unknown() -> None:
-    """Two choices, a usage-only chunk each (llama.cpp's parts): the long event may have been a
-    part, so the two read are not known to be the request's. With both after it, they are."""
+    """Two choices, a usage-only chunk each after its finish chunk (llama.cpp's parts): the long
+    event may have been a part, so the two read are not known to be the request's. With both
+    after it, they are."""
     two = chunk("a") + chunk("b", choices=[{"index": 1, "delta": {"content": "b"}}])
-    between = two + usage_only(3, 4) + chunk("t" * 2000) + usage_only(3, 5) + DONE
+    fin = [chunk("", choices=[{"index": i, "delta": {}, "finish_reason": "stop"}]) for i in (0, 1)]
+    long = chunk("t" * 2000)
+    between = two + fin[0] + usage_only(3, 4) + long + fin[1] + usage_only(3, 5) + DONE
     assert read_at_every_cut(Endpoint.CHAT, between, choices=2) == {(None, None, "event_too_large")}
-    after = two + chunk("t" * 2000) + usage_only(3, 4) + usage_only(3, 5) + DONE
+    after = two + long + fin[0] + usage_only(3, 4) + fin[1] + usage_only(3, 5) + DONE
     assert read_at_every_cut(Endpoint.CHAT, after, choices=2) == {(3, 9, None)}
-    fewer = two + chunk("t" * 2000) + usage_only(3, 9) + DONE  # vLLM's totals, or one part
+    fewer = two + long + usage_only(3, 9) + DONE  # vLLM's totals, or one part
     assert read_at_every_cut(Endpoint.CHAT, fewer, choices=2) == {(None, None, "event_too_large")}
+    # vLLM's totals sent twice (no choice finished between them) are not two parts
+    again = two + fin[0] + fin[1] + long + usage_only(3, 9) * 2 + DONE
+    assert read_at_every_cut(Endpoint.CHAT, again, choices=2) == {(None, None, "event_too_large")}
 
 
 def test_running_totals_read_after_an_event_over_the_limit_are_the_usage() -> None:

@@ -241,37 +241,45 @@ def _choice(index: int, **choice: Any) -> bytes:
 
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize(
-    ("endpoint", "choices", "parts", "expected"),
+    ("endpoint", "choices", "wire", "expected"),
     [
-        # llama.cpp's n=2 chat stream: one usage-only chunk per completion, its own counts
-        (Endpoint.CHAT, 2, [(5, 28), (5, 40)], (5, 68, None)),
-        (Endpoint.CHAT, 2, [(5, 68)], (5, 68, None)),  # vLLM's: one, the totals
+        # llama.cpp's n=2 chat stream: each completion's finish chunk, then a usage-only chunk
+        # of its own counts
+        (Endpoint.CHAT, 2, [0, (5, 28), 1, (5, 40)], (5, 68, None)),
+        (Endpoint.CHAT, 2, [0, 1, (5, 68)], (5, 68, None)),  # vLLM's: one, the totals
+        (Endpoint.CHAT, 2, [0, 1, (5, 68), (5, 68)], (5, 68, None)),  # ... sent again
+        # no choice finished since the usage-only chunk before: it repeats that one
+        (Endpoint.CHAT, 2, [0, (5, 28), (5, 28), 1, (5, 40)], (5, 68, None)),
         # the choices share one prompt: its largest count, once
-        (Endpoint.CHAT, 3, [(5, 1), (6, 2), (5, 3)], (6, 6, None)),
+        (Endpoint.CHAT, 3, [0, (5, 1), 1, (6, 2), 2, (5, 3)], (6, 6, None)),
         # a completion's parts may each be another prompt's: the inputs add up
-        (Endpoint.COMPLETIONS, 2, [(5, 28), (7, 40)], (12, 68, None)),
+        (Endpoint.COMPLETIONS, 2, [0, (5, 28), 1, (7, 40)], (12, 68, None)),
         # more parts than choices: which repeat another cannot be told
-        (Endpoint.CHAT, 2, [(5, 28), (5, 40), (5, 40)], (None, None, "invalid_usage")),
+        (Endpoint.CHAT, 2, [(5, 1), 0, (5, 28), 1, (5, 40)], (None, None, "invalid_usage")),
         # one choice: a repeated final word replaces the one before (3b3c617)
-        (Endpoint.CHAT, 1, [(5, 40), (5, 40)], (5, 40, None)),
+        (Endpoint.CHAT, 1, [0, (5, 40), (5, 40)], (5, 40, None)),
     ],
 )
 def test_usage_only_chunks_of_several_choices_add_up_on_both_paths(
     endpoint: Endpoint,
     choices: int,
-    parts: list[tuple[int, int]],
+    wire: list[int | tuple[int, int]],
     expected: tuple[int | None, int | None, str | None],
     fast: bool,
 ) -> None:
     """Before, a usage-only chunk replaced the one before whatever the choices, so llama.cpp's
-    n=2 stream was billed its last completion's 40 tokens of 68 (both paths)."""
+    n=2 stream was billed its last completion's 40 tokens of 68 (both paths). `wire`: a choice's
+    finish chunk (its index) or a usage-only chunk (input, output), in order."""
     text = "delta" if endpoint is Endpoint.CHAT else "text"
     out = {"delta": {"content": "a"}} if text == "delta" else {"text": "a"}
     data = b"".join(_choice(i, **out) for i in range(choices))
-    data += b"".join(_choice(i, finish_reason="stop", **out) for i in range(choices))
-    data += b"".join(_usage_only(p, o) for p, o in parts) + b"data: [DONE]\n\n"
+    for item in wire:
+        if isinstance(item, int):
+            data += _choice(item, finish_reason="stop", **out)
+        else:
+            data += _usage_only(*item)
     meter = open_stream(endpoint, fast=fast, choices=choices, strip_usage=True)
-    meter.feed(data)
+    meter.feed(data + b"data: [DONE]\n\n")
     u = meter.finish()[1]
     assert (u.input_tokens, u.output_tokens, u.unknown_reason) == expected
 
@@ -322,17 +330,18 @@ def test_fewer_usage_only_chunks_than_choices_count_only_after_done(fast: bool) 
 
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_usage_only_chunks_of_two_choices_agree_on_both_paths_at_every_cut(parts: int) -> None:
-    """n=2 and one (vLLM's totals), two (llama.cpp's parts) or three (invalid) usage-only chunks,
+    """n=2 and one (vLLM's totals, after both finish chunks), two (llama.cpp's parts, each
+    after its completion's finish chunk) or three (the last part sent again) usage-only chunks,
     the wire cut at every byte: the same bytes for the client, the same usage so far after each
     piece (before [DONE] as after it), the same finish, on the fast and the reference path."""
-    usage = (
-        [_usage_only(5, 50)]
-        if parts == 1
-        else [_usage_only(5, 10), *[_usage_only(5, 40)] * (parts - 1)]
-    )
     wire = b"".join(_choice(i, delta={"content": "x "}, finish_reason=None) for i in (0, 1))
-    wire += b"".join(_choice(i, delta={}, finish_reason="stop") for i in (1, 0))
-    wire += b"".join(usage) + b"data: [DONE]\n\n"
+    finish = [_choice(i, delta={}, finish_reason="stop") for i in (1, 0)]
+    if parts == 1:
+        wire += b"".join(finish) + _usage_only(5, 50)
+    else:
+        wire += finish[0] + _usage_only(5, 10) + finish[1]
+        wire += _usage_only(5, 40) * (parts - 1)
+    wire += b"data: [DONE]\n\n"
     for strip in (False, True):
         for cut in range(len(wire) + 1):
             fast = open_stream(Endpoint.CHAT, fast=True, choices=2, strip_usage=strip)
@@ -344,8 +353,7 @@ def test_usage_only_chunks_of_two_choices_agree_on_both_paths_at_every_cut(parts
     meter = open_stream(Endpoint.CHAT, fast=False, choices=2)
     meter.feed(wire)
     u = meter.finish()[1]
-    want = (None, None, "invalid_usage") if parts == 3 else (5, 50, None)
-    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == want
+    assert (u.input_tokens, u.output_tokens, u.unknown_reason) == (5, 50, None)
 
 
 def test_role_only_first_chunk_is_not_a_token() -> None:

@@ -150,17 +150,23 @@ def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool =
 
 
 def _without_placeholder(usage: object) -> object:
-    """message_start's usage without an input of 0 that counts nothing: SGLang sends
-    `input_tokens: 0, cache_read_input_tokens: 0` there (anthropic/serving.py: its chat stream
-    has usage on the last chunk only) and the real counts in message_delta. A prompt is never
-    0 tokens, unless all of it was read from the cache (Anthropic's input excludes cache reads):
-    0 beside a cache count above 0 stands. Else its cache counts of 0 go with it (a part of no
-    input count is invalid usage)."""
-    if not isinstance(usage, dict) or usage.get("input_tokens") != 0:
+    """A stream event's usage less the 0s of a placeholder: `input_tokens: 0` without a cache
+    count. SGLang sends it in message_start, before its real counts (its chat stream has usage
+    on the last chunk only), and in message_delta when that chunk never came (the chat stream
+    ended on an error): 0 for every count, output included (anthropic/serving.py
+    `_generate_anthropic_stream`, `usage_info` None); vLLM's message_delta too, for a usage-only
+    chunk without usage. A prompt is never 0 tokens, unless all of it was read from the cache
+    (Anthropic's input excludes cache reads): 0 beside a cache count stands, and so does an
+    output of 0 beside a real input."""
+    if not isinstance(usage, dict) or not _zero(usage.get("input_tokens")):
         return usage
     if any(usage.get(k) for k in _PROMPT_PARTS):
         return usage
-    return {k: v for k, v in usage.items() if k != "input_tokens" and k not in _PROMPT_PARTS}
+    return {k: v for k, v in usage.items() if not (k in _COUNTS and _zero(v))}
+
+
+def _zero(value: object) -> bool:
+    return type(value) is int and value == 0
 
 
 class MessagesStream(SSEMeter):
@@ -191,7 +197,7 @@ class MessagesStream(SSEMeter):
             self._started = True
             self._merge(_without_placeholder(msg.get("usage")), output=False)
         elif kind == "message_delta":
-            self._merge(obj.get("usage"), output=True)
+            self._merge(_without_placeholder(obj.get("usage")), output=True)
             delta = obj.get("delta")
             reason = delta.get("stop_reason") if isinstance(delta, dict) else None
             if (r := clean_or_none(reason, REASON_CHARS)) is not None:

@@ -366,6 +366,7 @@ class ChatStream(SSEMeter):
         self._final_usage: list[Mapping[str, Any] | bytes] = []
         self._final_skips = 0  # the events over the limit before the first of them kept
         self._extra_usage = False  # more usage-only chunks than choices came
+        self._finished_then = -1  # the choices finished when the last usage-only chunk came
         # usage riding on a choice (vLLM's running totals, TGI); bytes from the wire fast path
         self._choice_usage: dict[int, Mapping[str, Any] | bytes] = {}
         self._choice_usage_then: dict[int, Mapping[str, Any] | bytes] = {}  # at the last skip
@@ -401,17 +402,27 @@ class ChatStream(SSEMeter):
                 # one before (the last word, as a client's SDK keeps it), never adds to it
                 self._final_usage = [usage]
                 self._final_skips = self._skips
-            elif len(self._final_usage) < self._choices:
-                # several choices: llama.cpp sends one usage-only chunk per completion, each
-                # with that completion's counts (`to_json_oaicompat_chat_stream`); vLLM one
-                # with the totals. Each is a part, added up (`_counted_usage`)
-                if not self._final_usage:
-                    self._final_skips = self._skips
-                self._final_usage.append(usage)
             else:
-                self._extra_usage = True  # more parts than choices: no choice's own
+                self._several_usage(usage)
             return self._strip
         return False
+
+    def _several_usage(self, usage: Mapping[str, Any]) -> None:
+        """A usage-only chunk of several choices. llama.cpp sends one per completion, that
+        completion's counts right after its finish chunk (`to_json_oaicompat_chat_stream`: one
+        result's chunks); vLLM and SGLang one of the totals, after every choice's finish chunk.
+        So one with no choice finished since the usage-only chunk before it repeats that one
+        (vLLM's totals sent again): it replaces it, never adds to it. Else it is a part, added up
+        (`_counted_usage`)."""
+        finished, self._finished_then = self._finished_then, len(self._s.finish)
+        if self._final_usage and finished == self._finished_then:
+            self._final_usage[-1] = usage
+        elif len(self._final_usage) < self._choices:
+            if not self._final_usage:
+                self._final_skips = self._skips
+            self._final_usage.append(usage)
+        else:
+            self._extra_usage = True  # more parts than choices: no choice's own
 
     def _cut_event(self, ev: Event) -> bytes:
         return _without_usage(ev)
