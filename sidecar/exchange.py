@@ -175,9 +175,6 @@ class RequestInfo:
     # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
     # adapter reads the response. None: the configured `upstream.api`'s.
     api: str | None = None
-    # The server serves one model whatever a request or its answer names (SGLang, with
-    # upstream.model_name set): `model` is that one, and an answer's name never replaces it.
-    model_pinned: bool = False
     # A multipart body streamed through (the audio routes): `body` holds only the head read for
     # its form fields, the rest comes from the client as it is sent; `size` is its Content-Length
     # (None: chunked). `audio_bytes` is what its hold counts audio seconds from.

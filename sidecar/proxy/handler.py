@@ -127,26 +127,12 @@ class Proxy:
             return answers.unread(self.metrics, request, exc, self.s.max_body, self.s.body_timeout)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
-        if (served := await self._one_model(info)) is not None:
-            info.model, info.model_pinned = served, True
         tgi = info.endpoint.is_tgi_native and info.api is None
         model = info.model or (await self.tgi_name.get() if tgi else None)
         if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
             model = self.tgi_name.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
         return await self._metered(request, ex, held)
-
-    async def _one_model(self, info: RequestInfo) -> str | None:
-        """The one model an SGLang or TGI upstream serves whatever a request names, when it is
-        known: each answers a chat request's name back as its own, unchecked (SGLang's
-        serving_chat.py `model=request.model`, with `base:adapter` picking a LoRA adapter of
-        it; TGI's server.rs `chat_completions`), so a client naming the book's cheapest would
-        pay its price. SGLang's is upstream.model_name; TGI's its /info `model_id`."""
-        if self.s.api == "sglang" or info.api == "sglang":
-            return self.tgi_name.configured
-        if self.s.api == "tgi":
-            return await self.tgi_name.get()
-        return None
 
     async def _read_audio(
         self,

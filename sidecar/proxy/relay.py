@@ -48,8 +48,6 @@ def _headers(up: UpstreamResponse, ex: Exchange | None, drop_length: bool) -> CI
 
 def set_usage(ex: Exchange, usage: Usage, models: LabelCap) -> None:
     usage = within_request(usage, ex.info)
-    if ex.info.model_pinned and usage.model != ex.info.model:
-        usage = replace(usage, model=ex.info.model)  # SGLang answers the request's name back
     ex.usage = usage
     if usage.model:
         ex.model = models(usage.model)
