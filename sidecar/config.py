@@ -33,7 +33,10 @@ class UpstreamConfig:
     # anyway, but /generate (TGI's and SGLang's path) is read as this server's when it is tgi or
     # sglang, and told from the body otherwise (docs/traffic.md).
     api: Literal["vllm", "tgi", "sglang"] = "vllm"
-    # Name for TGI's native routes when /info cannot be read.
+    # The served model's name: what a request naming none is priced at (TGI's native routes when
+    # /info cannot be read, llama.cpp's /completion, vLLM's audio), and on a server of one model
+    # that repeats whatever name a request sends (api sglang; tgi, ahead of its /info) what
+    # every request is priced at. Required with api sglang and prices by model.
     model_name: str | None = None
     connect_timeout_s: float = 5.0
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
@@ -611,7 +614,20 @@ def validate(config: Config) -> Config:
         _fail("identity.unknown_key", "reject", "needs identity.keys_file")
     if config.audit.enabled and config.audit.sink == "ledger" and not config.ledger.path:
         _fail("audit.sink", "ledger", "there is no ledger (set ledger.path or --ledger)")
+    check_served_model(config.upstream, config.pricing)
     return config
+
+
+def check_served_model(upstream: UpstreamConfig, pricing: PricingConfig) -> None:
+    """SGLang serves one model and answers every request with the name the request sent: with
+    prices by model name, only upstream.model_name can say which one a request was served by
+    (TGI's is read from its /info)."""
+    if upstream.api == "sglang" and not upstream.model_name and pricing.models:
+        raise ConfigError(
+            "config 'upstream.model_name' is required with upstream.api 'sglang' and prices "
+            "by model (pricing.models): SGLang answers with whatever model name a request "
+            "sends, so requests are priced as the model it serves; set it to that model's name"
+        )
 
 
 # --- entry points ---------------------------------------------------------------------------------

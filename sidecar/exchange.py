@@ -2,10 +2,10 @@
 
 Owns: the metered routes (`Endpoint`), what a request asks (`RequestInfo`), what was measured
 (`Usage`), its price (`Cost`), the `Exchange` itself with the verdicts read from it (`consumed`,
-`priced_model`), the hook types (`Sink`, `Gate`, `CleanupContext`, and the two generic cleanup
-contexts `task_context` and `closing_context`), what a budget gate holds (`BudgetHold`), the
-`Refusal` a gate raises, the output limit holds and estimates read (`held_output`), and the
-token estimate admission and GPU attribution share (`estimate_tokens`).
+`priced_model`, `billed_model`), the hook types (`Sink`, `Gate`, `CleanupContext`, and the two
+generic cleanup contexts `task_context` and `closing_context`), what a budget gate holds
+(`BudgetHold`), the `Refusal` a gate raises, the output limit holds and estimates read
+(`held_output`), and the token estimate admission and GPU attribution share (`estimate_tokens`).
 Never: imports another part of the sidecar but `config` (a base module, as this one is), or does
 I/O itself: these are values, pure functions and contexts that run only what they are handed.
 """
@@ -89,6 +89,8 @@ class Endpoint(StrEnum):
         return "text_completion"
 
 
+# The model label (and ledger model) of a request whose model is not known.
+UNKNOWN_MODEL = "unknown"
 _TGI_NATIVE = frozenset(
     {Endpoint.TGI_GENERATE, Endpoint.TGI_GENERATE_STREAM, Endpoint.TGI_COMPAT, Endpoint.TGI_VERTEX}
 )
@@ -288,6 +290,11 @@ class Exchange:
     # Set when the client left and a background task settles the usage (drain, /tokenize);
     # the exchange is recorded once it is done.
     finisher: asyncio.Future[None] | None = None
+    # The one model of a server that answers a request's `model` with the request's own string
+    # (SGLang, TGI: `proxy/handler.py` ONE_MODEL_APIS), UNKNOWN_MODEL while its name is not known:
+    # it prices, holds, labels and records the request, whatever the request or the answer names.
+    # None on a server that refuses a model it does not serve (vLLM, Ollama).
+    served_model: str | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -325,8 +332,17 @@ def consumed(ex: Exchange) -> bool:
 
 
 def priced_model(ex: Exchange) -> str | None:
-    """The name prices are looked up by: the served model, else the requested one."""
-    return ex.usage.model or ex.info.model or (ex.model if ex.model != "unknown" else None)
+    """The name prices are looked up by: the one model of a server that repeats whatever name
+    it is sent, else the model the answer names, else the requested one."""
+    if ex.served_model is not None:
+        return ex.served_model if ex.served_model != UNKNOWN_MODEL else None
+    return ex.usage.model or ex.info.model or (ex.model if ex.model != UNKNOWN_MODEL else None)
+
+
+def billed_model(ex: Exchange) -> str:
+    """The model the ledger records the request under: the one it was priced at, else its
+    label (UNKNOWN_MODEL)."""
+    return ex.served_model or ex.usage.model or ex.info.model or ex.model
 
 
 class Refusal(Exception):

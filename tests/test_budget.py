@@ -579,7 +579,7 @@ async def test_an_honest_max_completion_tokens_client_leaving_is_charged_its_lim
     < $0.03). Before (d335792's rule), prompt + the default 4096 tokens ($8.19+)."""
     entered, release = asyncio.Event(), asyncio.Event()
     route = ("/v1/chat/completions", _generating(entered, release))
-    up = {"upstream": {"api": api}}
+    up = {"upstream": {"api": api, "model_name": SIM_MODEL}}  # SGLang's needs it named
     run, db = await sim.start_fake(start_sidecar, aiohttp_server, tmp_path, route, **FAKE, **up)
     body = {"model": SIM_MODEL, "messages": MSGS, "max_completion_tokens": LIMIT}
     body["stream"] = stream

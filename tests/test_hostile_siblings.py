@@ -139,7 +139,7 @@ async def one_request(
         {
             "pricing": PRICES,
             "ledger": {"path": str(db), "flush_interval_s": 0.05},
-            "upstream": {"api": api},
+            "upstream": {"api": api, "model_name": MODEL},
         },
         upstream_url=str(up.make_url("")).rstrip("/"),
     )

@@ -35,6 +35,7 @@ from ..config import (
 )
 from ..exchange import (
     AUDIO_ROUTES,
+    UNKNOWN_MODEL,
     BudgetHold,
     Exchange,
     Refusal,
@@ -524,7 +525,12 @@ class Budgets:
         and whose usage was not measured in full (either direction unknown), at least its hold:
         a client cannot make output free by hiding it from the meter; and at least its worst
         case at the output limit every server behind the route obeys when its stream showed the
-        server ignored the limit the hold read (`unmeasured_usd`)."""
+        server ignored the limit the hold read (`unmeasured_usd`); and at least its hold when
+        it reached a server of one model whose name was not known, so had no price."""
+        if ex.served_model == UNKNOWN_MODEL and ex.cost is None and consumed(ex):
+            # a server of one model whose name was not known (TGI's /info unanswered): its
+            # price is unknown, never the name the client sent; the hold (the dearest) stands
+            return max(hold.amount, to_micros(measured))
         if hold.unpriced and self.prices.price(priced_model(ex)) is None:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
         if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, TypeAlias, cast
 from aiohttp import web
 
 from ..config import LedgerConfig
-from ..exchange import CleanupContext, Exchange, consumed
+from ..exchange import CleanupContext, Exchange, billed_model, consumed
 from ..telemetry.metrics import Metrics
 from ..text import clean
 from .budget import SpendRow
@@ -152,7 +152,7 @@ def row_of(ex: Exchange) -> Row:
         ex.started_at,
         ex.request_id,
         ex.trace_id,
-        u.model or ex.info.model or ex.model,
+        billed_model(ex),
         ex.endpoint.value,
         ex.user_id,
         u.input_tokens,

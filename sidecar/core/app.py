@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.openmetrics import exposition as om_exposition
 
-from ..config import Config, parse_hostport
+from ..config import Config, check_served_model, parse_hostport
 from ..exchange import CleanupContext, Exchange, Gate, task_context
 from ..metering.meter import Meter
 from ..metering.pricing import PriceBook, load_pricing_file
@@ -77,6 +77,7 @@ class Sidecar:
         pricing = self.config.pricing
         if self.pricing_path:
             pricing = load_pricing_file(self.pricing_path)
+            check_served_model(self.config.upstream, pricing)
         self.prices = PriceBook(pricing)
         self.meter = Meter(self.metrics, self.prices)
         self.identity = Identity(self.config)  # reads the keys file: a bad one stops the start
@@ -104,7 +105,9 @@ class Sidecar:
             log.info("SIGHUP: no --pricing file given; prices unchanged")
             return
         try:
-            self.prices.replace(load_pricing_file(self.pricing_path))
+            pricing = load_pricing_file(self.pricing_path)
+            check_served_model(self.config.upstream, pricing)
+            self.prices.replace(pricing)
             _init_label_sets(self)
             log.info("SIGHUP: prices re-read from %s", self.pricing_path)
         except Exception as exc:  # keep the old prices rather than lose accounting

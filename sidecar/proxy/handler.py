@@ -21,7 +21,16 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from ..exchange import AUDIO_ROUTES, Endpoint, Exchange, Gate, Refusal, RequestInfo, Usage
+from ..exchange import (
+    AUDIO_ROUTES,
+    UNKNOWN_MODEL,
+    Endpoint,
+    Exchange,
+    Gate,
+    Refusal,
+    RequestInfo,
+    Usage,
+)
 from ..telemetry.logs import REQUEST_CONTEXT
 from . import answers, audio
 from .finishers import tokenize_auth
@@ -50,6 +59,11 @@ log = logging.getLogger("tollbooth.proxy")
 # Routes whose request names no model and whose server has no /info: llama.cpp's (the served
 # alias comes back in the response only), held at `upstream.model_name`'s price when it is set.
 _NAMED_BY_CONFIG = frozenset({Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL})
+# Servers of one model that answer a request's `model` with the request's own string, whatever
+# it names (SGLang's OpenAI and Anthropic routes: `serving_chat.py` `model=request.model`; TGI's
+# chat route: `server.rs` `chat_completions`): every request to one is its one model's
+# (`upstream.model_name`, TGI's /info), never the client's name (docs/traffic.md).
+ONE_MODEL_APIS = frozenset({"sglang", "tgi"})
 # Routes whose stream is NDJSON (Ollama's), metered by their adapter's line meter.
 NDJSON_ROUTES = frozenset({Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE})
 # RFC 3986 pchar and "/": what may stand unencoded in a path.
@@ -127,12 +141,26 @@ class Proxy:
             return answers.unread(self.metrics, request, exc, self.s.max_body, self.s.body_timeout)
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
-        tgi = info.endpoint.is_tgi_native and info.api is None
-        model = info.model or (await self.tgi_name.get() if tgi else None)
-        if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
+        served = await self._served_model(info)
+        model = served or info.model
+        if model is None and info.endpoint.is_tgi_native and info.api is None:
+            model = await self.tgi_name.get()
+        if model is None and info.endpoint in _NAMED_BY_CONFIG:
             model = self.tgi_name.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
+        ex.served_model = served
         return await self._metered(request, ex, held)
+
+    async def _served_model(self, info: RequestInfo) -> str | None:
+        """The one model of a server that repeats whatever name a request sends (ONE_MODEL_APIS,
+        and SGLang's /generate told by its body): `upstream.model_name`, else TGI's /info
+        `model_id`, else UNKNOWN_MODEL (held at the book's dearest). None for any other server,
+        whose requests are the model they name."""
+        api = info.api or self.s.api
+        if api not in ONE_MODEL_APIS:
+            return None
+        name = await self.tgi_name.get() if api == "tgi" else self.tgi_name.configured
+        return name or UNKNOWN_MODEL
 
     async def _read_audio(
         self,
@@ -155,8 +183,10 @@ class Proxy:
         size = info.size if info.size is not None else len(info.body)
         # vLLM serves the request's model or, with none, its own: the one upstream.model_name
         # names (a model past the head is one vLLM serves, else it refuses the request).
-        model = info.model or self.tgi_name.configured
+        served = await self._served_model(info)
+        model = served or info.model or self.tgi_name.configured
         ex = new_exchange(request, info, path, model, size, principal, self.s, self.deps)
+        ex.served_model = served
         return await self._metered(request, ex, held)
 
     async def _unmetered(

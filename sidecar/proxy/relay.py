@@ -49,7 +49,7 @@ def _headers(up: UpstreamResponse, ex: Exchange | None, drop_length: bool) -> CI
 def set_usage(ex: Exchange, usage: Usage, models: LabelCap) -> None:
     usage = within_request(usage, ex.info)
     ex.usage = usage
-    if usage.model:
+    if usage.model and ex.served_model is None:  # a server of one model only repeats the name
         ex.model = models(usage.model)
     if usage.error and ex.error is None:
         ex.error = usage.error  # e.g. an error event inside a 200 stream

@@ -1,0 +1,198 @@
+"""Servers of one model that answer a request's `model` with the request's own string, whatever
+it names (h-rev6 finding 9): SGLang's OpenAI and Anthropic routes (`serving_chat.py` builds every
+answer with `model=request.model`, no check against the model it serves) and TGI's chat route
+(`server.rs` `chat_completions`: the request's `model` unless it is "tgi" or absent; the name is
+also its LoRA `adapter_id`, an unknown one the base model, `flash_causal_lm.py`). A client naming
+the price book's cheapest model was priced, held and recorded at it for the dearest one. Now such
+a request is the model the server serves (`upstream.model_name`, TGI's /info `model_id`); vLLM,
+which refuses a model it does not serve (404), is read as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sidecar.config import Config, ConfigError, build, validate
+from tests import simulated as sim
+from tests.conftest import StartSidecar
+from tests.test_native_model import CHEAP, SERVED, TWO_PRICES, tgi_info
+from tests.waiting import wait_for
+
+IN, OUT = 9, 500  # the prompt and output tokens each fake answer reports
+
+
+def _openai_answer(path: str, model: Any) -> dict[str, Any]:
+    usage = {"prompt_tokens": IN, "completion_tokens": OUT, "total_tokens": IN + OUT}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if path == "/v1/chat/completions":
+        choice["message"] = {"role": "assistant", "content": "x"}
+    else:
+        choice["text"] = "x"
+    return {"id": "c1", "object": "x", "created": 1, "model": model, "choices": [choice]} | {
+        "usage": usage
+    }
+
+
+def _messages_answer(model: Any) -> dict[str, Any]:
+    content = [{"type": "text", "text": "x"}]
+    usage = {"input_tokens": IN, "output_tokens": OUT}
+    return {"id": "m1", "type": "message", "role": "assistant", "model": model} | {
+        "content": content,
+        "stop_reason": "max_tokens",
+        "usage": usage,
+    }
+
+
+async def echoing(request: web.Request) -> web.Response:
+    """An engine answering with the request's `model`, as SGLang and TGI's chat route do."""
+    model = json.loads(await request.read()).get("model")
+    if request.path == "/v1/messages":
+        return web.json_response(_messages_answer(model))
+    return web.json_response(_openai_answer(request.path, model))
+
+
+def _request(path: str) -> dict[str, Any]:
+    if path == "/v1/completions":
+        return {"model": CHEAP, "prompt": "hello", "max_tokens": OUT}
+    return {"model": CHEAP, "messages": [{"role": "user", "content": "hello"}], "max_tokens": OUT}
+
+
+async def _start(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, engine: dict[str, Any]
+) -> tuple[Any, Path]:
+    app = web.Application()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        app.router.add_post(path, echoing)
+    app.router.add_get("/info", tgi_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": engine, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    return run, db
+
+
+async def _billed(run: Any, db: Path, path: str, body: dict[str, Any]) -> tuple[str, float]:
+    """One request by user `arb`: the ledger's model and what its budget was charged."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=body, headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        assert json.loads(await r.read())["model"] == CHEAP  # the client gets what was sent
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((model,),) = sim.ledger_rows(db, "model")
+    return model, run.sc.budgets.store.spent["user:arb"] / 1e6
+
+
+ECHOING = [
+    pytest.param({"api": "sglang", "model_name": SERVED}, path, id=f"sglang{path}")
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+] + [pytest.param({"api": "tgi"}, "/v1/chat/completions", id="tgi-info/v1/chat/completions")]
+
+
+@pytest.mark.parametrize(("engine", "path"), ECHOING)
+async def test_a_model_an_echoing_server_repeats_never_prices_it(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    engine: dict[str, Any],
+    path: str,
+) -> None:
+    """The client names tiny-1b ($1 / $2 a million); the server serves big-70b ($1000 / $2000)
+    and answers 9 + 500 tokens under the name sent. Before: recorded as tiny-1b and charged
+    $0.001009; now big-70b, $1.009."""
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, engine)
+    model, spent = await _billed(run, db, path, _request(path))
+    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(IN, OUT)))
+
+
+@pytest.mark.parametrize(("engine", "path"), ECHOING)
+async def test_the_hold_of_a_name_an_echoing_server_repeats_is_the_served_models(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    engine: dict[str, Any],
+    path: str,
+) -> None:
+    """The hold of 100,000 output tokens is $200 at big-70b's price, over the $5 budget: refused
+    before the upstream. Before, held at tiny-1b's $0.2 and admitted."""
+    run, _ = await _start(start_sidecar, aiohttp_server, tmp_path, engine)
+    body = _request(path) | {"max_tokens": 100_000}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=body, headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 429, await r.text()
+
+
+async def test_vllm_is_priced_at_the_model_it_answers(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """vLLM serves only the models it names (`_check_model`: 404 for another), so the name it
+    answers with is one it served: tiny-1b is priced as tiny-1b, as before."""
+    engine = {"api": "vllm", "model_name": SERVED}
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, engine)
+    path = "/v1/chat/completions"
+    cheap = IN * 1.0 / 1e6 + OUT * 2.0 / 1e6
+    assert await _billed(run, db, path, _request(path)) == (CHEAP, pytest.approx(cheap))
+
+
+def test_sglang_with_named_prices_needs_its_model_name() -> None:
+    """SGLang answers with whatever name a request sends: with prices by name and no
+    upstream.model_name, no request could be priced at the model it was served by."""
+    data: dict[str, Any] = {"upstream": {"api": "sglang"}, "pricing": TWO_PRICES}
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        validate(build(Config, data))
+    validate(build(Config, {"upstream": {"api": "sglang"}}))  # no prices: nothing to pick
+    data["upstream"]["model_name"] = SERVED
+    validate(build(Config, data))
+
+
+async def test_tgi_whose_info_is_unanswered_charges_the_hold_not_the_name_sent(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """TGI without upstream.model_name and its /info unanswered: the model served is not known,
+    and the name the client sent is still not it. The cost stays unknown (no price), the
+    request is recorded as the unknown model, and its budget is charged its hold at the book's
+    dearest prices (500 output tokens at $2000 a million, $1, and the prompt). Before: priced
+    as tiny-1b, $0.001009."""
+
+    async def no_info(request: web.Request) -> web.Response:
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", echoing)
+    app.router.add_get("/info", no_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    path = "/v1/chat/completions"
+    model, spent = await _billed(run, db, path, _request(path))
+    ((cost,),) = sim.ledger_rows(db, "cost_usd")
+    assert (model, cost) == ("unknown", None)
+    assert sim.token_cost(0, OUT) < spent < sim.token_cost(100, OUT)
+
+
+def test_a_pricing_file_by_model_for_sglang_needs_its_model_name(tmp_path: Path) -> None:
+    """The same for a --pricing file: at start, and on SIGHUP (the old prices stay)."""
+    from sidecar.core.app import Sidecar
+
+    by_model, default = tmp_path / "by_model.yaml", tmp_path / "default.yaml"
+    by_model.write_text(json.dumps(TWO_PRICES))
+    default.write_text(json.dumps({"default": TWO_PRICES["models"][CHEAP]}))
+    cfg = validate(build(Config, {"upstream": {"api": "sglang"}}))
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        Sidecar(cfg, pricing_path=str(by_model))
+    sc = Sidecar(cfg, pricing_path=str(default))
+    default.write_text(by_model.read_text())
+    sc.reload()
+    assert (sc.prices.config.models, sc.prices.price(SERVED)) == ({}, sc.prices.price(CHEAP))
