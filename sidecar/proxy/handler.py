@@ -22,6 +22,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from ..exchange import AUDIO_ROUTES, Endpoint, Exchange, Gate, Refusal, RequestInfo, Usage
+from ..metering.tgi import runs_to_max_total
 from ..telemetry.logs import REQUEST_CONTEXT
 from . import answers, audio
 from .finishers import tokenize_auth
@@ -65,7 +66,7 @@ class Proxy:
         self.upstream = deps.upstream
         self.metrics = metrics = deps.metrics
         self.meter = deps.meter
-        self.tgi_name = deps.tgi_name
+        self.tgi_info = deps.tgi_info
         self.gates = deps.gates
         self.on_start = deps.on_start
         self.counter = deps.counter
@@ -128,10 +129,13 @@ class Proxy:
         if info.endpoint is Endpoint.OTHER:  # /invocations with a body no route takes
             return await self._unmetered(request, path, info, principal, held)
         tgi = info.endpoint.is_tgi_native and info.api is None
-        model = info.model or (await self.tgi_name.get() if tgi else None)
+        model = info.model or (await self.tgi_info.model() if tgi else None)
         if model is None and (info.endpoint in _NAMED_BY_CONFIG or info.api == "sglang"):
-            model = self.tgi_name.configured  # priced (held) before the response names it
+            model = self.tgi_info.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
+        if runs_to_max_total(info, self.s.api):  # its hold's output limit (docs/budgets.md)
+            ex.server_limit = await self.tgi_info.max_total_tokens()
+            ex.server_limit_unknown = ex.server_limit is None
         return await self._metered(request, ex, held)
 
     async def _read_audio(
@@ -155,7 +159,7 @@ class Proxy:
         size = info.size if info.size is not None else len(info.body)
         # vLLM serves the request's model or, with none, its own: the one upstream.model_name
         # names (a model past the head is one vLLM serves, else it refuses the request).
-        model = info.model or self.tgi_name.configured
+        model = info.model or self.tgi_info.configured
         ex = new_exchange(request, info, path, model, size, principal, self.s, self.deps)
         return await self._metered(request, ex, held)
 
