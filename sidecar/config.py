@@ -220,7 +220,8 @@ class BudgetConfig:
     teams: dict[str, float] = dataclasses.field(default_factory=dict)
     # The budget day starts at this hour, UTC.
     day_start_hour_utc: int = 0
-    # Output tokens reserved for a request that sets no max_tokens (its worst case is unbounded).
+    # Output tokens reserved for a request that sets no max_tokens (its worst case is unbounded);
+    # TGI's own limit in its place where TGI reports it (its /info max_total_tokens).
     default_max_output_tokens: int = 4096
     # An audio request's hold: its upload (Content-Length, else server.max_audio_body_bytes)
     # counted as one second of audio per this many bytes, at the model's audio price. 500 bytes

@@ -279,6 +279,12 @@ class Exchange:
     # what its budgets were charged when it settled (at least the hold where usage was not
     # measured); the ledger keeps it so that a restart restores it (None: no hold)
     budget_charge_usd: float | None = None
+    # The output limit its server applies to a request that sets none, as the server reported
+    # it (TGI: /info's max_total_tokens, `metering.tgi.runs_to_max_total`): its budget hold's
+    # output limit in place of budgets.default_max_output_tokens. `server_limit_unknown`: the
+    # server applies one it could not be asked for now (refused while budgets are enforced).
+    server_limit: int | None = None
+    server_limit_unknown: bool = False
     # Events of its stream that carried output, when its usage was read from the meter
     # (`StreamMeter.token_events`): each holds at least one token, so more than its hold's limit
     # allows shows the server ignored that limit (`budget.Budgets.unmeasured_usd`).

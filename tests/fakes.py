@@ -61,6 +61,14 @@ class FakeUpstream:
         self.cancelled: list[str] = []
         self.tokenize_fails = False
         self.sent_tokens = 0  # completion tokens in the last chunk written (running totals)
+        # TGI's GET /info, as a TGI started with --max-total-tokens 4096 answers it (a test may
+        # change it, or make it None: /info then answers 404)
+        self.info_body: dict[str, Any] | None = {
+            "model_id": "fake/tgi-model",
+            "version": "3.3.7",
+            "max_input_tokens": 4095,
+            "max_total_tokens": 4096,
+        }
         self.app = web.Application()
         r = self.app.router
         r.add_post("/v1/chat/completions", self.openai)
@@ -310,7 +318,9 @@ class FakeUpstream:
     # --- TGI native -----------------------------------------------------------------------------
 
     async def info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_id": "fake/tgi-model", "version": "3.3.7"})
+        if self.info_body is None:
+            raise web.HTTPNotFound()
+        return web.json_response(self.info_body)
 
     async def models(self, request: web.Request) -> web.Response:
         self.seen.append({"path": request.path, "headers": dict(request.headers), "body": b""})
@@ -361,6 +371,8 @@ class FakeUpstream:
                     "input_length": prompt_tokens(body),
                 }
             await resp.write(f"data:{json.dumps(ev)}\n\n".encode())
+            if mode.startswith("slow-stream:"):
+                await asyncio.sleep(float(mode.split(":")[1]))
         return resp
 
     async def tgi_compat(self, request: web.Request) -> web.StreamResponse:

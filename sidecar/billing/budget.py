@@ -363,7 +363,8 @@ class Budgets:
         """The prompt (exact when sized by the upstream, else every character of the body's text
         over chars_per_token plus any token ids) at the input price, plus every output token the
         request may generate (`limit`, by default `held_output`: its limit as the route's server
-        reads it or the default, none on a route that generates nothing; times its choices: n x
+        reads it, else the server's own (`Exchange.server_limit`) or the default, none on a
+        route that generates nothing; times its choices: n x
         prompts) at the output price. A name the price book does not list is held at the book's
         dearest prices: the engine may answer it as a listed model, charged at that one's price.
         $0 only with no price at all."""
@@ -378,13 +379,18 @@ class Budgets:
             chars = info.text_chars if info.parsed else len(info.body)
             prompt = math.ceil(chars / self.chars_per_token) + info.prompt_ids
         if limit is None:
-            limit = self._held_output(info)
+            limit = self._held_output(ex)
         out = min(limit, MAX_TOKENS) * min(info.choices, MAX_TOKENS)
         return compute(price, min(prompt, MAX_TOKENS), None, out).total_usd
 
-    def _held_output(self, info: RequestInfo) -> int:
-        """The output one choice is held at (`held_output`, else the default)."""
-        limit = held_output(info)
+    def _held_output(self, ex: Exchange) -> int:
+        """The output one choice is held at: `held_output`, else the limit its server applies to
+        a request that sets none (TGI's max_total_tokens, whole: its prompt, which TGI's limit
+        leaves out, is only estimated here, and an estimate above the count would hold less
+        than TGI may run), else the default."""
+        limit = held_output(ex.info)
+        if limit is None:
+            limit = ex.server_limit
         return self.config.default_max_output_tokens if limit is None else limit
 
     def unmeasured_usd(self, ex: Exchange) -> float:
@@ -401,7 +407,7 @@ class Budgets:
         if info.endpoint in AUDIO_ROUTES:
             return 0.0
         echoed = info.choices if info.echoed else 0  # vLLM's echo: an event a choice, no token
-        if ex.output_events <= self._held_output(info) * info.choices + echoed:
+        if ex.output_events <= self._held_output(ex) * info.choices + echoed:
             return 0.0
         cap = info.output_cap
         limit = self.config.default_max_output_tokens if cap is None else cap
@@ -441,6 +447,16 @@ class Budgets:
                 "invalid_request_error",
                 f"'{ex.info.unreadable[0]}' must be a non-negative integer, under the "
                 "name the API gives it (a Go server reads 'MAX_TOKENS' as 'max_tokens')",
+            )
+        if ex.server_limit_unknown:  # held at the default, TGI may run far past it
+            raise Refusal(
+                503,
+                "upstream_limit_unknown",
+                "with budgets enforced, a request without an output limit is held at the "
+                "server's own (TGI's max_total_tokens, from its /info), which cannot be read "
+                "now; set 'parameters.max_new_tokens' ('max_tokens' on the OpenAI routes) or "
+                "try again shortly",
+                retry_after=5,  # TgiInfo.RETRY_S: /info is asked again after it
             )
         hold = Hold(
             ex.uid,

@@ -31,7 +31,7 @@ from ..proxy.finishers import PromptCounter
 from ..proxy.handler import Proxy
 from ..proxy.identity import Identity, upstream_authorization
 from ..proxy.routes import routing_path
-from ..proxy.settings import ProxyDeps, ProxySettings, TgiModelName
+from ..proxy.settings import ProxyDeps, ProxySettings, TgiInfo
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
 from ..telemetry.health import UpstreamProbe, readiness
@@ -207,7 +207,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         identity=sc.identity,
         users=sc.users,
         models=sc.models,
-        tgi_name=TgiModelName(upstream, up.model_name),
+        tgi_info=TgiInfo(upstream, up.model_name),
         gates=sc.gates,
         on_start=sc.on_start,
         counter=PromptCounter(upstream, up.api, sc.metrics),

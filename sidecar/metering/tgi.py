@@ -1,10 +1,11 @@
 """The TGI wire: its native routes (/generate, /generate_stream, / and /vertex) and what its
 OpenAI routes do differently from vLLM's (their limit fields and tokenizer routes).
 
-Owns: what a native request asks for (`parameters`, stream as serde reads it), usage from native
-bodies and the `x-prompt-tokens`/`x-generated-tokens` headers, usage from /generate_stream (the
-reference path, and beside it the fast path for token events exactly as TGI writes them), and
-the /tokenize and /chat_tokenize calls that count a prompt after a disconnect.
+Owns: which requests TGI runs to its own limit (`runs_to_max_total`), what a native request asks
+for (`parameters`, stream as serde reads it), usage from native bodies and the
+`x-prompt-tokens`/`x-generated-tokens` headers, usage from /generate_stream (the reference path,
+and beside it the fast path for token events exactly as TGI writes them), and the /tokenize and
+/chat_tokenize calls that count a prompt after a disconnect.
 Never: invents a count: a stream counts its token events only because TGI sends exactly one per
 generated token on /generate_stream; a count that cannot be read is None.
 """
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..exchange import Endpoint, RequestInfo, Usage
+from ..exchange import Endpoint, RequestInfo, Usage, held_output
 from ..text import REASON_CHARS, USER_CHARS, clean_or_none
 from . import reqsize
 from .counts import (
@@ -33,6 +34,20 @@ from .openai import OpenAIAdapter, one_prompt
 from .reqsize import body_size, prompt_chars
 from .sse import Event
 from .stream import SSEMeter, WireEvent, WireMeter
+
+
+def runs_to_max_total(info: RequestInfo, api: str) -> bool:
+    """Whether TGI serves the request and, as it sets no output limit, runs it to TGI's own:
+    `max_total_tokens` less its prompt (router/src/validation.rs `validate_input`, since v3.0.0;
+    `DEFAULT_GENERATION_LENGTH` only sizes each round). Every route TGI generates on hands it
+    the request's limit or None: /generate, /generate_stream, / (`GenerateParameters`), each
+    /vertex instance (vertex.rs), /v1/chat/completions (`ChatRequest::try_into_generate`) and
+    /v1/completions (server.rs `completions`). `api`: upstream.api."""
+    if held_output(info) is not None:
+        return False
+    if info.endpoint.is_tgi_native:
+        return info.api is None  # not SGLang's /generate
+    return api == "tgi" and info.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
 
 class TGIOpenAIAdapter(OpenAIAdapter):

@@ -31,6 +31,7 @@ from ..exchange import (
     RequestInfo,
     Usage,
 )
+from ..metering.tgi import runs_to_max_total
 from ..telemetry.logs import REQUEST_CONTEXT
 from . import answers, audio
 from .finishers import tokenize_auth
@@ -79,7 +80,7 @@ class Proxy:
         self.upstream = deps.upstream
         self.metrics = metrics = deps.metrics
         self.meter = deps.meter
-        self.tgi_name = deps.tgi_name
+        self.tgi_info = deps.tgi_info
         self.gates = deps.gates
         self.on_start = deps.on_start
         self.counter = deps.counter
@@ -144,11 +145,14 @@ class Proxy:
         served = await self._served_model(info)
         model = served or info.model
         if model is None and info.endpoint.is_tgi_native and info.api is None:
-            model = await self.tgi_name.get()
+            model = await self.tgi_info.model()
         if model is None and info.endpoint in _NAMED_BY_CONFIG:
-            model = self.tgi_name.configured  # priced (held) before the response names it
+            model = self.tgi_info.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
         ex.served_model = served
+        if runs_to_max_total(info, self.s.api):  # its hold's output limit (docs/budgets.md)
+            ex.server_limit = await self.tgi_info.max_total_tokens()
+            ex.server_limit_unknown = ex.server_limit is None
         return await self._metered(request, ex, held)
 
     async def _served_model(self, info: RequestInfo) -> str | None:
@@ -159,7 +163,7 @@ class Proxy:
         api = info.api or self.s.api
         if api not in ONE_MODEL_APIS:
             return None
-        name = await self.tgi_name.get() if api == "tgi" else self.tgi_name.configured
+        name = await self.tgi_info.model() if api == "tgi" else self.tgi_info.configured
         return name or UNKNOWN_MODEL
 
     async def _read_audio(
@@ -184,7 +188,7 @@ class Proxy:
         # vLLM serves the request's model or, with none, its own: the one upstream.model_name
         # names (a model past the head is one vLLM serves, else it refuses the request).
         served = await self._served_model(info)
-        model = served or info.model or self.tgi_name.configured
+        model = served or info.model or self.tgi_info.configured
         ex = new_exchange(request, info, path, model, size, principal, self.s, self.deps)
         ex.served_model = served
         return await self._metered(request, ex, held)

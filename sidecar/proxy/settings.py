@@ -1,7 +1,8 @@
 """What the core hands the proxy once, at start (sidecar/core/app.py).
 
 Owns: the proxy's settings (`ProxySettings`), the parts it calls (`ProxyDeps`), and the model name
-of an upstream whose requests name none (`TgiModelName`: TGI's /info, or `upstream.model_name`).
+of an upstream whose requests name none and TGI's own output limit (`TgiInfo`: TGI's /info, or
+`upstream.model_name`).
 Never: changes after start, reads config files or the environment, or answers a request.
 """
 
@@ -29,37 +30,66 @@ from .upstream import Upstream
 log = logging.getLogger("tollbooth.proxy")
 
 
-class TgiModelName:
-    """`model_id` from the upstream's /info, fetched once and again after a failure."""
+class TgiInfo:
+    """TGI's /info: the model it serves (`model_id`) and the longest sequence it runs
+    (`max_total_tokens`: a request that sets no output limit may generate up to it, less its
+    prompt; router/src/validation.rs `validate_input`). Read on first need and again after a
+    failure (not within RETRY_S of it); the limit again once it is FRESH_S old (a TGI restarted
+    with a longer --max-total-tokens behind a running sidecar), the last one read kept while a
+    new read fails."""
 
     RETRY_S = 5.0
+    FRESH_S = 60.0
 
     def __init__(self, upstream: Upstream, configured: str | None):
         self._upstream = upstream
         self._name = configured
         self.configured = configured  # upstream.model_name, as the operator set it
+        self._total: int | None = None
         self._lock = asyncio.Lock()
+        self._read_at = -1e9
         self._failed_at = -1e9
 
-    async def get(self) -> str | None:
-        if self._name or time.monotonic() - self._failed_at < self.RETRY_S:
-            return self._name
-        async with self._lock:
-            if not self._name:
-                await self._fetch()
+    async def model(self) -> str | None:
+        """The served model: upstream.model_name when set, else /info's `model_id`."""
+        if not self._name and not self._resting():
+            await self._read(lambda: not self._name)
         return self._name
+
+    async def max_total_tokens(self) -> int | None:
+        """/info's `max_total_tokens`, or None while it cannot be read (or is no positive
+        integer)."""
+        if not self._fresh() and not self._resting():
+            await self._read(lambda: not self._fresh())
+        return self._total
+
+    def _fresh(self) -> bool:
+        return self._total is not None and time.monotonic() - self._read_at < self.FRESH_S
+
+    def _resting(self) -> bool:
+        return time.monotonic() - self._failed_at < self.RETRY_S
+
+    async def _read(self, needed: Callable[[], bool]) -> None:
+        async with self._lock:
+            if needed() and not self._resting():  # not read (or failed) while this one waited
+                await self._fetch()
 
     async def _fetch(self) -> None:
         try:
             _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
             data = json.loads(body)
-            name = data.get("model_id") if isinstance(data, dict) else None
-            if isinstance(name, str) and name:
-                self._name = clean(name, MODEL_CHARS)  # the upstream's text: made safe here
-                return
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("upstream /info unavailable (%s); TGI model name unknown for now", exc)
-        self._failed_at = time.monotonic()
+            log.warning("upstream /info unavailable (%s); TGI model name and limit unknown", exc)
+            self._failed_at = time.monotonic()
+            return
+        data = data if isinstance(data, dict) else {}
+        name, total = data.get("model_id"), data.get("max_total_tokens")
+        if not self._name and isinstance(name, str) and name:
+            self._name = clean(name, MODEL_CHARS)  # the upstream's text: made safe here
+        if type(total) is int and total > 0:  # serde's usize: a JSON integer
+            self._total, self._read_at = total, time.monotonic()
+        if not self._name or type(total) is not int or total <= 0:
+            self._failed_at = time.monotonic()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +122,7 @@ class ProxyDeps:
     identity: Identity  # who is billed: a verified key, or the body's user
     users: LabelCap
     models: LabelCap
-    tgi_name: TgiModelName
+    tgi_info: TgiInfo  # TGI's served model and max_total_tokens
     gates: list[Gate] = field(default_factory=list)  # budgets, admission: may refuse a request
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)  # e.g. open a span
     counter: PromptCounter | None = None  # exact prompt size when the wire lacked usage
