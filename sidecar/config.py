@@ -38,6 +38,12 @@ class UpstreamConfig:
     # that repeats whatever name a request sends (api sglang; tgi, ahead of its /info) what
     # every request is priced at. Required with api sglang and prices by model.
     model_name: str | None = None
+    # How SGLang's /v1/messages counts a prompt's cache reads (api sglang only): "anthropic", as
+    # current SGLang does (input_tokens excludes cache_read_input_tokens, which is added to it),
+    # or "prompt", as older SGLang did (input_tokens is the whole prompt, the cache reads a part
+    # of it). The answer cannot tell them apart; "anthropic" never bills less than was served
+    # (an older SGLang's cache reads are then billed twice). docs/metrics.md.
+    sglang_messages_usage: Literal["anthropic", "prompt"] = "anthropic"
     connect_timeout_s: float = 5.0
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
     read_timeout_s: float = 600.0

@@ -26,7 +26,14 @@ from sidecar.billing.audit import redact
 from sidecar.credentials import ConflictingKeys, bearer, key_id
 from sidecar.exchange import Endpoint
 from sidecar.metering.counts import INVALID_USAGE, MAX_TOKEN_COUNT
-from sidecar.metering.wire import inspect_request, open_stream, tokenize_requests, usage_from_body
+from sidecar.metering.wire import (
+    SGLANG_PROMPT_USAGE,
+    inspect_request,
+    open_stream,
+    tokenize_requests,
+    usage_api,
+    usage_from_body,
+)
 from sidecar.proxy.headers import anthropic_error_body, request_headers
 from sidecar.telemetry.logs import redact_credentials
 from tests import simulated as sim
@@ -212,9 +219,9 @@ def test_an_input_of_0_in_message_start_is_no_count(
         assert (meter.finish()[1].input_tokens, meter.usage_so_far().output_tokens) == (12, 5)
 
 
-@pytest.mark.parametrize("api", ["sglang", "vllm"])
+@pytest.mark.parametrize("api", [SGLANG_PROMPT_USAGE, "vllm"])
 def test_sglangs_message_start_is_no_count_and_no_invalid_one(api: str) -> None:
-    """h-rev8: SGLang's message_start is `input_tokens: 0, cache_read_input_tokens: 0,
+    """h-rev8: an older SGLang's message_start is `input_tokens: 0, cache_read_input_tokens: 0,
     output_tokens: 0` (anthropic/serving.py `_generate_anthropic_stream`: the cache count is set
     to 0, not left out, so it is serialised). The placeholder input was dropped but its cache
     count of 0 kept, a part of no input: a stream cut before message_delta read as
@@ -234,7 +241,7 @@ def test_sglangs_message_start_is_no_count_and_no_invalid_one(api: str) -> None:
     )
     meter.feed(sse(_delta(input_tokens=100, output_tokens=5, cache_read_input_tokens=60)))
     done = meter.finish()[1]
-    inp = 100 if api == "sglang" else 160  # SGLang's input holds its cache reads (3d47e31)
+    inp = 100 if api == SGLANG_PROMPT_USAGE else 160  # the older SGLang's input holds them
     assert (done.input_tokens, done.cached_input_tokens, done.output_tokens) == (inp, 60, 5)
 
 
@@ -346,16 +353,22 @@ def test_a_body_with_cache_counts_input_once() -> None:
     assert (u.model, u.response_id, u.finish_reasons) == ("m", "msg_1", ("end_turn",))
 
 
-# SGLang's /v1/messages usage (anthropic/serving.py `_convert_response`, and `message_delta` in
-# `_generate_anthropic_stream`): `input_tokens` is the chat usage's whole `prompt_tokens`,
-# `cache_read_input_tokens` its `prompt_tokens_details.cached_tokens`, a part of it.
+# An older SGLang's /v1/messages usage (anthropic/serving.py `_convert_response`, and
+# `message_delta` in `_generate_anthropic_stream`): `input_tokens` is the chat usage's whole
+# `prompt_tokens`, `cache_read_input_tokens` its `prompt_tokens_details.cached_tokens`, a part of
+# it. A 100-token prompt with 60 cached is sent as input 100, cache reads 60.
 SGLANG_USAGE = {"input_tokens": 100, "output_tokens": 10, "cache_read_input_tokens": 60}
 
 
-@pytest.mark.parametrize(("api", "inp"), [("sglang", 100), ("vllm", 160), ("tgi", 160)])
+@pytest.mark.parametrize(
+    ("api", "inp"), [(SGLANG_PROMPT_USAGE, 100), ("sglang", 160), ("vllm", 160), ("tgi", 160)]
+)
 def test_cache_reads_are_added_to_the_input_by_the_servers_rule(api: str, inp: int) -> None:
-    """SGLang's input already holds its cache reads; Anthropic's rule (and llama.cpp's,
-    `to_json_anthropic`: `n_prompt_tokens - n_prompt_tokens_cache`) adds them."""
+    """An older SGLang's input already holds its cache reads (read so under
+    `upstream.sglang_messages_usage: prompt`); Anthropic's rule (current SGLang's, llama.cpp's,
+    `to_json_anthropic`: `n_prompt_tokens - n_prompt_tokens_cache`) adds them. The default on
+    `upstream.api: sglang` is Anthropic's, which bills an older SGLang's cached tokens twice
+    (160 for a 100-token prompt) where the other rule would under-bill a current one."""
     body = json.dumps({"type": "message", "usage": SGLANG_USAGE}).encode()
     end = sse(
         ("message_start", {"type": "message_start", "message": {"usage": SGLANG_USAGE}}),
@@ -392,12 +405,13 @@ def _both_paths(api: str, usage: dict[str, int]) -> list[Any]:
 
 
 def test_more_cache_reads_than_an_input_that_holds_them_is_invalid() -> None:
-    """h-rev8: on `upstream.api: sglang` the input is read as holding its cache reads (3d47e31),
-    so cache reads above it are more cached tokens than prompt tokens: invalid usage, as on the
-    OpenAI routes (docs/metrics.md). Before, they were measured and priced clamped: current
-    SGLang's input 40 beside 60 cache reads (a 100-token prompt) was billed as 40 input tokens,
-    all at the cached price, the 60 read from the cache free. Now charged as unmeasured."""
-    for u in _both_paths("sglang", CURRENT_SGLANG_USAGE):
+    """h-rev8: under `upstream.sglang_messages_usage: prompt` the input is read as holding its
+    cache reads (3d47e31), so cache reads above it are more cached tokens than prompt tokens:
+    invalid usage, as on the OpenAI routes (docs/metrics.md). Before, they were measured and
+    priced clamped: current SGLang's input 40 beside 60 cache reads (a 100-token prompt) was
+    billed as 40 input tokens, all at the cached price, the 60 read from the cache free. Now
+    charged as unmeasured (a current SGLang named the older one by mistake)."""
+    for u in _both_paths(SGLANG_PROMPT_USAGE, CURRENT_SGLANG_USAGE):
         assert (u.input_tokens, u.cached_input_tokens, u.unknown_reason) == (
             None,
             None,
@@ -405,20 +419,39 @@ def test_more_cache_reads_than_an_input_that_holds_them_is_invalid() -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="h-rev8 finding 5: SGLang changed its Messages input_tokens from the whole prompt "
-    "(3d47e31's rule) to Anthropic's (prompt - cached, response_conversion.py); from the wire the "
-    "two cannot be told apart while the cache reads are at most the input",
+@pytest.mark.parametrize(
+    ("usage", "counts"),
+    [
+        ({"input_tokens": 70, "output_tokens": 10, "cache_read_input_tokens": 30}, (100, 30)),
+        (CURRENT_SGLANG_USAGE, (100, 60)),
+        ({"input_tokens": 0, "output_tokens": 10, "cache_read_input_tokens": 100}, (100, 100)),
+        ({"input_tokens": 100, "output_tokens": 10}, (100, None)),  # no cache report
+    ],
 )
-def test_current_sglangs_input_excludes_its_cache_reads() -> None:
-    """Current SGLang sends a 100-token prompt with 30 cached as input 70, cache reads 30
-    (Anthropic's rule); `upstream.api: sglang` reads it as a 70-token prompt, 30 of it cached:
-    30 tokens fewer billed and 30 of those at the cached price. An SGLang before the change sent
-    input 100, cache reads 30 for the same prompt, which this rule reads right."""
-    usage = {"input_tokens": 70, "output_tokens": 10, "cache_read_input_tokens": 30}
+def test_current_sglangs_input_excludes_its_cache_reads(
+    usage: dict[str, int], counts: tuple[int, int | None]
+) -> None:
+    """h-rev8 finding 5: current SGLang sends a 100-token prompt with 30 cached as input 70,
+    cache reads 30 (Anthropic's rule). `upstream.api: sglang` read it as a 70-token prompt, 30
+    of it cached: 30 tokens fewer billed and 30 of those at the cached price (and 40 beside 60
+    as invalid usage). Now Anthropic's rule is the default there, as on every other server:
+    100 input tokens, 30 of them cached. (An older SGLang, which sent input 100, cache reads 30
+    for the same prompt, is named with `upstream.sglang_messages_usage: prompt`.)"""
     for u in _both_paths("sglang", usage):
-        assert (u.input_tokens, u.cached_input_tokens) == (100, 30)
+        assert (u.input_tokens, u.cached_input_tokens, u.output_tokens) == (*counts, 10)
+        assert u.unknown_reason is None
+
+
+def test_only_sglangs_messages_take_the_configured_rule() -> None:
+    """`upstream.sglang_messages_usage: prompt` names the older rule for SGLang's /v1/messages
+    alone: its /generate and OpenAI routes, and every other server, are read as before."""
+    assert usage_api(EP, "sglang", "prompt") == SGLANG_PROMPT_USAGE
+    assert usage_api(EP, "sglang", "anthropic") == "sglang"
+    assert usage_api(EP, "sglang") == "sglang"  # the default: Anthropic's rule
+    for endpoint in (Endpoint.TGI_GENERATE, Endpoint.CHAT, Endpoint.COMPLETIONS):
+        assert usage_api(endpoint, "sglang", "prompt") == "sglang"
+    for api in ("vllm", "tgi"):
+        assert usage_api(EP, api, "prompt") == api
 
 
 def test_errors_in_a_body_and_in_a_stream() -> None:
@@ -561,7 +594,7 @@ LEDGER = "user, input_tokens, cached_input_tokens, output_tokens, status"
 
 
 async def sglang_messages(request: web.Request) -> web.Response:
-    """SGLang's /v1/messages answer (python/sglang/srt/entrypoints/anthropic/serving.py
+    """An older SGLang's /v1/messages answer (python/sglang/srt/entrypoints/anthropic/serving.py
     `_convert_response`): `input_tokens` is the chat response's `usage.prompt_tokens`, the whole
     prompt, cached part included, and `cache_read_input_tokens` its `prompt_tokens_details.
     cached_tokens` (with --enable-cache-report), a part of that same prompt: 100 prompt tokens
@@ -594,14 +627,16 @@ async def test_sglang_messages_cache_reads_are_counted_twice(
     once at the cached), and a ledger count that was never measured; llama.cpp's and
     Anthropic's own `input_tokens` do exclude the cache reads (llama.cpp server-task.cpp
     `to_json_anthropic`: `n_prompt_tokens - n_prompt_tokens_cache`), so the rule is the
-    server's, not the wire's. (From the rev6 review.)"""
+    server's, not the wire's. (From the rev6 review.) Current SGLang excludes them too
+    (h-rev8): the older rule is named with `upstream.sglang_messages_usage: prompt`."""
+    upstream = {"api": "sglang", "model_name": SIM_MODEL, "sglang_messages_usage": "prompt"}
     run, db = await sim.start_fake(
         start_sidecar,
         aiohttp_server,
         tmp_path,
         ("/v1/messages", sglang_messages),
         pricing=sim.prices(SIM_MODEL),
-        upstream={"api": "sglang", "model_name": SIM_MODEL},
+        upstream=upstream,
     )
     body = {"model": SIM_MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": PROMPT}]}
     async with (
@@ -612,6 +647,76 @@ async def test_sglang_messages_cache_reads_are_counted_twice(
         await r.read()
     await wait_for(lambda: len(sim.ledger_rows(db, LEDGER)) == 1, "the ledger row")
     assert sim.ledger_rows(db, LEDGER) == [("sm", 100, 60, 10, "200")]
+
+
+# Current SGLang's /v1/messages (anthropic/response_conversion.py `anthropic_usage_from_openai`):
+# a 100-token prompt with 30 cached, 10 generated. The body's usage is input 70 (prompt less
+# cached), cache reads 30; a stream's message_start carries the input and cache counts and its
+# message_delta the output alone.
+CURRENT_USAGE = {"input_tokens": 70, "output_tokens": 10, "cache_read_input_tokens": 30}
+# $1000 a million input tokens, $100 cached, $2000 output: each count shows in the cost.
+CACHED_PRICES = {
+    "models": {
+        SIM_MODEL: {"input_per_1m": 1000.0, "cached_input_per_1m": 100.0, "output_per_1m": 2000.0}
+    }
+}
+
+
+def _current_sglang_stream() -> bytes:
+    start = {"input_tokens": 70, "output_tokens": 0, "cache_read_input_tokens": 30}
+    message = {"id": "msg_c", "type": "message", "role": "assistant", "content": []}
+    message |= {"model": SIM_MODEL, "usage": start}
+    block = {"type": "content_block_delta", "index": 0, "delta": {"text": "x "}}
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    return sse(
+        ("message_start", {"type": "message_start", "message": message}),
+        *[("content_block_delta", block)] * 10,
+        ("message_delta", {**delta, "usage": {"output_tokens": 10}}),
+        ("message_stop", {"type": "message_stop"}),
+    )
+
+
+async def current_sglang_messages(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    if not body.get("stream"):
+        answer = {"id": "msg_c", "type": "message", "role": "assistant", "model": SIM_MODEL}
+        answer |= {"content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn"}
+        return web.json_response(answer | {"usage": CURRENT_USAGE})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_current_sglang_stream())
+    return resp
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_current_sglangs_cache_reads_are_billed_beside_its_input(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, stream: bool
+) -> None:
+    """h-rev8 finding 5, through the sidecar with the default `upstream.sglang_messages_usage`:
+    current SGLang's input 70 beside 30 cache reads is a 100-token prompt, 30 of it cached:
+    $0.093 (70 at $1000 a million, 30 at $100, 10 output at $2000). Before, the ledger had 70
+    input tokens, 30 cached, and $0.063: the 30 cached tokens' full-price share unbilled."""
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/v1/messages", current_sglang_messages),
+        pricing=CACHED_PRICES,
+        upstream={"api": "sglang", "model_name": SIM_MODEL},
+    )
+    body = {"model": SIM_MODEL, "max_tokens": 10, "stream": stream}
+    body["messages"] = [{"role": "user", "content": PROMPT}]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/messages", json=body, headers={"X-Tollbooth-User": "sc"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    rows = LEDGER + ", cost_usd"
+    await wait_for(lambda: len(sim.ledger_rows(db, rows)) == 1, "the ledger row")
+    ((*counts, cost),) = sim.ledger_rows(db, rows)
+    assert tuple(counts) == ("sc", 100, 30, 10, "200")
+    assert cost == pytest.approx(0.093)
 
 
 def _sglang_stream(usage: dict[str, int] | None, tokens: int = 20) -> bytes:

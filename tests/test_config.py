@@ -149,6 +149,11 @@ def test_defaults_without_a_file() -> None:
             "config 'metering.free_routes' has value 'tokenize': each route must start with '/'",
         ),
         ("metering:\n  unknown_routes: allow\n", "expected one of forward, refuse"),
+        (
+            "upstream:\n  sglang_messages_usage: whole\n",
+            "config 'upstream.sglang_messages_usage' has value 'whole': expected one of "
+            "anthropic, prompt",
+        ),
         ("- a list\n", "must hold a mapping"),
         ("upstream: [\n", "is not valid YAML"),
     ],

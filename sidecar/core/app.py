@@ -180,6 +180,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
             else 0
         ),
         api=up.api,
+        sglang_messages_usage=up.sglang_messages_usage,
         continuous_usage=metering.continuous_usage and up.api == "vllm",
         free_routes=frozenset(routing_path(r) for r in metering.free_routes),
         refuse_unknown_routes=metering.unknown_routes == "refuse",

@@ -6,9 +6,10 @@ size of `system`, `messages` and `tools`), usage from a Messages body and from i
 that turns Anthropic's usage into ours: Anthropic's `input_tokens` EXCLUDES the prompt's cache
 reads and cache writes, so our input is `input_tokens + cache_read_input_tokens +
 cache_creation_input_tokens` and our cached input is `cache_read_input_tokens` (a part of it,
-priced at the cached price; docs/metrics.md). SGLang's rule is the other one: its `input_tokens`
-is the chat usage's whole `prompt_tokens`, the cache reads a part of it (anthropic/serving.py
-`_convert_response`), so on `upstream.api: sglang` the input is `input_tokens` as sent.
+priced at the cached price; docs/metrics.md). Current SGLang follows it too; an older SGLang
+followed the other one (`cache_in_input`): its `input_tokens` was the chat usage's whole
+`prompt_tokens`, the cache reads a part of it (anthropic/serving.py `_convert_response`), read
+as sent under `upstream.sglang_messages_usage: prompt`.
 Never: changes a Messages request or response (nothing is injected: the wire always carries its
 usage), counts stream events as tokens, or invents a count. A count that cannot be read is None.
 """
@@ -52,7 +53,7 @@ _PROMPT_PARTS = (_CACHE_READ, _CACHE_WRITE)
 class AnthropicAdapter(reqsize.ReadOnly):
     """`/v1/messages` on any server: the format is Anthropic's, whoever serves it (and a
     Messages prompt is never token ids). `cache_in_input`: the server's `input_tokens` already
-    holds the cache reads (SGLang's), else they are added to it (Anthropic's rule)."""
+    holds the cache reads (an older SGLang's), else they are added to it (Anthropic's rule)."""
 
     def __init__(self, *, cache_in_input: bool = False) -> None:
         self.cache_in_input = cache_in_input
@@ -134,7 +135,7 @@ def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool =
         return replace(base, unknown_reason=INVALID_USAGE)  # a part of no input count
     if cache_in_input and inp is not None and (read or 0) > inp:
         # more cached than the prompt that holds them (as on the OpenAI routes): the server
-        # may follow Anthropic's rule after all (SGLang since response_conversion.py)
+        # follows Anthropic's rule after all (current SGLang, named the older one's by config)
         return replace(base, unknown_reason=INVALID_USAGE)
     total = None if inp is None else inp + (0 if cache_in_input else (read or 0) + (write or 0))
     both = total is not None and out is not None

@@ -107,6 +107,11 @@ class WireAdapter(Protocol):
 # registers its routes (and, where it shares a path with another, its server: SGLang's /generate
 # is TGI's path) and touches nothing else.
 _ROUTES: dict[tuple[Endpoint, str | None], WireAdapter] = {}
+# The Messages usage of an SGLang that built it from its chat usage as it is (`input_tokens` the
+# whole prompt, the cache reads a part of it), registered as a server of its own: an operator
+# names it with `upstream.sglang_messages_usage: prompt` (`usage_api`). Current SGLang follows
+# Anthropic's rule (docs/metrics.md).
+SGLANG_PROMPT_USAGE = "sglang/prompt-usage"
 _OPENAI_ROUTES = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES)
 _TGI_ROUTES = tuple(e for e in Endpoint if e.is_tgi_native)
 
@@ -120,8 +125,8 @@ def register(adapter: WireAdapter, routes: Iterable[Endpoint], api: str | None =
 register(OpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "vllm")
 register(TGIOpenAIAdapter(fast_chat=FastChatStream), _OPENAI_ROUTES, "tgi")
 register(TGIAdapter(), _TGI_ROUTES)
-register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server
-register(AnthropicAdapter(cache_in_input=True), (Endpoint.MESSAGES,), "sglang")  # its own rule
+register(AnthropicAdapter(), (Endpoint.MESSAGES,))  # the same wire on every server, SGLang's too
+register(AnthropicAdapter(cache_in_input=True), (Endpoint.MESSAGES,), SGLANG_PROMPT_USAGE)
 register(PoolingAdapter(), POOLING_ROUTES)  # vLLM's; on any server (none other serves them)
 register(AudioAdapter(), AUDIO_ROUTES)  # multipart requests: read by proxy/audio.py
 register(LlamaCppAdapter(), (Endpoint.LLAMA_COMPLETION, Endpoint.LLAMA_INFILL))
@@ -134,6 +139,14 @@ _FALLBACK = _ROUTES[Endpoint.CHAT, "vllm"]
 def adapter_for(endpoint: Endpoint, api: str = "vllm") -> WireAdapter:
     """The adapter that reads `endpoint` on server `api` ("vllm" or "tgi")."""
     return _ROUTES.get((endpoint, api)) or _ROUTES.get((endpoint, None)) or _FALLBACK
+
+
+def usage_api(endpoint: Endpoint, api: str, sglang_messages_usage: str = "anthropic") -> str:
+    """The server whose adapter reads the usage of `endpoint` on server `api`: `api` itself, but
+    SGLANG_PROMPT_USAGE for SGLang's /v1/messages when `upstream.sglang_messages_usage` says
+    `prompt`."""
+    older = api == "sglang" and sglang_messages_usage == "prompt"
+    return SGLANG_PROMPT_USAGE if older and endpoint is Endpoint.MESSAGES else api
 
 
 def inspect_request(

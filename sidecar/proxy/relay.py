@@ -23,7 +23,13 @@ from multidict import CIMultiDict
 
 from ..exchange import STATUS_CLIENT_CLOSED, Endpoint, Exchange, Usage, prompt_choices
 from ..metering.meter import price_cost
-from ..metering.wire import StreamMeter, open_stream, usage_from_body, within_request
+from ..metering.wire import (
+    StreamMeter,
+    open_stream,
+    usage_api,
+    usage_from_body,
+    within_request,
+)
 from ..telemetry.metrics import LabelCap, Metrics
 from .finishers import stream_usage, tokenize_auth, with_prompt_count
 from .headers import BUDGET_HEADER, decoded, response_headers
@@ -78,7 +84,7 @@ async def buffered(
             ex.endpoint,
             plain,
             up.headers,
-            api=ex.info.api or s.api,
+            api=usage_api(ex.endpoint, ex.info.api or s.api, s.sglang_messages_usage),
             sequences=ex.info.choices,
             per_prompt=prompt_choices(ex.info),
         )
@@ -110,7 +116,7 @@ async def stream(
         choices=info.choices,
         per_prompt=prompt_choices(info),
         max_event_bytes=s.max_event_bytes,
-        api=info.api or s.api,
+        api=usage_api(ex.endpoint, info.api or s.api, s.sglang_messages_usage),
     )
     headers = _headers(up, ex, drop_length=True)
     resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)

@@ -100,6 +100,7 @@ class ProxySettings:
     capture_bytes: int  # audit text capture: keep up to this many response bytes
     authorization: str | None  # the upstream's key (upstream.api_key_env), never logged
     api: str
+    sglang_messages_usage: str  # "anthropic" or "prompt": SGLang's Messages usage rule
     continuous_usage: bool  # ask vLLM for running totals on every chunk (cut back out)
     free_routes: frozenset[str]  # unmetered POSTs that generate nothing
     refuse_unknown_routes: bool
