@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.metering.sglang import stated_default
 from tests import simulated as sim
@@ -77,6 +79,29 @@ def test_an_answer_that_is_no_json_states_nothing() -> None:
     assert stated_default(json.dumps(info(10**40)).encode()) is None  # a string: no JSON object
     huge = json.dumps(info(json.dumps({"max_new_tokens": 10**40}))).encode()
     assert stated_default(huge) == 10**40  # held at the budget's largest (and refused there)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(value=_JSON, as_text=st.booleans(), extra=st.dictionaries(st.text(max_size=8), _JSON))
+def test_whatever_the_server_states_is_a_count_or_unknown(
+    value: Any, as_text: bool, extra: dict[str, Any]
+) -> None:
+    """Never an exception and never a fraction; a positive default only from a JSON integer."""
+    preferred: Any = {**extra, "max_new_tokens": value}
+    if as_text:
+        preferred = json.dumps(preferred, allow_nan=True)
+    read = stated_default(json.dumps(info(preferred), allow_nan=True).encode())
+    assert read is None or (type(read) is int and read >= 0)
+    if read:
+        assert read == value and type(value) is int
 
 
 class FakeSGLang:
