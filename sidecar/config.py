@@ -227,7 +227,8 @@ class BudgetConfig:
     # The budget day starts at this hour, UTC.
     day_start_hour_utc: int = 0
     # Output tokens reserved for a request that sets no max_tokens (its worst case is unbounded);
-    # TGI's own limit in its place where TGI reports it (its /info max_total_tokens).
+    # the server's own in its place where it reports one (TGI's /info max_total_tokens, the
+    # default max_new_tokens of SGLang's /generate at its /model_info).
     default_max_output_tokens: int = 4096
     # An audio request's hold: its upload (Content-Length, else server.max_audio_body_bytes)
     # counted as one second of audio per this many bytes, at the model's audio price. 500 bytes

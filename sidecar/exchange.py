@@ -173,6 +173,11 @@ class RequestInfo:
     # Also the output an unmeasured request is charged at when its stream showed more output
     # than its hold's limit (`budget.Budgets.unmeasured_usd`).
     output_cap: int | None = None
+    # SGLang's /generate with a prompt that sets no max_new_tokens (`max_tokens` then None): it
+    # runs to the server's own default, which the proxy reads (`Exchange.server_limit`); this is
+    # the largest limit its other prompts set, held beside that one (0: none sets one). None
+    # when every prompt sets one, or one sets no limit at all.
+    limit_beside_default: int | None = None
     ambiguous: str | None = None  # why no route can be told for this body (refused with 400)
     # The server a shared path's body was told to be for (SGLang's /generate is TGI's path): its
     # adapter reads the response. None: the configured `upstream.api`'s.
@@ -280,9 +285,11 @@ class Exchange:
     # measured); the ledger keeps it so that a restart restores it (None: no hold)
     budget_charge_usd: float | None = None
     # The output limit its server applies to a request that sets none, as the server reported
-    # it (TGI: /info's max_total_tokens, `metering.tgi.runs_to_max_total`): its budget hold's
-    # output limit in place of budgets.default_max_output_tokens. `server_limit_unknown`: the
-    # server applies one it could not be asked for now (refused while budgets are enforced).
+    # it (TGI: /info's max_total_tokens, `metering.tgi.runs_to_max_total`; SGLang's /generate:
+    # its default max_new_tokens, `metering.sglang.stated_default`, or the larger limit another
+    # prompt of the batch sets): its budget hold's output limit in place of
+    # budgets.default_max_output_tokens. `server_limit_unknown`: the server applies one it could
+    # not be asked for now (refused while budgets are enforced).
     server_limit: int | None = None
     server_limit_unknown: bool = False
     # Events of its stream that carried output, when its usage was read from the meter

@@ -50,7 +50,7 @@ def info(body: dict[str, Any], api: str = "vllm") -> Any:
 @pytest.mark.parametrize(
     ("body", "limit", "choices"),
     [
-        ({"text": "a"}, 128, 1),  # SamplingParams' default max_new_tokens
+        ({"text": "a"}, None, 1),  # the server's default max_new_tokens (below)
         ({"text": "a", "sampling_params": {"max_new_tokens": 9}}, 9, 1),
         ({"text": "a", "sampling_params": {"max_new_tokens": None}}, None, 1),
         ({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4}}, 4, 2),
@@ -65,39 +65,42 @@ def test_an_sglang_body_is_read_as_sglang_reads_it(
     body: dict[str, Any], limit: int | None, choices: int
 ) -> None:
     got = info(body)
-    cap = limit if "sampling_params" in body else None  # the default caps nothing (below)
     assert (got.api, got.max_tokens, got.output_cap, got.choices) == (
         "sglang",
         limit,
-        cap,
+        limit,
         choices,
     )
+    assert got.limit_beside_default == (None if "sampling_params" in body else 0)
     assert got.body == json.dumps(body).encode()  # never changed
 
 
 @pytest.mark.parametrize(
-    ("params", "cap"),
+    ("params", "cap", "beside"),
     [
-        (None, None),
-        ({"temperature": 0.5}, None),
-        ({"max_new_tokens": 9}, 9),
-        ([{"max_new_tokens": 9}, {"temperature": 0.5}], None),  # one prompt of the batch: none
-        ([{"max_new_tokens": 9}, {"max_new_tokens": 4}], 9),
+        (None, None, 0),
+        ({"temperature": 0.5}, None, 0),
+        ({"max_new_tokens": 9}, 9, None),
+        ([{"max_new_tokens": 9}, {"temperature": 0.5}], None, 9),  # one prompt of the batch: none
+        ([{"max_new_tokens": 9}, {"max_new_tokens": 4}], 9, None),
+        ([{"max_new_tokens": None}, {"temperature": 0.5}], None, None),  # one without any limit
     ],
 )
-def test_an_absent_max_new_tokens_holds_the_default_and_caps_no_count(
-    params: Any, cap: int | None
+def test_an_absent_max_new_tokens_is_the_servers_default_and_caps_no_count(
+    params: Any, cap: int | None, beside: int | None
 ) -> None:
     """An absent max_new_tokens is the server's default: 128 unless SGLang was started with
     --preferred-sampling-params (tokenizer_manager.py `_create_tokenized_object`:
     `{**self.preferred_sampling_params, **obj.sampling_params}`). Before, 128 was the cap on
     counted output too: 600 tokens measured on such a server were invalid usage, and the budget
-    charged the 128-token hold, $0.266 for $1.209 (h-rev6). It holds 128; it caps nothing."""
+    charged the 128-token hold, $0.266 for $1.209 (h-rev6). It caps nothing; the hold reads the
+    server's default (`test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_
+    default`) beside the largest limit the batch's other prompts set."""
     body: dict[str, Any] = {"text": ["a", "b"] if isinstance(params, list) else "a"}
     if params is not None:
         body["sampling_params"] = params
     read = info(body, api="sglang")
-    assert read.output_cap == cap
+    assert (read.output_cap, read.limit_beside_default) == (cap, beside)
     usage = within_request(Usage(input_tokens=9, output_tokens=600 * read.choices), read)
     assert usage.output_tokens == (None if cap else 600 * read.choices)
 
@@ -273,6 +276,32 @@ async def test_a_burst_against_a_small_budget_is_held(
     await sim.assert_burst_held(
         run, db, COLUMNS, "dee", limit, statuses, lambda r: sim.token_cost(r[2], r[3])
     )
+
+
+async def test_a_body_without_a_limit_is_served_with_budgets_on(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """The simulator answers /model_info as an SGLang without --preferred-sampling-params: the
+    hold reads its 128 (else such a request would be refused, its default unknown) and the
+    measured counts are charged."""
+    run, _ = await _start(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        budgets={"user_daily_usd": 5.0},
+        upstream={"api": "sglang", "model_name": SIM_MODEL},
+    )
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            run.url + "/generate", json={"text": PROMPT}, headers={"X-Tollbooth-User": "eve"}
+        ) as r,
+    ):
+        assert r.status == 200
+        out = (await r.json())["meta_info"]["completion_tokens"]
+    assert 0 < out <= 128
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert run.sc.budgets.store.spent["user:eve"] / 1e6 == pytest.approx(sim.token_cost(6, out))
 
 
 # --- PUT, which SGLang serves as POST ------------------------------------------------------------
@@ -499,20 +528,16 @@ async def sglang_preferred_default(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="h-rev8 finding 3: an absent max_new_tokens holds SGLang's 128 though the server may "
-    "default to more (--preferred-sampling-params, stated by /get_model_info); unmeasured, only "
-    "the 128-token hold is charged",
-)
 async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_default(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
 ) -> None:
     """2a1e97b stopped capping the count at 128 (the server may default to more), but an
-    unmeasured request is still charged its hold of 128: a client that sends no max_new_tokens
+    unmeasured request was still charged its hold of 128: a client that sends no max_new_tokens
     to a server defaulting to 1000 and leaves a non-streamed /generate just before its answer
-    (SGLang generates on until it notices the disconnect) is charged 128 tokens of output
-    where the server may have made 1000: observed $0.263 charged, the 1000 tokens alone $2.00."""
+    (SGLang generates on until it notices the disconnect) was charged 128 tokens of output
+    where the server may have made 1000: $0.263 charged, the 1000 tokens alone $2.00 (h-rev8
+    finding 3). The hold now reads the server's default from /get_model_info: (7 + 1000)
+    tokens, $2.007 (tests/test_sglang_limit.py: the values that cannot be read)."""
     app = web.Application()
     app.router.add_post("/generate", sglang_preferred_default)
     app.router.add_get("/get_model_info", sglang_preferred_default)
@@ -537,4 +562,4 @@ async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_de
     await wait_for(lambda: "user:lo" in run.sc.budgets.store.spent, "the charge")
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
     spent = run.sc.budgets.store.spent["user:lo"] / 1e6
-    assert spent >= sim.token_cost(0, PREFERRED)
+    assert spent == pytest.approx(sim.token_cost(7, PREFERRED))  # ceil(27 / 4) prompt tokens

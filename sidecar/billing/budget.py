@@ -387,7 +387,7 @@ class Budgets:
         """The output one choice is held at: `held_output`, else the limit its server applies to
         a request that sets none (TGI's max_total_tokens, whole: its prompt, which TGI's limit
         leaves out, is only estimated here, and an estimate above the count would hold less
-        than TGI may run), else the default."""
+        than TGI may run; SGLang's default max_new_tokens), else the default."""
         limit = held_output(ex.info)
         if limit is None:
             limit = ex.server_limit
@@ -448,15 +448,16 @@ class Budgets:
                 f"'{ex.info.unreadable[0]}' must be a non-negative integer, under the "
                 "name the API gives it (a Go server reads 'MAX_TOKENS' as 'max_tokens')",
             )
-        if ex.server_limit_unknown:  # held at the default, TGI may run far past it
+        if ex.server_limit_unknown:  # held at the default, the server may run far past it
             raise Refusal(
                 503,
                 "upstream_limit_unknown",
                 "with budgets enforced, a request without an output limit is held at the "
-                "server's own (TGI's max_total_tokens, from its /info), which cannot be read "
-                "now; set 'parameters.max_new_tokens' ('max_tokens' on the OpenAI routes) or "
-                "try again shortly",
-                retry_after=5,  # TgiInfo.RETRY_S: /info is asked again after it
+                "server's own (TGI's max_total_tokens, from its /info; SGLang's default "
+                "max_new_tokens, from its /model_info), which cannot be read now; set "
+                "'parameters.max_new_tokens' ('sampling_params.max_new_tokens' on SGLang, "
+                "'max_tokens' on the OpenAI routes) or try again shortly",
+                retry_after=5,  # TgiInfo.RETRY_S, SGLangDefault.RETRY_S: asked again after it
             )
         hold = Hold(
             ex.uid,

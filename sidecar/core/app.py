@@ -31,7 +31,7 @@ from ..proxy.finishers import PromptCounter
 from ..proxy.handler import Proxy
 from ..proxy.identity import Identity, upstream_authorization
 from ..proxy.routes import routing_path
-from ..proxy.settings import ProxyDeps, ProxySettings, TgiInfo
+from ..proxy.settings import ProxyDeps, ProxySettings, SGLangDefault, TgiInfo
 from ..proxy.upstream import Upstream
 from ..telemetry import exposition as held
 from ..telemetry.health import UpstreamProbe, readiness
@@ -209,6 +209,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         users=sc.users,
         models=sc.models,
         tgi_info=TgiInfo(upstream, up.model_name),
+        sglang_default=SGLangDefault(upstream),
         gates=sc.gates,
         on_start=sc.on_start,
         counter=PromptCounter(upstream, up.api, sc.metrics),

@@ -1,18 +1,20 @@
 """SGLang's native `/generate` (TGI's path: `wire.inspect_request` tells the two apart).
 
 Owns: what an SGLang generate request asks for (`text`, `input_ids` or `input_embeds`, one or
-a batch; `sampling_params.max_new_tokens`, SGLang's default 128 when absent;
-`sampling_params.n`; `stream` as FastAPI's pydantic reads a bool), usage from a complete body
-(`meta_info.{prompt_tokens, completion_tokens, cached_tokens}`, one object or a list for a
-batch) and from its SSE stream, where every chunk carries its prompt's counts so far, then
-`data: [DONE]`.
+a batch; `sampling_params.max_new_tokens`, absent the server's own default: 128, or the one its
+/model_info states, `stated_default`; `sampling_params.n`; `stream` as FastAPI's pydantic reads
+a bool), usage from a complete body (`meta_info.{prompt_tokens, completion_tokens,
+cached_tokens}`, one object or a list for a batch) and from its SSE stream, where every chunk
+carries its prompt's counts so far, then `data: [DONE]`.
 Never: changes a byte. Formats: sglang `python/sglang/srt/entrypoints/http_server.py`
-(`generate_request`), `srt/managers/io_struct.py` (`GenerateReqInput`), `srt/managers/
-tokenizer_manager.py` (`meta_info`), `srt/sampling/sampling_params.py` (`max_new_tokens=128`).
+(`generate_request`, `model_info`), `srt/managers/io_struct.py` (`GenerateReqInput`),
+`srt/managers/tokenizer_manager.py` (`meta_info`, `preferred_sampling_params`),
+`srt/sampling/sampling_params.py` (`max_new_tokens=128`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +25,7 @@ from .counts import NO_COUNTS, Counts, body_results, counts_of, error_type, lax_
 from .reqsize import lax_int, prompt_chars
 from .stream import CountsStream
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit is this one
+DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: an absent limit's, without the flag
 
 
 class SGLangAdapter(reqsize.ReadOnly):
@@ -39,19 +41,20 @@ class SGLangAdapter(reqsize.ReadOnly):
         info.model = None
         params = obj.get("sampling_params")
         # a batch may give one sampling_params per prompt: the largest limit holds for all
-        given = params if isinstance(params, list) else [params]
-        read = [_limit(p if isinstance(p, dict) else {}) for p in given] or [_limit({})]
+        given = [p if isinstance(p, dict) else {} for p in _listed(params)] or [{}]
+        read = [_limit(p["max_new_tokens"]) for p in given if "max_new_tokens" in p]
         limits = [lim for lim, _ in read]
-        limit = None if None in limits else max(limits)  # type: ignore[type-var]
-        first = given[0] if given and isinstance(given[0], dict) else {}
+        top = 0 if None in limits else max(limits, default=0)  # type: ignore[type-var]
+        first = given[0]
         info.stream = lax_true(obj.get("stream"))
         info.user = clean_or_none(obj.get("user"), USER_CHARS)
-        info.max_tokens = limit
-        # An absent max_new_tokens is the server's default: 128 unless it was started with
-        # --preferred-sampling-params (tokenizer_manager.py: `{**self.preferred_sampling_params,
-        # **obj.sampling_params}`), so it holds 128 but caps no count the server reports.
-        explicit = all(isinstance(p, dict) and "max_new_tokens" in p for p in given)
-        info.output_cap = limit if explicit else None
+        # A prompt without max_new_tokens runs to the server's own default: 128 unless it was
+        # started with --preferred-sampling-params (tokenizer_manager.py: `{**self.
+        # preferred_sampling_params, **obj.sampling_params}`), which the proxy asks it for
+        # (`stated_default`); until then it has no limit here, and caps no count.
+        defaulted = len(read) < len(given)
+        info.max_tokens = info.output_cap = (top or None) if not defaulted else None
+        info.limit_beside_default = top if defaulted and None not in limits else None
         info.temperature = number(first.get("temperature"))
         info.prompt_chars = prompt_chars(obj)
         info.n = max(1, lax_int(first.get("n")) or 1)
@@ -81,17 +84,45 @@ class SGLangAdapter(reqsize.ReadOnly):
         return SGLangStream(endpoint, **options)
 
 
-def _limit(params: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
-    """`max_new_tokens`: absent is SGLang's default (128); null or below 1 no limit of its own."""
-    if "max_new_tokens" not in params:
-        return DEFAULT_MAX_NEW_TOKENS, ()
-    value = params["max_new_tokens"]
+def _listed(params: Any) -> list[Any]:
+    return params if isinstance(params, list) else [params]
+
+
+def _limit(value: Any) -> tuple[int | None, tuple[str, ...]]:
+    """A present `max_new_tokens`: null or below 1 no limit of its own."""
     if value is None:
         return None, ()
     read = value if type(value) is int else lax_int(value)
     if read is None:
         return None, ("max_new_tokens",)
     return (read if read > 0 else None), ()
+
+
+def stated_default(body: bytes) -> int | None:
+    """The max_new_tokens SGLang's /generate gives a prompt that sets none, from its GET
+    /model_info (/get_model_info before it, now its alias) answer: `preferred_sampling_params`,
+    the --preferred-sampling-params flag's JSON text as given (http_server.py `model_info`:
+    `server_args.preferred_sampling_params`; a router may answer a JSON object). Null, absent
+    (an SGLang before the flag) or without max_new_tokens: `DEFAULT_MAX_NEW_TOKENS`; its
+    max_new_tokens null or below 1: 0, no limit of its own (a body's is read so). None when it
+    cannot be read: the answer is no JSON object naming a `model_path`, the text no JSON
+    object, the count no JSON integer (SGLang's `SamplingParams` takes the value unchecked)."""
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict) or "model_path" not in data:
+            return None
+        stated = data.get("preferred_sampling_params")
+        stated = json.loads(stated) if isinstance(stated, str) and stated else stated
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError among them
+        return None
+    if stated is None or stated == "":  # SGLang reads an empty flag as none
+        return DEFAULT_MAX_NEW_TOKENS
+    if not isinstance(stated, dict):
+        return None
+    value = stated.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if value is None:
+        return 0
+    return max(value, 0) if type(value) is int else None
 
 
 def _prompts(obj: Mapping[str, Any]) -> int:

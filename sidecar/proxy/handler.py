@@ -81,6 +81,7 @@ class Proxy:
         self.metrics = metrics = deps.metrics
         self.meter = deps.meter
         self.tgi_info = deps.tgi_info
+        self.sglang_default = deps.sglang_default
         self.gates = deps.gates
         self.on_start = deps.on_start
         self.counter = deps.counter
@@ -153,6 +154,11 @@ class Proxy:
         if runs_to_max_total(info, self.s.api):  # its hold's output limit (docs/budgets.md)
             ex.server_limit = await self.tgi_info.max_total_tokens()
             ex.server_limit_unknown = ex.server_limit is None
+        elif info.limit_beside_default is not None:  # SGLang's /generate: the server's default
+            default = await self.sglang_default.max_new_tokens()
+            ex.server_limit_unknown = default is None
+            if default:  # 0: no limit of its own, held at the budget's default
+                ex.server_limit = max(default, info.limit_beside_default)
         return await self._metered(request, ex, held)
 
     async def _served_model(self, info: RequestInfo) -> str | None:

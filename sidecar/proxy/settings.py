@@ -1,8 +1,8 @@
 """What the core hands the proxy once, at start (sidecar/core/app.py).
 
-Owns: the proxy's settings (`ProxySettings`), the parts it calls (`ProxyDeps`), and the model name
+Owns: the proxy's settings (`ProxySettings`), the parts it calls (`ProxyDeps`), the model name
 of an upstream whose requests name none and TGI's own output limit (`TgiInfo`: TGI's /info, or
-`upstream.model_name`).
+`upstream.model_name`), and SGLang's default max_new_tokens (`SGLangDefault`: its /model_info).
 Never: changes after start, reads config files or the environment, or answers a request.
 """
 
@@ -19,6 +19,7 @@ import aiohttp
 
 from ..exchange import Exchange, Gate
 from ..metering.meter import Meter
+from ..metering.sglang import stated_default
 from ..telemetry.metrics import LabelCap, Metrics
 from ..text import MODEL_CHARS, clean
 from .audio import AudioLimits
@@ -92,6 +93,52 @@ class TgiInfo:
             self._failed_at = time.monotonic()
 
 
+class SGLangDefault:
+    """The max_new_tokens SGLang's /generate gives a prompt that sets none, as its GET
+    /model_info states it (`metering.sglang.stated_default`; an SGLang without that path is
+    asked /get_model_info, its older name). Read on first need, again once FRESH_S old (an
+    SGLang restarted with other --preferred-sampling-params), not within RETRY_S of a failure;
+    the last value read is kept while a new read fails."""
+
+    RETRY_S = 5.0
+    FRESH_S = 60.0
+
+    def __init__(self, upstream: Upstream):
+        self._upstream = upstream
+        self._value: int | None = None
+        self._lock = asyncio.Lock()
+        self._read_at = -1e9
+        self._failed_at = -1e9
+
+    async def max_new_tokens(self) -> int | None:
+        """The default (0: no limit of its own), or None while it cannot be read."""
+        if not self._fresh() and time.monotonic() - self._failed_at >= self.RETRY_S:
+            async with self._lock:
+                if not self._fresh() and time.monotonic() - self._failed_at >= self.RETRY_S:
+                    await self._fetch()
+        return self._value
+
+    def _fresh(self) -> bool:
+        return self._value is not None and time.monotonic() - self._read_at < self.FRESH_S
+
+    async def _fetch(self) -> None:
+        value, why = None, "answered 404"
+        try:
+            for path in ("/model_info", "/get_model_info"):
+                status, body = await self._upstream.fetch("GET", path, timeout=2.0)
+                if status != 404:
+                    value = stated_default(body) if status == 200 else None
+                    why = f"{path} answered {status}" + (" unreadable" if status == 200 else "")
+                    break
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            why = f"unavailable ({exc!r})"
+        if value is None:
+            log.warning("upstream /model_info %s; SGLang's default max_new_tokens unknown", why)
+            self._failed_at = time.monotonic()
+        else:
+            self._value, self._read_at = value, time.monotonic()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProxySettings:
     upstream: str  # base URL without trailing slash
@@ -124,6 +171,7 @@ class ProxyDeps:
     users: LabelCap
     models: LabelCap
     tgi_info: TgiInfo  # TGI's served model and max_total_tokens
+    sglang_default: SGLangDefault  # SGLang's default max_new_tokens
     gates: list[Gate] = field(default_factory=list)  # budgets, admission: may refuse a request
     on_start: list[Callable[[Exchange], None]] = field(default_factory=list)  # e.g. open a span
     counter: PromptCounter | None = None  # exact prompt size when the wire lacked usage

@@ -698,6 +698,21 @@ async def ollama_embed(request: web.Request) -> web.Response:
 SGLANG_CACHE = web.AppKey("sglang_cache", list)
 
 
+async def sglang_model_info(request: web.Request) -> web.Response:
+    """GET /model_info (and /get_model_info) as an SGLang started without
+    --preferred-sampling-params answers it: an absent max_new_tokens is 128 here too."""
+    s = request.app[SETTINGS]
+    return web.json_response(
+        {
+            "model_path": s.model,
+            "tokenizer_path": s.model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+        }
+    )
+
+
 async def sglang_generate(request: web.Request) -> web.StreamResponse:
     engine, s = request.app[ENGINE], request.app[SETTINGS]
     try:
@@ -850,6 +865,8 @@ def create_simulator(
         audio.add_routes(app, engine)  # /v1/audio/transcriptions, /translations
         app[SGLANG_CACHE] = []
         r.add_post("/generate", sglang_generate)  # SGLang's (vLLM serves no /generate)
+        r.add_get("/model_info", sglang_model_info)
+        r.add_get("/get_model_info", sglang_model_info)
     else:
         r.add_post("/generate", tgi_generate)
         r.add_post("/generate_stream", tgi_stream_route)
