@@ -62,8 +62,8 @@ class FakeUpstream:
         self.tokenize_fails = False
         self.sent_tokens = 0  # completion tokens in the last chunk written (running totals)
         # TGI's GET /info, as a TGI started with --max-total-tokens 4096 answers it (a test may
-        # change it, or make it None: /info then answers 404)
-        self.info_body: dict[str, Any] | None = {
+        # change it, or make it None: /info then answers 404; bytes are sent as they are)
+        self.info_body: dict[str, Any] | bytes | None = {
             "model_id": "fake/tgi-model",
             "version": "3.3.7",
             "max_input_tokens": 4095,
@@ -320,6 +320,8 @@ class FakeUpstream:
     async def info(self, request: web.Request) -> web.Response:
         if self.info_body is None:
             raise web.HTTPNotFound()
+        if isinstance(self.info_body, bytes):
+            return web.Response(body=self.info_body, content_type="application/json")
         return web.json_response(self.info_body)
 
     async def models(self, request: web.Request) -> web.Response:

@@ -122,6 +122,22 @@ async def test_without_max_total_tokens_a_request_without_a_limit_is_refused(
     assert run.sc.budgets.store.held == {}
 
 
+@pytest.mark.parametrize("budgets", [BUDGETS, {}])
+async def test_an_info_answer_nested_past_the_parsers_depth_breaks_no_request(
+    start_sidecar: StartSidecar, budgets: dict[str, Any]
+) -> None:
+    """json.loads raises RecursionError, not ValueError, on 100,000 nested arrays: it escaped
+    /info's read in the request's path and the request was answered 500."""
+    run = await tgi(start_sidecar, budgets=budgets)
+    assert run.upstream is not None
+    run.upstream.info_body = b"[" * 100_000 + b"]" * 100_000
+    status, answer = await post(run, "/vertex", {"instances": [{"inputs": PROMPT}]})
+    if budgets:  # the limit unknown: refused as for any unreadable /info
+        assert (status, answer["error"]["type"]) == (503, "upstream_limit_unknown")
+    else:
+        assert status == 200
+
+
 async def test_without_budgets_an_unknown_limit_refuses_nothing(
     start_sidecar: StartSidecar,
 ) -> None:

@@ -79,8 +79,8 @@ class TgiInfo:
         try:
             _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
             data = json.loads(body)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("upstream /info unavailable (%s); TGI model name and limit unknown", exc)
+        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
+            log.warning("upstream /info unavailable (%r); TGI model name and limit unknown", exc)
             self._failed_at = time.monotonic()
             return
         data = data if isinstance(data, dict) else {}
