@@ -60,6 +60,7 @@ class FakeUpstream:
         self.tokenized: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
         self.tokenize_fails = False
+        self.tokenize_body: bytes | None = None  # /tokenize answers these bytes, 200, when set
         self.sent_tokens = 0  # completion tokens in the last chunk written (running totals)
         # TGI's GET /info, as a TGI started with --max-total-tokens 4096 answers it (a test may
         # change it, or make it None: /info then answers 404; bytes are sent as they are)
@@ -246,6 +247,8 @@ class FakeUpstream:
         self.tokenized.append({"path": request.path, "body": body})
         if self.tokenize_fails:
             raise web.HTTPInternalServerError()
+        if self.tokenize_body is not None:
+            return web.Response(body=self.tokenize_body, content_type="application/json")
         n = prompt_tokens(body)
         if request.path == "/chat_tokenize":
             return web.json_response({"tokenize_response": [{"id": i} for i in range(n)]})

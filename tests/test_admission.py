@@ -237,11 +237,24 @@ async def test_exact_prompt_size_from_upstream_tokenize(
     assert exact > 8 and admit.tokens == exact + 5  # the estimate would have been 0 + 5
 
 
-async def test_tokenize_failure_falls_back_to_the_estimate(start_sidecar: StartSidecar) -> None:
+@pytest.mark.parametrize(
+    "answer",
+    [
+        None,  # 500
+        b'{"count": "4"}',
+        # nested past json's depth: RecursionError, which escaped the count in the request's
+        # path (the request answered 500)
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
+async def test_tokenize_failure_falls_back_to_the_estimate(
+    start_sidecar: StartSidecar, answer: bytes | None
+) -> None:
     run = await start_sidecar(
         {"admission": {"strategy": "token-budget", "tokenize": True, "chars_per_token": 1.0}}
     )
-    run.upstream.tokenize_fails = True
+    run.upstream.tokenize_fails = answer is None
+    run.upstream.tokenize_body = answer
     async with (
         aiohttp.ClientSession() as s,
         s.post(

@@ -96,7 +96,7 @@ class PromptCounter:
                 "POST", path, body=body, headers=hdrs, timeout=self.TIMEOUT_S
             )
             return _count(json.loads(data)) if status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
             log.warning("upstream %s failed: %r", path, exc)
             return None
 
