@@ -13,10 +13,25 @@ import pytest
 from aiohttp import web
 
 from tests import simulated as sim
-from tests.conftest import StartSidecar
+from tests.conftest import Running, StartSidecar
 from tests.waiting import wait_for
 
 PROMPT = "one two three four five six seven eight"
+
+
+async def billed(run: Running, db: Path, path: str, body: dict[str, Any]) -> tuple[str, float]:
+    """POST `body` as user arb; once its ledger row is written and its hold settled, the row's
+    model and what arb's budget was charged (USD)."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=body, headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    ((model,),) = sim.ledger_rows(db, "model")
+    return model, run.sc.budgets.store.spent["user:arb"] / 1e6
 
 
 def _sglang_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -98,17 +113,10 @@ async def test_a_model_named_in_a_native_body_never_prices_it(
         if engine == "sglang"
         else {"inputs": PROMPT, "parameters": params, "model": CHEAP}
     )
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(run.url + "/generate", json=body, headers={"X-Tollbooth-User": "arb"}) as r,
-    ):
-        assert r.status == 200
-        await r.read()
-    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
-    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
-    ((model,),) = sim.ledger_rows(db, "model")
-    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
-    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
+    assert await billed(run, db, "/generate", body) == (
+        SERVED,
+        pytest.approx(sim.token_cost(9, 500)),
+    )
 
 
 def _sglang_chat(model: str, stream: bool) -> bytes:
@@ -167,17 +175,10 @@ async def test_a_model_named_to_sglangs_openai_routes_never_prices_it(
     body = {"model": CHEAP, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 500}
     if stream:
         body["stream"] = True
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(run.url + path, json=body, headers={"X-Tollbooth-User": "arb"}) as r,
-    ):
-        assert r.status == 200
-        await r.read()
-    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
-    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
-    ((model,),) = sim.ledger_rows(db, "model")
-    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
-    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
+    assert await billed(run, db, path, body) == (
+        SERVED,
+        pytest.approx(sim.token_cost(9, 500)),
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -199,16 +200,7 @@ async def test_a_model_named_to_tgis_chat_route_never_prices_it(
     run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
     body = {"model": CHEAP, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 500}
     body |= {"stream": True} if stream else {}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(
-            run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "arb"}
-        ) as r,
-    ):
-        assert r.status == 200
-        await r.read()
-    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
-    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
-    ((model,),) = sim.ledger_rows(db, "model")
-    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
-    assert (model, spent) == (SERVED, pytest.approx(sim.token_cost(9, 500)))
+    assert await billed(run, db, "/v1/chat/completions", body) == (
+        SERVED,
+        pytest.approx(sim.token_cost(9, 500)),
+    )
