@@ -196,3 +196,45 @@ def test_a_pricing_file_by_model_for_sglang_needs_its_model_name(tmp_path: Path)
     default.write_text(by_model.read_text())
     sc.reload()
     assert (sc.prices.config.models, sc.prices.price(SERVED)) == ({}, sc.prices.price(CHEAP))
+
+
+async def test_a_tgi_restarted_with_another_model_is_priced_at_the_new_one(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """h-rev9 finding 2: TGI without upstream.model_name is priced at its /info model_id, read
+    once and kept for the sidecar's life, though /info is read again for max_total_tokens (a
+    TGI restarted behind a running sidecar). Restarted serving big-70b where it served tiny-1b,
+    every request was still priced as tiny-1b: 9 + 500 tokens charged $0.001009 for $1.009. Now
+    the name is read again as the limit is (FRESH_S, 0 here)."""
+    monkeypatch.setattr("sidecar.proxy.settings.TgiInfo.FRESH_S", 0.0)
+    info = {"model_id": CHEAP, "max_total_tokens": 32768}
+
+    async def restartable_info(request: web.Request) -> web.Response:
+        return web.json_response(info)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", echoing)
+    app.router.add_get("/info", restartable_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    path = "/v1/chat/completions"
+    cheap = IN * 1.0 / 1e6 + OUT * 2.0 / 1e6
+    assert await _billed(run, db, path, _request(path)) == (CHEAP, pytest.approx(cheap))
+    info["model_id"] = SERVED  # TGI restarted with --model-id big-70b
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=_request(path), headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 2, "the second ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert sim.ledger_rows(db, "model")[1] == (SERVED,)
+    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
+    assert spent == pytest.approx(cheap + sim.token_cost(IN, OUT))
