@@ -36,7 +36,8 @@ class UpstreamConfig:
     # The served model's name: what a request naming none is priced at (TGI's native routes when
     # /info cannot be read, llama.cpp's /completion, vLLM's audio), and on a server of one model
     # that repeats whatever name a request sends (api sglang; tgi, ahead of its /info) what
-    # every request is priced at. Required with api sglang and prices by model.
+    # every request is priced at. Required with api sglang and prices by model, and then one
+    # of pricing.models unless there is a pricing.default.
     model_name: str | None = None
     connect_timeout_s: float = 5.0
     # Longest silence between two reads of the upstream response (a slow prefill counts here).
@@ -622,12 +623,22 @@ def validate(config: Config) -> Config:
 def check_served_model(upstream: UpstreamConfig, pricing: PricingConfig) -> None:
     """SGLang serves one model and answers every request with the name the request sent: with
     prices by model name, only upstream.model_name can say which one a request was served by
-    (TGI's is read from its /info)."""
-    if upstream.api == "sglang" and not upstream.model_name and pricing.models:
+    (TGI's is read from its /info), and every request is priced at it: a name the book does not
+    list, with no default, would make every request's cost unknown and its budget charge $0."""
+    if upstream.api != "sglang" or not pricing.models:
+        return
+    if not upstream.model_name:
         raise ConfigError(
             "config 'upstream.model_name' is required with upstream.api 'sglang' and prices "
             "by model (pricing.models): SGLang answers with whatever model name a request "
             "sends, so requests are priced as the model it serves; set it to that model's name"
+        )
+    if upstream.model_name not in pricing.models and pricing.default is None:
+        _fail(
+            "upstream.model_name",
+            upstream.model_name,
+            "not a model of pricing.models, and there is no pricing.default: with upstream.api "
+            "'sglang' every request is priced at it, so none would have a price",
         )
 
 

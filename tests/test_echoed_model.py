@@ -238,3 +238,50 @@ async def test_a_tgi_restarted_with_another_model_is_priced_at_the_new_one(
     assert sim.ledger_rows(db, "model")[1] == (SERVED,)
     spent = run.sc.budgets.store.spent["user:arb"] / 1e6
     assert spent == pytest.approx(cheap + sim.token_cost(IN, OUT))
+
+
+def test_sglangs_model_name_must_have_a_price() -> None:
+    """h-rev9 finding 3: with upstream.api sglang every request is upstream.model_name's. A name
+    the book by model does not list (big-70B for big-70b), with no pricing.default, priced
+    nothing: every request's cost unknown and its budget charged $0 (held at the dearest, then
+    `hold.unpriced`), where before 68c6633 a client naming big-70b paid it. Refused at start,
+    as a missing name is; listed, or with a default, it starts."""
+    data: dict[str, Any] = {"upstream": {"api": "sglang", "model_name": "big-70B"}}
+    data["pricing"] = TWO_PRICES
+    with pytest.raises(ConfigError, match=r"upstream\.model_name' has value 'big-70B'"):
+        validate(build(Config, data))
+    data["pricing"] = TWO_PRICES | {"default": TWO_PRICES["models"][CHEAP]}
+    validate(build(Config, data))
+    data["pricing"] = TWO_PRICES
+    data["upstream"]["model_name"] = SERVED
+    validate(build(Config, data))
+
+
+async def test_sglangs_unpriced_model_name_is_never_free(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """What the refusal above prevents: 9 + 500 tokens of big-70b served under a model_name the
+    book lacks were charged $0 against the budget (cost unknown)."""
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        await _start(
+            start_sidecar,
+            aiohttp_server,
+            tmp_path,
+            {"api": "sglang", "model_name": "big-70B"},
+        )
+
+
+def test_a_pricing_file_without_sglangs_model_is_not_taken_on_sighup(tmp_path: Path) -> None:
+    """The same for a --pricing file re-read on SIGHUP: one that no longer lists the served
+    model (and has no default) keeps the old prices."""
+    from sidecar.core.app import Sidecar
+
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(json.dumps(TWO_PRICES))
+    cfg = validate(build(Config, {"upstream": {"api": "sglang", "model_name": SERVED}}))
+    sc = Sidecar(cfg, pricing_path=str(prices))
+    prices.write_text(json.dumps({"models": {CHEAP: TWO_PRICES["models"][CHEAP]}}))
+    sc.reload()
+    assert sc.prices.price(SERVED) is not None
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        Sidecar(cfg, pricing_path=str(prices))
