@@ -29,9 +29,12 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UpstreamConfig:
     url: str = "http://127.0.0.1:8000"
-    # "vllm", "tgi" or "sglang": the provider name on spans; metering recognises every wire format
-    # anyway, but /generate (TGI's and SGLang's path) is read as this server's when it is tgi or
-    # sglang, and told from the body otherwise (docs/traffic.md).
+    # "vllm", "tgi" or "sglang": the server behind the sidecar (and the provider name on spans).
+    # Metering recognises every wire format anyway, but set it: SGLang's and TGI's OpenAI routes
+    # answer with whatever model a request names, so only with tgi or sglang is every request
+    # priced as the one model the server serves (model_name, TGI's /info), never the name sent;
+    # and /generate (TGI's and SGLang's path) is read as this server's, told from the body
+    # otherwise (docs/traffic.md).
     api: Literal["vllm", "tgi", "sglang"] = "vllm"
     # The served model's name: what a request naming none is priced at (TGI's native routes when
     # /info cannot be read, llama.cpp's /completion, vLLM's audio), and on a server of one model
