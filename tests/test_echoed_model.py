@@ -285,3 +285,50 @@ def test_a_pricing_file_without_sglangs_model_is_not_taken_on_sighup(tmp_path: P
     assert sc.prices.price(SERVED) is not None
     with pytest.raises(ConfigError, match=r"upstream\.model_name"):
         Sidecar(cfg, pricing_path=str(prices))
+
+
+async def test_an_unknown_models_unmeasured_stream_is_charged_what_it_was_seen_to_make(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """h-rev9 finding 5: the unknown model's charge (68c6633: TGI without upstream.model_name,
+    /info unanswered) was at least its hold and no more, ahead of the unmeasured rule: a stream
+    without its counts was neither counted in llm_budget_unmeasured_charges_total nor charged
+    its worst case when it carried more output events than the held limit (a server past
+    max_tokens 10, 50 events: the 10-token hold, ~$0.02 at the dearest, where any other model
+    is charged 50 tokens, $0.1+). Now the unmeasured rule comes first, as for every model."""
+
+    async def no_info(request: web.Request) -> web.Response:
+        return web.Response(status=503)
+
+    async def past_its_limit(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": CHEAP}
+        for _ in range(50):
+            choice = {"index": 0, "delta": {"content": " x"}, "finish_reason": None}
+            await resp.write(
+                b"data: " + json.dumps(head | {"choices": [choice]}).encode() + b"\n\n"
+            )
+        return resp  # no usage chunk, no [DONE]: the counts never come
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", past_its_limit)
+    app.router.add_get("/info", no_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = _request("/v1/chat/completions") | {"max_tokens": 10, "stream": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "u"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    spent = run.sc.budgets.store.spent["user:u"] / 1e6
+    assert spent >= sim.token_cost(0, 50)
+    assert run.value("llm_budget_unmeasured_charges_total") == 1
