@@ -29,14 +29,18 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UpstreamConfig:
     url: str = "http://127.0.0.1:8000"
-    # "vllm", "tgi" or "sglang": the provider name on spans; metering recognises every wire format
-    # anyway, but /generate (TGI's and SGLang's path) is read as this server's when it is tgi or
-    # sglang, and told from the body otherwise (docs/traffic.md).
+    # "vllm", "tgi" or "sglang": the server behind the sidecar (and the provider name on spans).
+    # Metering recognises every wire format anyway, but set it: SGLang's and TGI's OpenAI routes
+    # answer with whatever model a request names, so only with tgi or sglang is every request
+    # priced as the one model the server serves (model_name, TGI's /info), never the name sent;
+    # and /generate (TGI's and SGLang's path) is read as this server's, told from the body
+    # otherwise (docs/traffic.md).
     api: Literal["vllm", "tgi", "sglang"] = "vllm"
     # The served model's name: what a request naming none is priced at (TGI's native routes when
     # /info cannot be read, llama.cpp's /completion, vLLM's audio), and on a server of one model
     # that repeats whatever name a request sends (api sglang; tgi, ahead of its /info) what
-    # every request is priced at. Required with api sglang and prices by model.
+    # every request is priced at. Required with api sglang and prices by model, and then one
+    # of pricing.models unless there is a pricing.default.
     model_name: str | None = None
     # How SGLang's /v1/messages counts a prompt's cache reads (api sglang only): "anthropic", as
     # current SGLang does (input_tokens excludes cache_read_input_tokens, which is added to it),
@@ -629,12 +633,22 @@ def validate(config: Config) -> Config:
 def check_served_model(upstream: UpstreamConfig, pricing: PricingConfig) -> None:
     """SGLang serves one model and answers every request with the name the request sent: with
     prices by model name, only upstream.model_name can say which one a request was served by
-    (TGI's is read from its /info)."""
-    if upstream.api == "sglang" and not upstream.model_name and pricing.models:
+    (TGI's is read from its /info), and every request is priced at it: a name the book does not
+    list, with no default, would make every request's cost unknown and its budget charge $0."""
+    if upstream.api != "sglang" or not pricing.models:
+        return
+    if not upstream.model_name:
         raise ConfigError(
             "config 'upstream.model_name' is required with upstream.api 'sglang' and prices "
             "by model (pricing.models): SGLang answers with whatever model name a request "
             "sends, so requests are priced as the model it serves; set it to that model's name"
+        )
+    if upstream.model_name not in pricing.models and pricing.default is None:
+        _fail(
+            "upstream.model_name",
+            upstream.model_name,
+            "not a model of pricing.models, and there is no pricing.default: with upstream.api "
+            "'sglang' every request is priced at it, so none would have a price",
         )
 
 

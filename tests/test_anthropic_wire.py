@@ -404,14 +404,23 @@ def _both_paths(api: str, usage: dict[str, int]) -> list[Any]:
     return [usage_from_body(EP, body, {}, api=api), meter.finish()[1]]
 
 
-def test_more_cache_reads_than_an_input_that_holds_them_is_invalid() -> None:
-    """h-rev8: under `upstream.sglang_messages_usage: prompt` the input is read as holding its
-    cache reads (3d47e31), so cache reads above it are more cached tokens than prompt tokens:
-    invalid usage, as on the OpenAI routes (docs/metrics.md). Before, they were measured and
-    priced clamped: current SGLang's input 40 beside 60 cache reads (a 100-token prompt) was
-    billed as 40 input tokens, all at the cached price, the 60 read from the cache free. Now
-    charged as unmeasured (a current SGLang named the older one by mistake)."""
+def test_more_cache_reads_than_an_input_that_holds_them_are_anthropics_rule() -> None:
+    """h-rev9 finding 1: under `upstream.sglang_messages_usage: prompt` the input is read as
+    holding its cache reads (the older SGLang, 3d47e31), and such an input is never below them:
+    cache reads above it prove the server follows Anthropic's rule (current SGLang,
+    response_conversion.py: input = prompt - cached), by which the counts are exact. Before
+    (f093e0e) such usage was invalid and charged the hold: every request of a current SGLang
+    named the older one with more than half its prompt cached. Now input 40 beside 60 cache reads
+    is a 100-token prompt, 60 of it cached."""
     for u in _both_paths(SGLANG_PROMPT_USAGE, CURRENT_SGLANG_USAGE):
+        assert (u.input_tokens, u.cached_input_tokens, u.output_tokens) == (100, 60, 10)
+        assert u.unknown_reason is None
+    writes = CURRENT_SGLANG_USAGE | {"cache_creation_input_tokens": 5}
+    for u in _both_paths(SGLANG_PROMPT_USAGE, writes):  # Anthropic's rule whole: writes added
+        assert (u.input_tokens, u.cached_input_tokens, u.unknown_reason) == (105, 60, None)
+    # input 0: current SGLang's clamp of more cached than prompt tokens, a count it logs as a bug
+    clamped = CURRENT_SGLANG_USAGE | {"input_tokens": 0}
+    for u in _both_paths(SGLANG_PROMPT_USAGE, clamped):
         assert (u.input_tokens, u.cached_input_tokens, u.unknown_reason) == (
             None,
             None,
@@ -814,3 +823,46 @@ async def test_sglangs_stream_without_usage_is_charged_its_hold(
     assert (inp, out, cost) == (None, None, None)
     assert charged >= sim.token_cost(0, 50)
     assert run.sc.budgets.store.spent["user:sz"] / 1e6 == pytest.approx(charged)
+
+
+async def current_sglang_messages_60_cached(request: web.Request) -> web.Response:
+    """Current SGLang's /v1/messages answer (anthropic/response_conversion.py
+    `anthropic_usage_from_openai`): a 100-token prompt with 60 cached, 10 generated, sent by
+    Anthropic's rule as input 40, cache reads 60."""
+    await request.read()
+    answer = {"id": "msg_2", "type": "message", "role": "assistant", "model": SIM_MODEL}
+    answer |= {"content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn"}
+    return web.json_response(answer | {"usage": CURRENT_SGLANG_USAGE})
+
+
+@pytest.mark.parametrize("rule", ["anthropic", "prompt"])
+async def test_a_current_sglangs_cached_prompt_is_billed_as_measured(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, rule: str
+) -> None:
+    """h-rev9 finding 1, through the sidecar: a client asking max_tokens 1000 of a current SGLang
+    whose answer is 100 prompt tokens (60 cached) and 10 generated, under either
+    `upstream.sglang_messages_usage`. Before, under `prompt` (3d47e31's rule): invalid usage, no
+    cost, and the budget charged the hold, the prompt estimate and 1000 output tokens: $2.011
+    for $0.12 measured. Now 100 input tokens of which 60 cached and 10 output, charged $0.12."""
+    run, db = await sim.start_fake(
+        start_sidecar,
+        aiohttp_server,
+        tmp_path,
+        ("/v1/messages", current_sglang_messages_60_cached),
+        pricing=sim.prices(SIM_MODEL),
+        upstream={"api": "sglang", "model_name": SIM_MODEL, "sglang_messages_usage": rule},
+        budgets={"user_daily_usd": 5.0},
+    )
+    body = {"model": SIM_MODEL, "max_tokens": 1000}
+    body["messages"] = [{"role": "user", "content": PROMPT}]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/messages", json=body, headers={"X-Tollbooth-User": "cs"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, LEDGER)) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    charged = run.sc.budgets.store.spent["user:cs"] / 1e6
+    assert sim.ledger_rows(db, LEDGER) == [("cs", 100, 60, 10, "200")]
+    assert charged == pytest.approx(sim.token_cost(100, 10))

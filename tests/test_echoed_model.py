@@ -196,3 +196,139 @@ def test_a_pricing_file_by_model_for_sglang_needs_its_model_name(tmp_path: Path)
     default.write_text(by_model.read_text())
     sc.reload()
     assert (sc.prices.config.models, sc.prices.price(SERVED)) == ({}, sc.prices.price(CHEAP))
+
+
+async def test_a_tgi_restarted_with_another_model_is_priced_at_the_new_one(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """h-rev9 finding 2: TGI without upstream.model_name is priced at its /info model_id, read
+    once and kept for the sidecar's life, though /info is read again for max_total_tokens (a
+    TGI restarted behind a running sidecar). Restarted serving big-70b where it served tiny-1b,
+    every request was still priced as tiny-1b: 9 + 500 tokens charged $0.001009 for $1.009. Now
+    the name is read again as the limit is (FRESH_S, 0 here)."""
+    monkeypatch.setattr("sidecar.proxy.settings.TgiInfo.FRESH_S", 0.0)
+    info = {"model_id": CHEAP, "max_total_tokens": 32768}
+
+    async def restartable_info(request: web.Request) -> web.Response:
+        return web.json_response(info)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", echoing)
+    app.router.add_get("/info", restartable_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    path = "/v1/chat/completions"
+    cheap = IN * 1.0 / 1e6 + OUT * 2.0 / 1e6
+    assert await _billed(run, db, path, _request(path)) == (CHEAP, pytest.approx(cheap))
+    info["model_id"] = SERVED  # TGI restarted with --model-id big-70b
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=_request(path), headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 2, "the second ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    assert sim.ledger_rows(db, "model")[1] == (SERVED,)
+    spent = run.sc.budgets.store.spent["user:arb"] / 1e6
+    assert spent == pytest.approx(cheap + sim.token_cost(IN, OUT))
+
+
+def test_sglangs_model_name_must_have_a_price() -> None:
+    """h-rev9 finding 3: with upstream.api sglang every request is upstream.model_name's. A name
+    the book by model does not list (big-70B for big-70b), with no pricing.default, priced
+    nothing: every request's cost unknown and its budget charged $0 (held at the dearest, then
+    `hold.unpriced`), where before 68c6633 a client naming big-70b paid it. Refused at start,
+    as a missing name is; listed, or with a default, it starts."""
+    data: dict[str, Any] = {"upstream": {"api": "sglang", "model_name": "big-70B"}}
+    data["pricing"] = TWO_PRICES
+    with pytest.raises(ConfigError, match=r"upstream\.model_name' has value 'big-70B'"):
+        validate(build(Config, data))
+    data["pricing"] = TWO_PRICES | {"default": TWO_PRICES["models"][CHEAP]}
+    validate(build(Config, data))
+    data["pricing"] = TWO_PRICES
+    data["upstream"]["model_name"] = SERVED
+    validate(build(Config, data))
+
+
+async def test_sglangs_unpriced_model_name_is_never_free(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """What the refusal above prevents: 9 + 500 tokens of big-70b served under a model_name the
+    book lacks were charged $0 against the budget (cost unknown)."""
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        await _start(
+            start_sidecar,
+            aiohttp_server,
+            tmp_path,
+            {"api": "sglang", "model_name": "big-70B"},
+        )
+
+
+def test_a_pricing_file_without_sglangs_model_is_not_taken_on_sighup(tmp_path: Path) -> None:
+    """The same for a --pricing file re-read on SIGHUP: one that no longer lists the served
+    model (and has no default) keeps the old prices."""
+    from sidecar.core.app import Sidecar
+
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(json.dumps(TWO_PRICES))
+    cfg = validate(build(Config, {"upstream": {"api": "sglang", "model_name": SERVED}}))
+    sc = Sidecar(cfg, pricing_path=str(prices))
+    prices.write_text(json.dumps({"models": {CHEAP: TWO_PRICES["models"][CHEAP]}}))
+    sc.reload()
+    assert sc.prices.price(SERVED) is not None
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        Sidecar(cfg, pricing_path=str(prices))
+
+
+async def test_an_unknown_models_unmeasured_stream_is_charged_what_it_was_seen_to_make(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """h-rev9 finding 5: the unknown model's charge (68c6633: TGI without upstream.model_name,
+    /info unanswered) was at least its hold and no more, ahead of the unmeasured rule: a stream
+    without its counts was neither counted in llm_budget_unmeasured_charges_total nor charged
+    its worst case when it carried more output events than the held limit (a server past
+    max_tokens 10, 50 events: the 10-token hold, ~$0.02 at the dearest, where any other model
+    is charged 50 tokens, $0.1+). Now the unmeasured rule comes first, as for every model."""
+
+    async def no_info(request: web.Request) -> web.Response:
+        return web.Response(status=503)
+
+    async def past_its_limit(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": CHEAP}
+        for _ in range(50):
+            choice = {"index": 0, "delta": {"content": " x"}, "finish_reason": None}
+            await resp.write(
+                b"data: " + json.dumps(head | {"choices": [choice]}).encode() + b"\n\n"
+            )
+        return resp  # no usage chunk, no [DONE]: the counts never come
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", past_its_limit)
+    app.router.add_get("/info", no_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = _request("/v1/chat/completions") | {"max_tokens": 10, "stream": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/v1/chat/completions", json=body, headers={"X-Tollbooth-User": "u"}) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    spent = run.sc.budgets.store.spent["user:u"] / 1e6
+    assert spent >= sim.token_cost(0, 50)
+    assert run.value("llm_budget_unmeasured_charges_total") == 1

@@ -204,3 +204,31 @@ async def test_a_model_named_to_tgis_chat_route_never_prices_it(
         SERVED,
         pytest.approx(sim.token_cost(9, 500)),
     )
+
+
+async def test_tgis_native_route_whose_info_is_unanswered_is_never_free_on_any_api(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """h-rev9 finding 4: TGI's native routes are a server of one model on any upstream.api (the
+    body's `model` names nothing, 7c89dbf), but 68c6633 held the unknown model's request at
+    least at its hold only with `upstream.api: tgi`. With the default `api: vllm` (TGI's native
+    paths are told from the body there) and /info unanswered, 9 + 500 tokens of /generate were
+    the unknown model, unpriced, and its budget charged $0. Now charged at least its hold, as
+    on `api: tgi`."""
+
+    async def no_info(request: web.Request) -> web.Response:
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_post("/generate", tgi_generate)
+    app.router.add_get("/info", no_info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
+    config |= {"budgets": {"user_daily_usd": 5.0}}  # upstream.api: vllm, the default
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 500}, "model": CHEAP}
+    model, spent = await billed(run, db, "/generate", body)
+    ((cost,),) = sim.ledger_rows(db, "cost_usd")
+    assert (model, cost) == ("unknown", None)
+    assert sim.token_cost(0, 500) < spent < sim.token_cost(100, 500)

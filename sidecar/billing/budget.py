@@ -544,16 +544,15 @@ class Budgets:
         case at the output limit every server behind the route obeys when its stream showed the
         server ignored the limit the hold read (`unmeasured_usd`); and at least its hold when
         it reached a server of one model whose name was not known, so had no price."""
-        if ex.served_model == UNKNOWN_MODEL and ex.cost is None and consumed(ex):
-            # a server of one model whose name was not known (TGI's /info unanswered): its
-            # price is unknown, never the name the client sent; the hold (the dearest) stands
-            return max(hold.amount, to_micros(measured))
-        if hold.unpriced and self.prices.price(priced_model(ex)) is None:
+        # a server of one model whose name was not known (TGI's /info unanswered): its price
+        # is unknown, never the name the client sent; the hold (the dearest) stands
+        unknown = ex.served_model == UNKNOWN_MODEL and ex.cost is None and consumed(ex)
+        if hold.unpriced and self.prices.price(priced_model(ex)) is None and not unknown:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
         if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):
             self.metrics.budget_unmeasured_charges.inc()
             return max(hold.amount, to_micros(measured), to_micros(self.unmeasured_usd(ex)))
-        return to_micros(measured)
+        return max(hold.amount, to_micros(measured)) if unknown else to_micros(measured)
 
     def _gauge(self, user: str | None, team: str | None, amount: float, day: int) -> None:
         """Spend of budget day `day` on today's gauges (by user; by team when the key has one):

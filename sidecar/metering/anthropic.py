@@ -134,9 +134,15 @@ def counted(base: Usage, usage: Mapping[str, Any] | None, cache_in_input: bool =
     if inp is None and (read is not None or write is not None):
         return replace(base, unknown_reason=INVALID_USAGE)  # a part of no input count
     if cache_in_input and inp is not None and (read or 0) > inp:
-        # more cached than the prompt that holds them (as on the OpenAI routes): the server
-        # follows Anthropic's rule after all (current SGLang, named the older one's by config)
-        return replace(base, unknown_reason=INVALID_USAGE)
+        if inp == 0:
+            # current SGLang's clamp of more cached than prompt tokens (`max(prompt - cached,
+            # 0)`, logged there as a telemetry bug): the prompt is not known
+            return replace(base, unknown_reason=INVALID_USAGE)
+        # an input that holds its cache reads is never below them: this server follows
+        # Anthropic's rule after all (current SGLang, response_conversion.py: input = prompt -
+        # cached, named the older one's by upstream.sglang_messages_usage), by which these counts
+        # are exact; read as invalid, such a request was charged its hold
+        cache_in_input = False
     total = None if inp is None else inp + (0 if cache_in_input else (read or 0) + (write or 0))
     both = total is not None and out is not None
     return bounded(

@@ -145,8 +145,6 @@ class Proxy:
             return await self._unmetered(request, path, info, principal, held)
         served = await self._served_model(info)
         model = served or info.model
-        if model is None and info.endpoint.is_tgi_native and info.api is None:
-            model = await self.tgi_info.model()
         if model is None and info.endpoint in _NAMED_BY_CONFIG:
             model = self.tgi_info.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
@@ -163,10 +161,11 @@ class Proxy:
 
     async def _served_model(self, info: RequestInfo) -> str | None:
         """The one model of a server that repeats whatever name a request sends (ONE_MODEL_APIS,
-        and SGLang's /generate told by its body): `upstream.model_name`, else TGI's /info
-        `model_id`, else UNKNOWN_MODEL (held at the book's dearest). None for any other server,
-        whose requests are the model they name."""
-        api = info.api or self.s.api
+        and SGLang's /generate told by its body) or serves one and names none (TGI's native
+        routes, on any upstream.api): `upstream.model_name`, else TGI's /info `model_id`, else
+        UNKNOWN_MODEL (held at the book's dearest). None for any other server, whose requests
+        are the model they name."""
+        api = info.api or ("tgi" if info.endpoint.is_tgi_native else self.s.api)
         if api not in ONE_MODEL_APIS:
             return None
         name = await self.tgi_info.model() if api == "tgi" else self.tgi_info.configured

@@ -35,9 +35,9 @@ class TgiInfo:
     """TGI's /info: the model it serves (`model_id`) and the longest sequence it runs
     (`max_total_tokens`: a request that sets no output limit may generate up to it, less its
     prompt; router/src/validation.rs `validate_input`). Read on first need and again after a
-    failure (not within RETRY_S of it); the limit again once it is FRESH_S old (a TGI restarted
-    with a longer --max-total-tokens behind a running sidecar), the last one read kept while a
-    new read fails."""
+    failure (not within RETRY_S of it); each again once it is FRESH_S old (a TGI restarted
+    behind a running sidecar, with a longer --max-total-tokens or another --model-id), the last
+    one read kept while a new read fails."""
 
     RETRY_S = 5.0
     FRESH_S = 60.0
@@ -49,13 +49,19 @@ class TgiInfo:
         self._total: int | None = None
         self._lock = asyncio.Lock()
         self._read_at = -1e9
+        self._name_at = -1e9
         self._failed_at = -1e9
 
     async def model(self) -> str | None:
         """The served model: upstream.model_name when set, else /info's `model_id`."""
-        if not self._name and not self._resting():
-            await self._read(lambda: not self._name)
+        if self.configured:
+            return self.configured
+        if not self._name_fresh() and not self._resting():
+            await self._read(lambda: not self._name_fresh())
         return self._name
+
+    def _name_fresh(self) -> bool:
+        return self._name is not None and time.monotonic() - self._name_at < self.FRESH_S
 
     async def max_total_tokens(self) -> int | None:
         """/info's `max_total_tokens`, or None while it cannot be read (or is no positive
@@ -85,8 +91,9 @@ class TgiInfo:
             return
         data = data if isinstance(data, dict) else {}
         name, total = data.get("model_id"), data.get("max_total_tokens")
-        if not self._name and isinstance(name, str) and name:
-            self._name = clean(name, MODEL_CHARS)  # the upstream's text: made safe here
+        if not self.configured and isinstance(name, str) and name:
+            # the upstream's text: made safe here
+            self._name, self._name_at = clean(name, MODEL_CHARS), time.monotonic()
         if type(total) is int and total > 0:  # serde's usize: a JSON integer
             self._total, self._read_at = total, time.monotonic()
         if not self._name or type(total) is not int or total <= 0:
