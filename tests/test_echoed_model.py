@@ -332,3 +332,98 @@ async def test_an_unknown_models_unmeasured_stream_is_charged_what_it_was_seen_t
     spent = run.sc.budgets.store.spent["user:u"] / 1e6
     assert spent >= sim.token_cost(0, 50)
     assert run.value("llm_budget_unmeasured_charges_total") == 1
+
+
+UNLISTED = "big-70B"  # what TGI's /info names, where the book lists big-70b
+
+
+async def _tgi_serving(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    config: dict[str, Any],
+) -> tuple[Any, Path, list[str]]:
+    """A TGI (api tgi, no upstream.model_name) whose /info names UNLISTED; the paths it was sent."""
+    sent: list[str] = []
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"model_id": UNLISTED, "max_total_tokens": 32768})
+
+    async def chat(request: web.Request) -> web.Response:
+        sent.append(request.path)
+        return await echoing(request)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/info", info)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config |= {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "upstream": {"api": "tgi"}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    return run, db, sent
+
+
+async def test_a_tgi_model_the_book_cannot_price_is_refused_under_budgets(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """h-fix10: TGI without upstream.model_name is priced as its /info model_id. One the book by
+    model does not list (big-70B beside big-70b), with no pricing.default, priced nothing: held
+    at the dearest, then charged as unpriced, $0 for 9 + 500 tokens, every request free. With
+    budgets enforced it is refused with 503 naming the model and the key, before the upstream;
+    counted by model, and logged once."""
+    config = {"pricing": TWO_PRICES, "budgets": {"user_daily_usd": 5.0}}
+    run, _, sent = await _tgi_serving(start_sidecar, aiohttp_server, tmp_path, config)
+    path = "/v1/chat/completions"
+    for _ in range(2):
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(run.url + path, json=_request(path), headers={"X-Tollbooth-User": "arb"}) as r,
+        ):
+            assert r.status == 503, await r.text()
+            error = (await r.json())["error"]
+        assert error["type"] == "model_not_priced"
+        assert f"'{UNLISTED}'" in error["message"] and "pricing.models" in error["message"]
+    assert sent == []
+    assert run.sc.budgets.store.spent.get("user:arb", 0) == 0
+    refused = run.value("llm_budget_unpriced_refusals_total", model=UNLISTED)
+    assert refused == 2
+    warned = [r for r in caplog.records if UNLISTED in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+
+
+async def test_a_tgi_model_the_book_cannot_price_is_unknown_without_budgets(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Without budgets it is served, its cost unknown (the ledger's cost NULL, counted as
+    no_price), never $0."""
+    run, db, sent = await _tgi_serving(
+        start_sidecar, aiohttp_server, tmp_path, {"pricing": TWO_PRICES}
+    )
+    path = "/v1/chat/completions"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + path, json=_request(path), headers={"X-Tollbooth-User": "arb"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "model")) == 1, "the ledger row")
+    assert sim.ledger_rows(db, "model, input_tokens, output_tokens, cost_usd") == [
+        (UNLISTED, IN, OUT, None)
+    ]
+    assert run.value("llm_cost_unknown_total", model=UNLISTED, reason="no_price") == 1
+    assert sent == [path]
+
+
+async def test_a_tgi_model_priced_by_the_default_is_served_under_budgets(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """With a pricing.default every name has a price: served and charged at it."""
+    pricing = TWO_PRICES | {"default": TWO_PRICES["models"][CHEAP]}
+    config = {"pricing": pricing, "budgets": {"user_daily_usd": 5.0}}
+    run, db, _ = await _tgi_serving(start_sidecar, aiohttp_server, tmp_path, config)
+    path = "/v1/chat/completions"
+    cheap = IN * 1.0 / 1e6 + OUT * 2.0 / 1e6
+    assert await _billed(run, db, path, _request(path)) == (UNLISTED, pytest.approx(cheap))

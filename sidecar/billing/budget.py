@@ -4,8 +4,8 @@ Owns: the budget day and month, the limits (`budgets.limits` and the day shortha
 request is charged to (global, its user, team, project, each tag, its model; each in a day or a
 month window) and their limits, the hold a request reserves before it reaches the queue or the
 upstream (its worst-case cost) on all of them at once, settling that hold to what was measured
-when the request ends, the `llm_spend_today_usd` gauge, and the 429 a request over budget
-receives.
+when the request ends, the `llm_spend_today_usd` gauge, the 429 a request over budget
+receives, and the 503 of a request to a server of one model the price book cannot price.
 The store is an interface (`BudgetStore`): `LocalStore` keeps one process's state; fleet mode puts
 the same holds in a shared store. Amounts are integer micro-dollars; holds are keyed by request id
 so a repeated reserve or settle does nothing twice.
@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal, NoReturn, Protocol
 
 from ..config import (
     AdmissionConfig,
@@ -58,6 +58,8 @@ MAX_TOKENS = 2**31
 # double (Lua's numbers), and far inside the int64 of a Redis hash field, so that no store's sum
 # overflows. The stores saturate their totals at it too (docs/budgets.md, "Numbers").
 MAX_MICROS = 2**53 - 1
+# Served models without a price that are logged (once each); more are counted, not logged.
+UNPRICED_LOGGED = 64
 
 
 def to_micros(usd: float) -> int:
@@ -327,6 +329,7 @@ class Budgets:
         self.store: BudgetStore = store or LocalStore(max_scopes(config), metrics)
         self.clock = clock
         self._gauge_day = self.day_start(clock())
+        self._unpriced_logged: set[str] = set()
 
     def day_start(self, now: float) -> int:
         offset = self.config.day_start_hour_utc * 3600
@@ -441,6 +444,8 @@ class Budgets:
                 "the OpenAI SDKs send it, within server.audio_form_bytes (or set "
                 "upstream.model_name)",
             )
+        if (served := self.unpriced_served_model(ex)) is not None:
+            self._refuse_unpriced(served, ex.model)
         if ex.info.unreadable:  # the server may read it; the hold could not: never guess low
             raise Refusal(
                 400,
@@ -477,6 +482,37 @@ class Budgets:
             ex.started_at = max(ex.started_at, float(hold.day))
             return None
         self._refuse(verdict, hold.amount, ex.user_id)
+
+    def unpriced_served_model(self, ex: Exchange) -> str | None:
+        """The model a server of one model serves (`Exchange.served_model`: upstream.model_name,
+        else TGI's /info model_id), where a book that prices by model has no price for it: every
+        request is priced at it, never at the name it sends or is answered with, so none would
+        have a price and each would settle as unpriced, $0. None otherwise (the unknown model,
+        whose name is not known, is held and charged at the dearest)."""
+        served = ex.served_model
+        if served is None or served == UNKNOWN_MODEL or not self.prices.config.models:
+            return None
+        return served if self.prices.price(served) is None else None
+
+    def _refuse_unpriced(self, served: str, label: str) -> NoReturn:
+        self.metrics.child(self.metrics.budget_unpriced_refusals, label).inc()
+        if served not in self._unpriced_logged and len(self._unpriced_logged) < UNPRICED_LOGGED:
+            self._unpriced_logged.add(served)
+            log.warning(
+                "the upstream serves '%s', which pricing.models does not list and there is no "
+                "pricing.default: with budgets enforced its requests are refused (503 "
+                "model_not_priced) until it is priced",
+                served,
+            )
+        raise Refusal(
+            503,
+            "model_not_priced",
+            f"with budgets enforced, every request here is priced as the model the server "
+            f"serves, '{served}' (upstream.model_name, else TGI's /info model_id), which "
+            "pricing.models does not list and there is no pricing.default; the operator can "
+            "add its price under pricing.models, or set upstream.model_name to the listed "
+            "name it is priced as",
+        )
 
     def _refuse(self, verdict: Verdict, amount: int, user: str) -> None:
         if verdict.reason == "unavailable":

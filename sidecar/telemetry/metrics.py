@@ -451,6 +451,13 @@ class Metrics:
             "table is full of users).",
             ["user_id", "scope", "reason"],
         )
+        self.budget_unpriced_refusals = counter(
+            "llm_budget_unpriced_refusals",
+            "Requests refused with 503 while budgets are enforced because the one model their "
+            "server serves (upstream.model_name, else TGI's /info model_id) has no price in a "
+            "book that prices by model: each would have been charged $0.",
+            ["model"],
+        )
         self.budget_unmeasured_charges = counter(
             "llm_budget_unmeasured_charges",
             "Requests that reached the server with no usage measured; their budget hold was "
