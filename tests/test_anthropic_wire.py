@@ -866,3 +866,52 @@ async def test_a_current_sglangs_cached_prompt_is_billed_as_measured(
     charged = run.sc.budgets.store.spent["user:cs"] / 1e6
     assert sim.ledger_rows(db, LEDGER) == [("cs", 100, 60, 10, "200")]
     assert charged == pytest.approx(sim.token_cost(100, 10))
+
+
+# Ollama's /v1/messages stream (ollama anthropic/anthropic.go `StreamConverter.Process`, written
+# by Go's encoding/json): message_start has no `stop_reason` member (`omitempty`), an id of "msg_"
+# and 24 hex digits (`GenerateMessageID`: 12 random bytes), and as `input_tokens` the first
+# chunk's `prompt_eval_count`, 0 before the last chunk, so a len/4 estimate of the request in its
+# place (middleware/anthropic.go `EstimateInputTokens`); the counts come in message_delta.
+OLLAMA_ID = "msg_0123456789abcdef01234567"
+TEXT_A = (
+    "content_block_delta",
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}},
+)
+
+
+def _ollama_start(estimate: int, **member: Any) -> tuple[str, dict[str, Any]]:
+    message = {"id": OLLAMA_ID, "type": "message", "role": "assistant", "model": "llama3.2"}
+    message |= {"content": [], "usage": {"input_tokens": estimate, "output_tokens": 0}} | member
+    return ("message_start", {"type": "message_start", "message": message})
+
+
+def test_ollamas_message_start_input_is_an_estimate_not_a_count() -> None:
+    """h-fix10: a client that left Ollama's stream before message_delta had the estimate, 12
+    for a prompt of 31 tokens, recorded as its measured input. Now its input is unknown until
+    message_delta counts it."""
+    meter = open_stream(EP)
+    meter.feed(sse(_ollama_start(12), TEXT_A))
+    cut = meter.usage_so_far()  # the client left here
+    assert (cut.input_tokens, cut.output_tokens, cut.unknown_reason) == (None, None, "no_usage")
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    delta["usage"] = {"input_tokens": 31, "output_tokens": 5}
+    meter.feed(sse(("message_delta", delta), ("message_stop", {"type": "message_stop"})))
+    done = meter.finish()[1]
+    assert (done.input_tokens, done.output_tokens) == (31, 5)
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        # vLLM, llama.cpp and Anthropic write `stop_reason: null`
+        _ollama_start(12, stop_reason=None, stop_sequence=None),
+        _ollama_start(12, id="msg_" + "0123456789abcdef" * 2),  # SGLang's: a uuid4's 32 digits
+        _ollama_start(12, id="chatcmpl-1"),
+        _ollama_start(12, id=OLLAMA_ID.upper()),
+    ],
+)
+def test_only_ollamas_message_start_is_read_as_an_estimate(start: Any) -> None:
+    meter = open_stream(EP)
+    meter.feed(sse(start, TEXT_A))
+    assert meter.usage_so_far().input_tokens == 12

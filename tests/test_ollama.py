@@ -645,3 +645,67 @@ async def test_an_ollama_embed_whose_client_left_is_not_charged_output_tokens(
     charged = run.sc.budgets.store.spent["user:emb"] / 1e6
     most = sim.token_cost(len(json.dumps(body)), 0)  # every character a token, no output
     assert 0 < charged <= most, f"charged ${charged:.4f} for an embedding (at most ${most:.4f})"
+
+
+def ollama_messages_generating(release: asyncio.Event, estimate: int) -> Any:
+    """/v1/messages as Ollama streams it (anthropic/anthropic.go `StreamConverter.Process`):
+    message_start with `estimate` as its input (middleware/anthropic.go `EstimateInputTokens`,
+    the prompt's length / 4), then STREAMED text deltas, the rest still being generated (the
+    handler waits for `release`)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        obj = json.loads(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        message = {"id": "msg_4f0c1e2d3b4a596877665544", "type": "message"}
+        message |= {"role": "assistant", "model": obj["model"], "content": []}
+        message |= {"usage": {"input_tokens": estimate, "output_tokens": 0}}
+        events: list[tuple[str, Any]] = [
+            ("message_start", {"type": "message_start", "message": message}),
+            ("content_block_start", {"type": "content_block_start", "index": 0}),
+        ]
+        events[1][1]["content_block"] = {"type": "text", "text": ""}
+        delta = {"type": "text_delta", "text": "x "}
+        events += [
+            ("content_block_delta", {"type": "content_block_delta", "delta": delta})
+        ] * STREAMED
+        for kind, data in events:
+            line = f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+            await resp.write(line.encode())
+        await release.wait()
+        return resp
+
+    return handler
+
+
+async def test_a_client_leaving_ollamas_messages_stream_has_its_input_unknown_not_estimated(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """h-fix10: Ollama's message_start says as input a len/4 estimate of the request, not a
+    count (its chunks carry prompt_eval_count only on the last one). A client that left before
+    message_delta had it recorded as its measured input (12 for a prompt Ollama would count
+    otherwise). Now its input is unknown, as its output is, and its budget is charged the hold."""
+    release = asyncio.Event()
+    route = ("/v1/messages", ollama_messages_generating(release, estimate=12))
+    run, db = await sim.start_fake(
+        start_sidecar, aiohttp_server, tmp_path, route, **FAKE, budgets={"user_daily_usd": 50.0}
+    )
+    body = {"model": MODEL, "max_tokens": 400, "stream": True, "messages": MSGS_V1}
+    read = 0
+
+    def progress(line: bytes) -> int | None:
+        nonlocal read
+        if (sim.sse_data(line) or {}).get("type") != "content_block_delta":
+            return None
+        read += 1
+        return read
+
+    try:
+        await sim.leave_mid_stream(run, "/v1/messages", body, "mia", progress, after=10)
+        await wait_for(lambda: len(sim.ledger_rows(db, V1_COLUMNS)) == 1, "the ledger row")
+        await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    finally:
+        release.set()
+    assert sim.ledger_rows(db, V1_COLUMNS) == [("mia", "/v1/messages", None, None, None, "499")]
+    assert run.sc.budgets.store.spent["user:mia"] / 1e6 > sim.token_cost(0, 400)
+    assert run.value("llm_budget_unmeasured_charges_total") == 1

@@ -17,6 +17,7 @@ usage), counts stream events as tokens, or invents a count. A count that cannot 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -48,6 +49,9 @@ _CACHE_READ, _CACHE_WRITE = "cache_read_input_tokens", "cache_creation_input_tok
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _COUNTS = ("input_tokens", "output_tokens", _CACHE_READ, _CACHE_WRITE)
 _PROMPT_PARTS = (_CACHE_READ, _CACHE_WRITE)
+# Ollama's message_start id: "msg_" and 12 random bytes in hex (anthropic/anthropic.go
+# `GenerateMessageID`); SGLang's is a uuid4's 32 digits, vLLM's and llama.cpp's a chat id.
+_OLLAMA_ID = re.compile(r"msg_[0-9a-f]{24}")
 
 
 class AnthropicAdapter(reqsize.ReadOnly):
@@ -172,6 +176,21 @@ def _without_placeholder(usage: object) -> object:
     return {k: v for k, v in usage.items() if not (k in _COUNTS and _zero(v))}
 
 
+def _without_estimate(message: Mapping[str, Any], usage: object) -> object:
+    """message_start's usage less an input that is Ollama's estimate, not a count: its
+    `input_tokens` is the first chunk's `prompt_eval_count`, 0 on every chunk but the last, so
+    the request's length / 4 in its place (middleware/anthropic.go `EstimateInputTokens`,
+    anthropic/anthropic.go `StreamConverter.Process`); the count comes in message_delta. Told by
+    what Go writes: no `stop_reason` member (`omitempty`, where vLLM, llama.cpp and Anthropic
+    write null) and Ollama's id; no `upstream.api` names Ollama."""
+    if not isinstance(usage, dict) or "stop_reason" in message:
+        return usage
+    mid = message.get("id")
+    if not isinstance(mid, str) or _OLLAMA_ID.fullmatch(mid) is None:
+        return usage
+    return {k: v for k, v in usage.items() if k != "input_tokens"}
+
+
 def _zero(value: object) -> bool:
     return type(value) is int and value == 0
 
@@ -184,6 +203,7 @@ class MessagesStream(SSEMeter):
     The output is read from `message_delta` only: `message_start`'s `output_tokens` is a
     placeholder (0 from vLLM, 1 from Anthropic) sent before anything was generated, so a client
     that leaves before the first `message_delta` has its output unknown, never that placeholder.
+    Ollama's `message_start` input is an estimate, not a count (`_without_estimate`).
     """
 
     def __init__(self, endpoint: Endpoint, *, cache_in_input: bool = False, **options: Any) -> None:
@@ -202,7 +222,8 @@ class MessagesStream(SSEMeter):
             self._s.model = clean_or_none(msg.get("model"), MODEL_CHARS)
             self._s.response_id = clean_or_none(msg.get("id"), ID_CHARS)
             self._started = True
-            self._merge(_without_placeholder(msg.get("usage")), output=False)
+            usage = _without_estimate(msg, msg.get("usage"))
+            self._merge(_without_placeholder(usage), output=False)
         elif kind == "message_delta":
             self._merge(_without_placeholder(obj.get("usage")), output=True)
             delta = obj.get("delta")
