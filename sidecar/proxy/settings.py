@@ -30,6 +30,11 @@ from .upstream import Upstream
 
 log = logging.getLogger("tollbooth.proxy")
 
+# The most of TGI's /info or SGLang's /model_info read: each states a dozen of the server's
+# arguments (about 1 KB). A longer answer is no such server's, and is not read: parsed whole on the
+# event loop, 50 MB took 1.9 s of every request's time, again every RETRY_S while unreadable.
+INFO_BYTES = 1 << 20
+
 
 class TgiInfo:
     """TGI's /info: the model it serves (`model_id`) and the longest sequence it runs
@@ -83,7 +88,7 @@ class TgiInfo:
 
     async def _fetch(self) -> None:
         try:
-            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
+            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0, limit=INFO_BYTES)
             data = json.loads(body)
         except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
             log.warning("upstream /info unavailable (%r); TGI model name and limit unknown", exc)
@@ -132,7 +137,9 @@ class SGLangDefault:
         value, why = None, "answered 404"
         try:
             for path in ("/model_info", "/get_model_info"):
-                status, body = await self._upstream.fetch("GET", path, timeout=2.0)
+                status, body = await self._upstream.fetch(
+                    "GET", path, timeout=2.0, limit=INFO_BYTES
+                )
                 if status != 404:
                     value = stated_default(body) if status == 200 else None
                     why = f"{path} answered {status}" + (" unreadable" if status == 200 else "")
