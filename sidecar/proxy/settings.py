@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -122,23 +122,26 @@ class SGLangDefault:
         self._read_at = -1e9
         self._failed_at = -1e9
 
-    async def max_new_tokens(self) -> int | None:
-        """The default (0: no limit of its own), or None while it cannot be read."""
+    async def max_new_tokens(self, auth: Mapping[str, str] | None = None) -> int | None:
+        """The default (0: no limit of its own), or None while it cannot be read. `auth`: the
+        request's own key (`finishers.tokenize_auth`): an SGLang started with --api-key asks it
+        on every path but /health and /metrics (utils `add_api_key_middleware`), /model_info
+        too, and the sidecar may have none of its own."""
         if not self._fresh() and time.monotonic() - self._failed_at >= self.RETRY_S:
             async with self._lock:
                 if not self._fresh() and time.monotonic() - self._failed_at >= self.RETRY_S:
-                    await self._fetch()
+                    await self._fetch(auth)
         return self._value
 
     def _fresh(self) -> bool:
         return self._value is not None and time.monotonic() - self._read_at < self.FRESH_S
 
-    async def _fetch(self) -> None:
+    async def _fetch(self, auth: Mapping[str, str] | None) -> None:
         value, why = None, "answered 404"
         try:
             for path in ("/model_info", "/get_model_info"):
                 status, body = await self._upstream.fetch(
-                    "GET", path, timeout=2.0, limit=INFO_BYTES
+                    "GET", path, timeout=2.0, headers=auth, limit=INFO_BYTES
                 )
                 if status != 404:
                     value = stated_default(body) if status == 200 else None
