@@ -371,3 +371,19 @@ async def test_tgis_served_model_the_book_lacks_is_never_free(
     ((cost,),) = sim.ledger_rows(db, "cost_usd")
     assert (model, cost) == (engine.get("model_name", "org/Big-70B"), None)
     assert sim.token_cost(0, OUT) < spent < sim.token_cost(100, OUT)
+
+
+def test_sglangs_model_name_is_looked_up_as_the_book_prices_it() -> None:
+    """h-rev10 finding 4: the book prices `llama3.2` by its listed `llama3.2:latest` (Ollama's
+    tag for a name without one, `PriceBook.listed`), but f35274d's check read the listing
+    verbatim: SGLang's model_name llama3.2 beside a shared book listing llama3.2:latest refused
+    to start ("not a model of pricing.models") though every request would be priced. Now the
+    check reads the name as the book does; a name it cannot price is still refused."""
+    price = {"input_per_1m": 1.0, "output_per_1m": 2.0}
+    for served, listed in (("llama3.2", "llama3.2:latest"), ("llama3.2:latest", "llama3.2")):
+        data: dict[str, Any] = {"upstream": {"api": "sglang", "model_name": served}}
+        data["pricing"] = {"models": {listed: price}}
+        validate(build(Config, data))
+    data["pricing"] = {"models": {"llama3.1": price}}
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        validate(build(Config, data))
