@@ -96,12 +96,15 @@ class TgiInfo:
             return
         data = data if isinstance(data, dict) else {}
         name, total = data.get("model_id"), data.get("max_total_tokens")
-        if not self.configured and isinstance(name, str) and name:
-            # the upstream's text: made safe here
-            self._name, self._name_at = clean(name, MODEL_CHARS), time.monotonic()
+        # the upstream's text: made safe here
+        name = clean(name, MODEL_CHARS) if isinstance(name, str) else ""
+        if not self.configured and name:
+            self._name, self._name_at = name, time.monotonic()
         if type(total) is int and total > 0:  # serde's usize: a JSON integer
             self._total, self._read_at = total, time.monotonic()
-        if not self._name or type(total) is not int or total <= 0:
+        # a part not read is a failure, also beside a name read before (kept): else, once that
+        # name is FRESH_S old, every request would ask /info again
+        if not (self.configured or name) or type(total) is not int or total <= 0:
             self._failed_at = time.monotonic()
 
 
