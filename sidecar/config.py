@@ -174,6 +174,18 @@ class PricingConfig:
     default: ModelPrice | None = None
     gpu_hour_usd: float | None = None
 
+    def listed(self, model: str) -> ModelPrice | None:
+        """The model's own price, where `models` lists it. Ollama serves a name without a tag
+        as its `:latest` (and says so in its answers): `llama3.2` and `llama3.2:latest` are one
+        model, priced by whichever spelling the book lists."""
+        if model in self.models:
+            return self.models[model]
+        other = model[: -len(LATEST)] if model.endswith(LATEST) else model + LATEST
+        return self.models.get(other)
+
+
+LATEST = ":latest"  # the tag Ollama gives a name written without one
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LedgerConfig:
@@ -643,7 +655,7 @@ def check_served_model(upstream: UpstreamConfig, pricing: PricingConfig) -> None
             "by model (pricing.models): SGLang answers with whatever model name a request "
             "sends, so requests are priced as the model it serves; set it to that model's name"
         )
-    if upstream.model_name not in pricing.models and pricing.default is None:
+    if pricing.listed(upstream.model_name) is None and pricing.default is None:
         _fail(
             "upstream.model_name",
             upstream.model_name,

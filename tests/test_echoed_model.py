@@ -427,3 +427,55 @@ async def test_a_tgi_model_priced_by_the_default_is_served_under_budgets(
     path = "/v1/chat/completions"
     cheap = IN * 1.0 / 1e6 + OUT * 2.0 / 1e6
     assert await _billed(run, db, path, _request(path)) == (UNLISTED, pytest.approx(cheap))
+
+
+def test_sglangs_model_name_is_looked_up_as_the_book_prices_it() -> None:
+    """h-rev10 finding 4: the book prices `llama3.2` by its listed `llama3.2:latest` (Ollama's
+    tag for a name without one, `PriceBook.listed`), but f35274d's check read the listing
+    verbatim: SGLang's model_name llama3.2 beside a shared book listing llama3.2:latest refused
+    to start ("not a model of pricing.models") though every request would be priced. Now the
+    check reads the name as the book does; a name it cannot price is still refused."""
+    price = {"input_per_1m": 1.0, "output_per_1m": 2.0}
+    for served, listed in (("llama3.2", "llama3.2:latest"), ("llama3.2:latest", "llama3.2")):
+        data: dict[str, Any] = {"upstream": {"api": "sglang", "model_name": served}}
+        data["pricing"] = {"models": {listed: price}}
+        validate(build(Config, data))
+    data["pricing"] = {"models": {"llama3.1": price}}
+    with pytest.raises(ConfigError, match=r"upstream\.model_name"):
+        validate(build(Config, data))
+
+
+async def test_an_info_without_its_model_id_is_not_asked_again_on_every_request(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """h-rev10 finding 5: once TGI's /info had named its model, an answer without a readable
+    model_id (null, a number) beside a good max_total_tokens kept the old name, as meant, but
+    was no failure: RETRY_S never rested it, so once the name was FRESH_S old every request on
+    every route asked /info again, one at a time under its lock (each waiting up to 2 s for a
+    slow one). Now such an answer rests the name's reads for RETRY_S, as an unanswered /info
+    does; the old name is kept."""
+    monkeypatch.setattr("sidecar.proxy.settings.TgiInfo.FRESH_S", 0.0)
+    info: dict[str, Any] = {"model_id": SERVED, "max_total_tokens": 32768}
+    asked = []
+
+    async def changing_info(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response(info)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", echoing)
+    app.router.add_get("/info", changing_info)
+    up = await aiohttp_server(app)
+    config = {"pricing": TWO_PRICES, "upstream": {"api": "tgi"}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    path = "/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(run.url + path, json=_request(path)) as r:
+                assert r.status == 200, await r.text()
+            info["model_id"] = None  # after the first: TGI answers without its name
+    assert len(asked) == 2  # the first read, then one that rests
+    assert await run.sc.proxy.tgi_info.model() == SERVED  # type: ignore[union-attr]

@@ -563,3 +563,89 @@ async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_de
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
     spent = run.sc.budgets.store.spent["user:lo"] / 1e6
     assert spent == pytest.approx(sim.token_cost(7, PREFERRED))  # ceil(27 / 4) prompt tokens
+
+
+async def test_an_event_the_meter_cannot_read_leaves_no_earlier_count_as_the_usage(
+    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """h-rev10 finding 6: an event nested past json's depth (`[` x 5,000, 10 KB, under
+    metering.max_event_bytes) raised RecursionError out of the SSE meter, which the proxy
+    counts as a metering error and then forwards the rest unread (passthrough), as it should;
+    but the stream's usage was then the counts read before it, measured: 9 in / 1 out billed
+    where the server's last chunk said 500 out (the budget charged 1 token of a 500-token
+    hold). Now such an event is unreadable, as one that is no JSON is (the later counts are the
+    usage), and after any failure of the meter the usage is unknown (charged at least the
+    hold), never the counts so far."""
+    deep = b"data: " + b"[" * 5000 + b"]" * 5000 + b"\n\n"
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in (_chunk(1), deep, _chunk(500, last=True), b"data: [DONE]\n\n"):
+            await resp.write(chunk)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": PRICES}
+    config |= {"upstream": {"api": "sglang", "model_name": SIM_MODEL}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 500}, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(run.url + "/generate", json=body) as r:
+        assert r.status == 200
+        assert deep in await r.read()  # forwarded unchanged
+    await wait_for(lambda: len(sim.ledger_rows(db, "output_tokens")) == 1, "the ledger row")
+    assert sim.ledger_rows(db, "input_tokens, output_tokens") == [(9, 500)]
+
+
+async def test_after_the_meter_failed_the_counts_read_before_are_no_measurement(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for any failure of the meter (a bug of ours, here its second event raising):
+    the rest of the stream passes unread, so the counts read before are not the usage."""
+    from sidecar.metering.sglang import SGLangStream
+
+    step = SGLangStream._step
+    calls = []
+
+    def failing(self: Any, index: int, read: Any, obj: Any) -> None:
+        calls.append(index)
+        if len(calls) == 2:
+            raise RuntimeError("a metering bug")
+        step(self, index, read, obj)
+
+    monkeypatch.setattr(SGLangStream, "_step", failing)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in (_chunk(1), _chunk(2), _chunk(500, last=True), b"data: [DONE]\n\n"):
+            await resp.write(chunk)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": PRICES}
+    config |= {"upstream": {"api": "sglang", "model_name": SIM_MODEL}}
+    config |= {"budgets": {"user_daily_usd": 50.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"text": "abcd", "sampling_params": {"max_new_tokens": 500}, "stream": True}
+    headers = {"X-Tollbooth-User": "sg"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json=body, headers=headers) as r,
+    ):
+        assert r.status == 200
+        await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "output_tokens")) == 1, "the ledger row")
+    assert sim.ledger_rows(db, "input_tokens, output_tokens") == [(None, None)]
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    spent = run.sc.budgets.store.spent["user:sg"] / 1e6
+    assert spent == pytest.approx(sim.token_cost(1, 500))  # the hold: ceil(4 / 4) + 500

@@ -276,3 +276,58 @@ async def test_a_new_default_is_read_again(
     assert first == pytest.approx(sim.token_cost(1, 1000))
     assert second - first == pytest.approx(sim.token_cost(1, 2000))
     assert third - second == pytest.approx(sim.token_cost(1, 2000))
+
+
+async def test_a_model_info_answer_no_sglang_sends_is_not_read_whole(
+    start_sidecar: StartSidecar, aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h-rev10 finding 2: /model_info (as TGI's /info) was read whole, whatever its size, and
+    parsed on the event loop: an answer of 50 MB held every request of the sidecar, on any
+    route, for 1.9 s, and again every RETRY_S (5 s) while it named no model_path. SGLang states
+    a dozen of its arguments there (about 1 KB); an answer over INFO_BYTES (1 MiB) is no
+    SGLang's, unread: the default is unknown (503 with budgets on), as for any unreadable one."""
+    monkeypatch.setattr("sidecar.proxy.settings.SGLangDefault.RETRY_S", 0.0)
+    fake = FakeSGLang(info('{"max_new_tokens": 1000}') | {"pad": "x" * (1 << 20)})
+    run = await sidecar(start_sidecar, aiohttp_server, fake)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json={"text": PROMPT}) as r,
+    ):
+        assert r.status == 503
+        assert (await r.json())["error"]["type"] == "upstream_limit_unknown"
+    assert (fake.asked, fake.generated) == (["/get_model_info"], 0)
+    fake.answer = info('{"max_new_tokens": 1000}')  # a second fetch on the same pool is sound
+    status, spent = await charged(run, {"text": PROMPT})
+    assert status == 200
+    assert spent == pytest.approx(sim.token_cost(1, 1000))
+
+
+async def test_an_sglang_with_an_api_key_is_asked_with_the_requests_key(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    """h-rev10 finding 3: an SGLang started with --api-key asks the key on every path but
+    /health and /metrics (utils.py `add_api_key_middleware`), /model_info too. Without an
+    upstream key of its own the sidecar passes the client's on (to /tokenize too,
+    `tokenize_auth`), but asked /model_info with none: 401, the default unknown, and every
+    honest /generate without max_new_tokens was refused 503 with budgets on (before ae21bc6:
+    served, held at 128). Now /model_info is asked with the request's key."""
+    fake = FakeSGLang(info('{"max_new_tokens": 1000}'))
+
+    @web.middleware
+    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer sk-sglang":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    fake.app.middlewares.append(api_key)
+    run = await sidecar(start_sidecar, aiohttp_server, fake)
+    headers = {"X-Tollbooth-User": "sg", "Authorization": "Bearer sk-sglang"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json={"text": PROMPT}, headers=headers) as r,
+    ):
+        assert r.status == 200, await r.text()
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")  # type: ignore[attr-defined]
+    assert fake.asked == ["/get_model_info"]
+    spent = run.sc.budgets.store.spent["user:sg"] / 1e6  # type: ignore[attr-defined]
+    assert spent == pytest.approx(sim.token_cost(1, 1000))

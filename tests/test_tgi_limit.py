@@ -122,6 +122,17 @@ async def test_without_max_total_tokens_a_request_without_a_limit_is_refused(
     assert run.sc.budgets.store.held == {}
 
 
+async def test_an_info_answer_no_tgi_sends_is_not_read_whole(start_sidecar: StartSidecar) -> None:
+    """h-rev10 finding 2: /info was read whole and parsed on the event loop, whatever its size
+    (50 MB: 1.9 s of every request's time). TGI states a dozen of its arguments there; an answer
+    over INFO_BYTES (1 MiB) is not read: its limit unknown (503 with budgets on)."""
+    run = await tgi(start_sidecar)
+    assert run.upstream is not None and run.upstream.info_body is not None
+    run.upstream.info_body["pad"] = "x" * (1 << 20)
+    status, answer = await post(run, "/vertex", {"instances": [{"inputs": PROMPT}]})
+    assert (status, answer["error"]["type"]) == (503, "upstream_limit_unknown")
+
+
 @pytest.mark.parametrize("budgets", [BUDGETS, {}])
 async def test_an_info_answer_nested_past_the_parsers_depth_breaks_no_request(
     start_sidecar: StartSidecar, budgets: dict[str, Any]

@@ -579,10 +579,11 @@ class Budgets:
         a client cannot make output free by hiding it from the meter; and at least its worst
         case at the output limit every server behind the route obeys when its stream showed the
         server ignored the limit the hold read (`unmeasured_usd`); and at least its hold when
-        it reached a server of one model whose name was not known, so had no price."""
-        # a server of one model whose name was not known (TGI's /info unanswered): its price
-        # is unknown, never the name the client sent; the hold (the dearest) stands
-        unknown = ex.served_model == UNKNOWN_MODEL and ex.cost is None and consumed(ex)
+        it reached a server of one model whose name was not known, or not priced."""
+        # a server of one model whose name was not known (TGI's /info unanswered), or is one the
+        # book lacks (TGI's /info model_id, its upstream.model_name): its price is unknown,
+        # never the name the client sent; the hold (the dearest) stands
+        unknown = ex.served_model is not None and ex.cost is None and consumed(ex)
         if hold.unpriced and self.prices.price(priced_model(ex)) is None and not unknown:
             return to_micros(measured)  # no price asked, none served: its cost is unknown
         if not measured_in_full(ex.usage) and ex.upstream_start is not None and consumed(ex):

@@ -185,7 +185,7 @@ class OllamaStream:
     def _read(self, line: bytes) -> None:
         try:
             obj = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return
         if not isinstance(obj, dict):
             return

@@ -13,8 +13,6 @@ from pathlib import Path
 from ..config import ConfigError, ModelPrice, PricingConfig, build, load_yaml
 from ..exchange import Cost, Usage
 
-LATEST = ":latest"  # the tag Ollama gives a name written without one
-
 
 class PriceBook:
     """The current prices. `replace()` swaps them atomically (SIGHUP reload)."""
@@ -30,15 +28,9 @@ class PriceBook:
         self._p, self._dearest = pricing, dearest(pricing)  # together: on the event loop
 
     def listed(self, model: str | None) -> ModelPrice | None:
-        """The model's own price, where the book lists it. Ollama serves a name without a tag as
-        its `:latest` (and says so in its answers): `llama3.2` and `llama3.2:latest` are one
-        model, priced by whichever spelling the price book lists."""
-        if model is None:
-            return None
-        models = self._p.models
-        if model in models:
-            return models[model]
-        return models.get(model[: -len(LATEST)] if model.endswith(LATEST) else model + LATEST)
+        """The model's own price, where the book lists it (`PricingConfig.listed`: a name and
+        its Ollama `:latest` are one model)."""
+        return None if model is None else self._p.listed(model)
 
     def price(self, model: str | None) -> ModelPrice | None:
         """The model's price, else the default."""

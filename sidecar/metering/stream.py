@@ -144,7 +144,7 @@ class SSEMeter:
             return False
         try:
             obj = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # no JSON, or nested past the parser's depth
             return False
         if not isinstance(obj, dict):
             return False

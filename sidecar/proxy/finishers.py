@@ -22,6 +22,7 @@ import aiohttp
 from ..credentials import API_KEY_HEADER
 from ..exchange import Exchange, RequestInfo, Usage
 from ..metering.counts import count as token_count
+from ..metering.counts import unmeasured
 from ..metering.wire import StreamMeter, prompt_token_ids, tokenize_requests
 from ..telemetry.metrics import Metrics
 from .upstream import Upstream, UpstreamResponse
@@ -131,7 +132,14 @@ async def stream_usage(up: UpstreamResponse, meter: StreamMeter, drain_s: float)
                         break
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.info("reading on after the client left ended early: %r", exc)
-    return meter.usage_so_far()
+    return read_whole(meter, meter.usage_so_far())
+
+
+def read_whole(meter: StreamMeter, usage: Usage) -> Usage:
+    """`usage`, or none at all once the meter failed (`passthrough`): the rest of the stream
+    went by unread, so the counts read before it are no measurement (a SGLang stream's first
+    count, 1 token, stood for its last, 500)."""
+    return unmeasured(usage, "metering_error") if meter.passthrough else usage
 
 
 async def with_prompt_count(

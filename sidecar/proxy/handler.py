@@ -153,7 +153,9 @@ class Proxy:
             ex.server_limit = await self.tgi_info.max_total_tokens()
             ex.server_limit_unknown = ex.server_limit is None
         elif info.limit_beside_default is not None:  # SGLang's /generate: the server's default
-            default = await self.sglang_default.max_new_tokens()
+            default = await self.sglang_default.max_new_tokens(
+                tokenize_auth(ex, self.s.authorization)
+            )
             ex.server_limit_unknown = default is None
             if default:  # 0: no limit of its own, held at the budget's default
                 ex.server_limit = max(default, info.limit_beside_default)

@@ -31,7 +31,7 @@ from ..metering.wire import (
     within_request,
 )
 from ..telemetry.metrics import LabelCap, Metrics
-from .finishers import stream_usage, tokenize_auth, with_prompt_count
+from .finishers import read_whole, stream_usage, tokenize_auth, with_prompt_count
 from .headers import BUDGET_HEADER, decoded, response_headers
 from .settings import ProxyDeps, ProxySettings
 from .upstream import UpstreamResponse
@@ -270,6 +270,7 @@ def _end_stream(ex: Exchange, meter: StreamMeter, deps: ProxyDeps) -> bytes:
         log.exception("stream finish failed for request %s", ex.request_id)
         deps.metrics.metering_errors.labels("stream").inc()
         return b""
+    usage = read_whole(meter, usage)
     ex.output_events = meter.token_events
     if usage.unknown_reason and ex.error is None:
         if not meter.done:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,6 +29,11 @@ from .spend import Statement
 from .upstream import Upstream
 
 log = logging.getLogger("tollbooth.proxy")
+
+# The most of TGI's /info or SGLang's /model_info read: each states a dozen of the server's
+# arguments (about 1 KB). A longer answer is no such server's, and is not read: parsed whole on the
+# event loop, 50 MB took 1.9 s of every request's time, again every RETRY_S while unreadable.
+INFO_BYTES = 1 << 20
 
 
 class TgiInfo:
@@ -83,7 +88,7 @@ class TgiInfo:
 
     async def _fetch(self) -> None:
         try:
-            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0)
+            _, body = await self._upstream.fetch("GET", "/info", timeout=2.0, limit=INFO_BYTES)
             data = json.loads(body)
         except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
             log.warning("upstream /info unavailable (%r); TGI model name and limit unknown", exc)
@@ -91,12 +96,15 @@ class TgiInfo:
             return
         data = data if isinstance(data, dict) else {}
         name, total = data.get("model_id"), data.get("max_total_tokens")
-        if not self.configured and isinstance(name, str) and name:
-            # the upstream's text: made safe here
-            self._name, self._name_at = clean(name, MODEL_CHARS), time.monotonic()
+        # the upstream's text: made safe here
+        name = clean(name, MODEL_CHARS) if isinstance(name, str) else ""
+        if not self.configured and name:
+            self._name, self._name_at = name, time.monotonic()
         if type(total) is int and total > 0:  # serde's usize: a JSON integer
             self._total, self._read_at = total, time.monotonic()
-        if not self._name or type(total) is not int or total <= 0:
+        # a part not read is a failure, also beside a name read before (kept): else, once that
+        # name is FRESH_S old, every request would ask /info again
+        if not (self.configured or name) or type(total) is not int or total <= 0:
             self._failed_at = time.monotonic()
 
 
@@ -117,22 +125,27 @@ class SGLangDefault:
         self._read_at = -1e9
         self._failed_at = -1e9
 
-    async def max_new_tokens(self) -> int | None:
-        """The default (0: no limit of its own), or None while it cannot be read."""
+    async def max_new_tokens(self, auth: Mapping[str, str] | None = None) -> int | None:
+        """The default (0: no limit of its own), or None while it cannot be read. `auth`: the
+        request's own key (`finishers.tokenize_auth`): an SGLang started with --api-key asks it
+        on every path but /health and /metrics (utils `add_api_key_middleware`), /model_info
+        too, and the sidecar may have none of its own."""
         if not self._fresh() and time.monotonic() - self._failed_at >= self.RETRY_S:
             async with self._lock:
                 if not self._fresh() and time.monotonic() - self._failed_at >= self.RETRY_S:
-                    await self._fetch()
+                    await self._fetch(auth)
         return self._value
 
     def _fresh(self) -> bool:
         return self._value is not None and time.monotonic() - self._read_at < self.FRESH_S
 
-    async def _fetch(self) -> None:
+    async def _fetch(self, auth: Mapping[str, str] | None) -> None:
         value, why = None, "answered 404"
         try:
             for path in ("/model_info", "/get_model_info"):
-                status, body = await self._upstream.fetch("GET", path, timeout=2.0)
+                status, body = await self._upstream.fetch(
+                    "GET", path, timeout=2.0, headers=auth, limit=INFO_BYTES
+                )
                 if status != 404:
                     value = stated_default(body) if status == 200 else None
                     why = f"{path} answered {status}" + (" unreadable" if status == 200 else "")

@@ -155,6 +155,16 @@ class Response(HeadersMixin):
 UpstreamResponse = Response  # the name the proxy and the finishers use
 
 
+async def _read_at_most(content: StreamReader, limit: int) -> bytes:
+    """A body of at most `limit` bytes; BadResponse, the rest unread, for a longer one."""
+    body = bytearray()
+    while chunk := await content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise BadResponse(f"an answer of more than {limit} bytes")
+    return bytes(body)
+
+
 class Upstream:
     """The pool. One request at a time on a connection; a connection is reused most recently
     idle first, so a quiet period leaves the others to time out."""
@@ -238,15 +248,18 @@ class Upstream:
         timeout: float,
         body: bytes = b"",
         headers: Mapping[str, str] | None = None,
+        limit: int | None = None,
     ) -> tuple[int, bytes]:
         """The sidecar's own call (`/tokenize`, `/info`, the probe): (status, body), read whole
         within `timeout`, with the upstream's key when one is configured. `path` is below the
-        base URL's own path."""
+        base URL's own path. `limit`: an answer of more bytes raises BadResponse, unread."""
         sent = {**self.own_headers, **(headers or {})}
         async with asyncio.timeout(timeout):
             resp = await self.request(method, self.prefix + path, sent, body)
             try:
-                return resp.status, await resp.read()
+                if limit is None:
+                    return resp.status, await resp.read()
+                return resp.status, await _read_at_most(resp.content, limit)
             finally:
                 resp.release()
 
