@@ -331,3 +331,34 @@ async def test_an_sglang_with_an_api_key_is_asked_with_the_requests_key(
     assert fake.asked == ["/get_model_info"]
     spent = run.sc.budgets.store.spent["user:sg"] / 1e6  # type: ignore[attr-defined]
     assert spent == pytest.approx(sim.token_cost(1, 1000))
+
+
+async def test_a_client_with_a_wrong_key_does_not_make_model_info_unknown_for_others(
+    start_sidecar: StartSidecar, aiohttp_server: Any
+) -> None:
+    """h-rev11 finding 1: /model_info is asked with the request's key (5a028fc), and a failed
+    read rested it RETRY_S for everyone: one client sending a wrong key (or none) to an SGLang
+    started with --api-key made its 401 the server's default unknown, and every other user's
+    honest /generate without max_new_tokens was refused 503 upstream_limit_unknown for the next
+    5 s (a client sending one such request every 5 s refused them all, always). A refusal of
+    the key (401, 403) says nothing of the server: it is that request's alone, not rested."""
+    fake = FakeSGLang(info('{"max_new_tokens": 1000}'))
+
+    @web.middleware
+    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer sk-sglang":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    fake.app.middlewares.append(api_key)
+    run = await sidecar(start_sidecar, aiohttp_server, fake)
+    async with aiohttp.ClientSession() as s:
+        bad = {"X-Tollbooth-User": "mallory", "Authorization": "Bearer wrong"}
+        async with s.post(run.url + "/generate", json={"text": PROMPT}, headers=bad) as r:
+            assert r.status == 503
+        good = {"X-Tollbooth-User": "sg", "Authorization": "Bearer sk-sglang"}
+        async with s.post(run.url + "/generate", json={"text": PROMPT}, headers=good) as r:
+            assert r.status == 200, await r.text()
+    await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")  # type: ignore[attr-defined]
+    spent = run.sc.budgets.store.spent["user:sg"] / 1e6  # type: ignore[attr-defined]
+    assert spent == pytest.approx(sim.token_cost(1, 1000))

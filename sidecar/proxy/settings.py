@@ -140,12 +140,16 @@ class SGLangDefault:
         return self._value is not None and time.monotonic() - self._read_at < self.FRESH_S
 
     async def _fetch(self, auth: Mapping[str, str] | None) -> None:
-        value, why = None, "answered 404"
+        value, why, rest = None, "answered 404", True
         try:
             for path in ("/model_info", "/get_model_info"):
                 status, body = await self._upstream.fetch(
                     "GET", path, timeout=2.0, headers=auth, limit=INFO_BYTES
                 )
+                # Asked with a client's key (none of the sidecar's own), a refusal of it says
+                # nothing of the server: another client's key may be taken, so it is not rested
+                # (one client's wrong key would refuse everyone's requests for RETRY_S).
+                rest = status not in (401, 403) or bool(self._upstream.own_headers)
                 if status != 404:
                     value = stated_default(body) if status == 200 else None
                     why = f"{path} answered {status}" + (" unreadable" if status == 200 else "")
@@ -154,7 +158,8 @@ class SGLangDefault:
             why = f"unavailable ({exc!r})"
         if value is None:
             log.warning("upstream /model_info %s; SGLang's default max_new_tokens unknown", why)
-            self._failed_at = time.monotonic()
+            if rest:
+                self._failed_at = time.monotonic()
         else:
             self._value, self._read_at = value, time.monotonic()
 
