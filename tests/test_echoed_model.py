@@ -10,6 +10,7 @@ which refuses a model it does not serve (404), is read as before."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +63,23 @@ def _request(path: str) -> dict[str, Any]:
     return {"model": CHEAP, "messages": [{"role": "user", "content": "hello"}], "max_tokens": OUT}
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 async def _start(
-    start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path, engine: dict[str, Any]
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    engine: dict[str, Any],
+    info: Handler | None = None,
+    answer: Handler | None = None,
 ) -> tuple[Any, Path]:
+    """A sidecar with a ledger and a $5 daily budget in front of an engine whose OpenAI and
+    Messages routes `answer` (`echoing` by default) and whose /info is `info` (`tgi_info`)."""
     app = web.Application()
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
-        app.router.add_post(path, echoing)
-    app.router.add_get("/info", tgi_info)
+        app.router.add_post(path, answer or echoing)
+    app.router.add_get("/info", info or tgi_info)
     up = await aiohttp_server(app)
     db = tmp_path / "ledger.db"
     config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
@@ -167,14 +178,7 @@ async def test_tgi_whose_info_is_unanswered_charges_the_hold_not_the_name_sent(
     async def no_info(request: web.Request) -> web.Response:
         return web.Response(status=503)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", echoing)
-    app.router.add_get("/info", no_info)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
-    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
-    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    run, db = await _start(start_sidecar, aiohttp_server, tmp_path, {"api": "tgi"}, info=no_info)
     path = "/v1/chat/completions"
     model, spent = await _billed(run, db, path, _request(path))
     ((cost,),) = sim.ledger_rows(db, "cost_usd")
@@ -215,14 +219,9 @@ async def test_a_tgi_restarted_with_another_model_is_priced_at_the_new_one(
     async def restartable_info(request: web.Request) -> web.Response:
         return web.json_response(info)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", echoing)
-    app.router.add_get("/info", restartable_info)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
-    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
-    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, {"api": "tgi"}, info=restartable_info
+    )
     path = "/v1/chat/completions"
     cheap = IN * 1.0 / 1e6 + OUT * 2.0 / 1e6
     assert await _billed(run, db, path, _request(path)) == (CHEAP, pytest.approx(cheap))
@@ -312,14 +311,9 @@ async def test_an_unknown_models_unmeasured_stream_is_charged_what_it_was_seen_t
             )
         return resp  # no usage chunk, no [DONE]: the counts never come
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", past_its_limit)
-    app.router.add_get("/info", no_info)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": TWO_PRICES}
-    config |= {"upstream": {"api": "tgi"}, "budgets": {"user_daily_usd": 5.0}}
-    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    run, db = await _start(
+        start_sidecar, aiohttp_server, tmp_path, {"api": "tgi"}, info=no_info, answer=past_its_limit
+    )
     body = _request("/v1/chat/completions") | {"max_tokens": 10, "stream": True}
     async with (
         aiohttp.ClientSession() as s,
