@@ -514,18 +514,26 @@ async def test_a_batch_of_embeddings_is_measured(
 PREFERRED = 1000  # --preferred-sampling-params '{"max_new_tokens": 1000}'
 
 
-async def sglang_preferred_default(request: web.Request) -> web.Response:
+class PreferredDefault:
     """An SGLang server started with --preferred-sampling-params: an absent max_new_tokens is
     its 1000 (tokenizer_manager.py `{**preferred_sampling_params, **obj.sampling_params}`), and
     /get_model_info says so (http_server.py `get_model_info`: `preferred_sampling_params`, the
-    flag's JSON text). /generate answers, not streamed, once all 1000 are made (a second)."""
-    if request.path == "/get_model_info":
-        preferred = json.dumps({"max_new_tokens": PREFERRED})
-        return web.json_response({"model_path": SIM_MODEL, "preferred_sampling_params": preferred})
-    await request.read()
-    await asyncio.sleep(1.0)
-    body = {**BODY, "meta_info": {**BODY["meta_info"], "completion_tokens": PREFERRED}}
-    return web.json_response(body)
+    flag's JSON text). /generate answers, not streamed, once all 1000 are made: when the test
+    sets `done` (`generating` is set while it makes them)."""
+
+    def __init__(self) -> None:
+        self.generating, self.done = asyncio.Event(), asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.path == "/get_model_info":
+            preferred = json.dumps({"max_new_tokens": PREFERRED})
+            body = {"model_path": SIM_MODEL, "preferred_sampling_params": preferred}
+            return web.json_response(body)
+        await request.read()
+        self.generating.set()
+        await self.done.wait()
+        body = {**BODY, "meta_info": {**BODY["meta_info"], "completion_tokens": PREFERRED}}
+        return web.json_response(body)
 
 
 async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_default(
@@ -538,9 +546,10 @@ async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_de
     where the server may have made 1000: $0.263 charged, the 1000 tokens alone $2.00 (h-rev8
     finding 3). The hold now reads the server's default from /get_model_info: (7 + 1000)
     tokens, $2.007 (tests/test_sglang_limit.py: the values that cannot be read)."""
+    server = PreferredDefault()
     app = web.Application()
-    app.router.add_post("/generate", sglang_preferred_default)
-    app.router.add_get("/get_model_info", sglang_preferred_default)
+    app.router.add_post("/generate", server.handle)
+    app.router.add_get("/get_model_info", server.handle)
     up = await aiohttp_server(app)
     config = {"pricing": PRICES, "budgets": {"user_daily_usd": 5.0}}
     config |= {"upstream": {"api": "sglang", "model_name": SIM_MODEL}}
@@ -555,12 +564,13 @@ async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_de
             await r.read()
 
     task = asyncio.ensure_future(send())
-    await asyncio.sleep(0.8)  # most of the answer made
-    task.cancel()  # the client leaves
+    await wait_for(server.generating.is_set, "the server generating")
+    task.cancel()  # the client leaves before the answer
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await wait_for(lambda: "user:lo" in run.sc.budgets.store.spent, "the charge")
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
+    server.done.set()  # its handler ends (into a connection the sidecar closed)
     spent = run.sc.budgets.store.spent["user:lo"] / 1e6
     assert spent == pytest.approx(sim.token_cost(7, PREFERRED))  # ceil(27 / 4) prompt tokens
 

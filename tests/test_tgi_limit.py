@@ -11,6 +11,7 @@ output up to 32,768 tokens for a hold of 4,096. The fake TGI answers /info as TG
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import Running, StartSidecar
 from tests.fakes import MODEL
+from tests.waiting import wait_for
 
 # $1 a thousand tokens either way: a charge in micro-dollars is its tokens x 1,000
 PRICES = {"default": {"input_per_1m": 1000.0, "output_per_1m": 1000.0}}
@@ -41,11 +43,9 @@ async def tgi(start_sidecar: StartSidecar, total: int | None = TOTAL, **config: 
 async def settled(run: Running) -> int:
     """What the anonymous user was charged, once every hold has settled (micro-dollars)."""
     store = run.sc.budgets.store
-    for _ in range(250):
-        if not store.holds and store.spent.get("user:anonymous"):
-            break
-        await asyncio.sleep(0.02)
-    assert not store.holds
+    await wait_for(
+        lambda: not store.holds and bool(store.spent.get("user:anonymous")), "the charge settled"
+    )
     return int(store.spent["user:anonymous"])
 
 
@@ -194,11 +194,21 @@ async def test_leaving_a_request_without_a_limit_is_charged_max_total_tokens(
     start_sidecar: StartSidecar, path: str, body: dict[str, Any], tokens: int
 ) -> None:
     run = await tgi(start_sidecar)
-    timeout = aiohttp.ClientTimeout(total=0.3)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        with pytest.raises(TimeoutError):
-            async with s.post(run.url + path, json=body, headers={"X-Fake": "sleep:2"}) as r:
-                await r.read()
+    assert run.upstream is not None
+    upstream = run.upstream
+
+    async def send() -> None:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(run.url + path, json=body, headers={"X-Fake": "sleep:2"}) as r,
+        ):
+            await r.read()
+
+    task = asyncio.ensure_future(send())
+    await wait_for(lambda: any(r["path"] == path for r in upstream.seen), "the upstream's request")
+    task.cancel()  # the client leaves while the server generates
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
     assert await settled(run) == tokens * 1000
 
 
@@ -216,7 +226,7 @@ async def test_leaving_a_generate_stream_without_a_limit(
         r = await s.post(
             run.url + "/generate_stream",
             json={"inputs": PROMPT},
-            headers={"X-Fake": "slow-stream:0.5"},
+            headers={"X-Fake": "slow-stream:2"},  # the client leaves well before the next
         )
         assert r.status == 200
         await r.content.readany()
