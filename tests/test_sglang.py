@@ -575,6 +575,44 @@ async def test_a_client_leaving_a_body_without_a_limit_is_charged_the_servers_de
     assert spent == pytest.approx(sim.token_cost(7, PREFERRED))  # ceil(27 / 4) prompt tokens
 
 
+async def _stream_through(
+    start_sidecar: StartSidecar,
+    aiohttp_server: Any,
+    tmp_path: Path,
+    chunks: tuple[bytes, ...],
+    text: str,
+) -> tuple[Any, Path, bytes]:
+    """A streamed /generate of `text` (max_new_tokens 500) by user sg, through a sidecar with a
+    ledger and a $50 budget in front of an SGLang that sends `chunks`: the sidecar, its ledger
+    once the row is written, and what the client received."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(chunk)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    up = await aiohttp_server(app)
+    db = tmp_path / "ledger.db"
+    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": PRICES}
+    config |= {"upstream": {"api": "sglang", "model_name": SIM_MODEL}}
+    config |= {"budgets": {"user_daily_usd": 50.0}}
+    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
+    body = {"text": text, "sampling_params": {"max_new_tokens": 500}, "stream": True}
+    headers = {"X-Tollbooth-User": "sg"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(run.url + "/generate", json=body, headers=headers) as r,
+    ):
+        assert r.status == 200
+        received = await r.read()
+    await wait_for(lambda: len(sim.ledger_rows(db, "output_tokens")) == 1, "the ledger row")
+    return run, db, received
+
+
 async def test_an_event_the_meter_cannot_read_leaves_no_earlier_count_as_the_usage(
     start_sidecar: StartSidecar, aiohttp_server: Any, tmp_path: Path
 ) -> None:
@@ -587,26 +625,9 @@ async def test_an_event_the_meter_cannot_read_leaves_no_earlier_count_as_the_usa
     usage), and after any failure of the meter the usage is unknown (charged at least the
     hold), never the counts so far."""
     deep = b"data: " + b"[" * 5000 + b"]" * 5000 + b"\n\n"
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in (_chunk(1), deep, _chunk(500, last=True), b"data: [DONE]\n\n"):
-            await resp.write(chunk)
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": PRICES}
-    config |= {"upstream": {"api": "sglang", "model_name": SIM_MODEL}}
-    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
-    body = {"text": "a", "sampling_params": {"max_new_tokens": 500}, "stream": True}
-    async with aiohttp.ClientSession() as s, s.post(run.url + "/generate", json=body) as r:
-        assert r.status == 200
-        assert deep in await r.read()  # forwarded unchanged
-    await wait_for(lambda: len(sim.ledger_rows(db, "output_tokens")) == 1, "the ledger row")
+    chunks = (_chunk(1), deep, _chunk(500, last=True), b"data: [DONE]\n\n")
+    _, db, received = await _stream_through(start_sidecar, aiohttp_server, tmp_path, chunks, "a")
+    assert deep in received  # forwarded unchanged
     assert sim.ledger_rows(db, "input_tokens, output_tokens") == [(9, 500)]
 
 
@@ -631,30 +652,8 @@ async def test_after_the_meter_failed_the_counts_read_before_are_no_measurement(
 
     monkeypatch.setattr(SGLangStream, "_step", failing)
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in (_chunk(1), _chunk(2), _chunk(500, last=True), b"data: [DONE]\n\n"):
-            await resp.write(chunk)
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    up = await aiohttp_server(app)
-    db = tmp_path / "ledger.db"
-    config = {"ledger": {"path": str(db), "flush_interval_s": 0.05}, "pricing": PRICES}
-    config |= {"upstream": {"api": "sglang", "model_name": SIM_MODEL}}
-    config |= {"budgets": {"user_daily_usd": 50.0}}
-    run = await start_sidecar(config, upstream_url=str(up.make_url("")).rstrip("/"))
-    body = {"text": "abcd", "sampling_params": {"max_new_tokens": 500}, "stream": True}
-    headers = {"X-Tollbooth-User": "sg"}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(run.url + "/generate", json=body, headers=headers) as r,
-    ):
-        assert r.status == 200
-        await r.read()
-    await wait_for(lambda: len(sim.ledger_rows(db, "output_tokens")) == 1, "the ledger row")
+    chunks = (_chunk(1), _chunk(2), _chunk(500, last=True), b"data: [DONE]\n\n")
+    run, db, _ = await _stream_through(start_sidecar, aiohttp_server, tmp_path, chunks, "abcd")
     assert sim.ledger_rows(db, "input_tokens, output_tokens") == [(None, None)]
     await wait_for(lambda: not run.sc.budgets.store.holds, "the hold settled")
     spent = run.sc.budgets.store.spent["user:sg"] / 1e6
