@@ -302,6 +302,19 @@ async def test_a_model_info_answer_no_sglang_sends_is_not_read_whole(
     assert spent == pytest.approx(sim.token_cost(1, 1000))
 
 
+def with_api_key(fake: FakeSGLang, key: str) -> FakeSGLang:
+    """`fake` started with --api-key `key`: every path answers 401 to another key, or none."""
+
+    @web.middleware
+    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    fake.app.middlewares.append(api_key)
+    return fake
+
+
 async def test_an_sglang_with_an_api_key_is_asked_with_the_requests_key(
     start_sidecar: StartSidecar, aiohttp_server: Any
 ) -> None:
@@ -311,15 +324,7 @@ async def test_an_sglang_with_an_api_key_is_asked_with_the_requests_key(
     `tokenize_auth`), but asked /model_info with none: 401, the default unknown, and every
     honest /generate without max_new_tokens was refused 503 with budgets on (before ae21bc6:
     served, held at 128). Now /model_info is asked with the request's key."""
-    fake = FakeSGLang(info('{"max_new_tokens": 1000}'))
-
-    @web.middleware
-    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.headers.get("Authorization") != "Bearer sk-sglang":
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
-    fake.app.middlewares.append(api_key)
+    fake = with_api_key(FakeSGLang(info('{"max_new_tokens": 1000}')), "sk-sglang")
     run = await sidecar(start_sidecar, aiohttp_server, fake)
     headers = {"X-Tollbooth-User": "sg", "Authorization": "Bearer sk-sglang"}
     async with (
@@ -342,15 +347,7 @@ async def test_a_client_with_a_wrong_key_does_not_make_model_info_unknown_for_ot
     honest /generate without max_new_tokens was refused 503 upstream_limit_unknown for the next
     5 s (a client sending one such request every 5 s refused them all, always). A refusal of
     the key (401, 403) says nothing of the server: it is that request's alone, not rested."""
-    fake = FakeSGLang(info('{"max_new_tokens": 1000}'))
-
-    @web.middleware
-    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.headers.get("Authorization") != "Bearer sk-sglang":
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
-    fake.app.middlewares.append(api_key)
+    fake = with_api_key(FakeSGLang(info('{"max_new_tokens": 1000}')), "sk-sglang")
     run = await sidecar(start_sidecar, aiohttp_server, fake)
     async with aiohttp.ClientSession() as s:
         bad = {"X-Tollbooth-User": "mallory", "Authorization": "Bearer wrong"}
