@@ -149,17 +149,21 @@ class Proxy:
             model = self.tgi_info.configured  # priced (held) before the response names it
         ex = new_exchange(request, info, path, model, len(body), principal, self.s, self.deps)
         ex.served_model = served
-        if runs_to_max_total(info, self.s.api):  # its hold's output limit (docs/budgets.md)
+        await self._server_limit(ex, info)
+        return await self._metered(request, ex, held)
+
+    async def _server_limit(self, ex: Exchange, info: RequestInfo) -> None:
+        """The output limit of a request that sets none, where its server states its own: TGI's
+        /info max_total_tokens, SGLang's /model_info default (docs/budgets.md); the hold's."""
+        if runs_to_max_total(info, self.s.api):
             ex.server_limit = await self.tgi_info.max_total_tokens()
             ex.server_limit_unknown = ex.server_limit is None
-        elif info.limit_beside_default is not None:  # SGLang's /generate: the server's default
-            default = await self.sglang_default.max_new_tokens(
-                tokenize_auth(ex, self.s.authorization)
-            )
+        elif info.limit_beside_default is not None:  # SGLang's /generate
+            auth = tokenize_auth(ex, self.s.authorization)
+            default = await self.sglang_default.max_new_tokens(auth)
             ex.server_limit_unknown = default is None
             if default:  # 0: no limit of its own, held at the budget's default
                 ex.server_limit = max(default, info.limit_beside_default)
-        return await self._metered(request, ex, held)
 
     async def _served_model(self, info: RequestInfo) -> str | None:
         """The one model of a server that repeats whatever name a request sends (ONE_MODEL_APIS,
